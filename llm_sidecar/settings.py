@@ -1,0 +1,47 @@
+"""Process settings: flags first, then ``LLM_SIDECAR_*`` environment variables.
+
+Every service reads one :class:`Settings`; nothing else looks at the environment.
+"""
+
+from __future__ import annotations
+
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """What an operator can set per process (the routing YAML says what the gateway does)."""
+
+    model_config = SettingsConfigDict(env_prefix="LLM_SIDECAR_", extra="ignore")
+
+    redis_url: SecretStr | None = None
+    """``redis://``, ``rediss://`` or ``redis+cluster://`` URL; unset means in-process memory."""
+
+    redis_timeout_ms: int = 50
+    """Deadline for one Redis decision (rate limit or cache lookup), in milliseconds."""
+
+    redis_breaker_cooldown_ms: int = 1000
+    """After a Redis failure, how long to skip Redis before trying it again."""
+
+    log_level: str = "info"
+    dev_mode: bool = False
+    """Quiets production-only warnings (for example a Redis without a password)."""
+
+    key_id_secret: SecretStr = SecretStr("llm-sidecar-dev-key-id-secret")
+    """HMAC key that turns unlisted API keys into ids; set it in production."""
+
+    reload_interval_s: float = 0.5
+    """How often the routing YAML is checked for changes."""
+
+
+def redis_url_for_logs(url: SecretStr | None) -> str:
+    """The Redis URL with any password masked, safe for logs."""
+    if url is None:
+        return "memory"
+    raw = url.get_secret_value()
+    scheme, sep, rest = raw.partition("://")
+    if not sep or "@" not in rest:
+        return raw
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{scheme}://{user}:***@{host}"

@@ -1,0 +1,1 @@
+"""ratelimit package."""
