@@ -1,0 +1,35 @@
+"""Per-request facts gathered from the request headers, shared by a stream's processor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from extproc.identity import Identity
+from routing.compiled import Snapshot
+
+LLM_HEADER_PREFIX = "x-llm-"
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    snapshot: Snapshot
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    identity: Identity
+    request_id: str
+    started: float
+    """Monotonic seconds when the request headers reached extproc."""
+
+    def sticky_value(self, sticky: str) -> str:
+        if sticky == "tenant":
+            return self.identity.tenant
+        if sticky == "request":
+            return self.request_id
+        return self.identity.key_id
+
+
+def spoofed_headers(headers: Mapping[str, str]) -> tuple[str, ...]:
+    """Inbound ``x-llm-*`` headers: only extproc may set them, so they are removed first."""
+    return tuple(name for name in headers if name.startswith(LLM_HEADER_PREFIX))

@@ -1,0 +1,60 @@
+"""The errors extproc answers clients with, OpenAI-shaped (CONTRACT §6), mapped in one place."""
+
+from __future__ import annotations
+
+import orjson
+
+
+class ClientError(Exception):
+    """A request the sidecar refuses; carries the HTTP status and OpenAI ``type``/``code``."""
+
+    def __init__(self, status: int, code: str, message: str, *,
+                 type: str = "invalid_request_error", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.type = type
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type: str, code: str, param: str | None = None) -> bytes:
+    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI's API returns it."""
+    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ClientError:
+    return ClientError(400, code, message, param=param)
+
+
+def model_not_found(model: str) -> ClientError:
+    return ClientError(404, "model_not_found",
+                       f"The model `{model}` does not exist or you do not have access to it.",
+                       param="model")
+
+
+def context_length_exceeded(model: str, limit: int, requested: int, prompt: int,
+                            output: int) -> ClientError:
+    return ClientError(
+        413, "context_length_exceeded",
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{requested} tokens ({prompt} in the prompt, {output} for the completion). "
+        "Please reduce the length of the prompt or completion.",
+        param="messages",
+    )
+
+
+def invalid_api_key() -> ClientError:
+    return ClientError(401, "invalid_api_key",
+                       "Incorrect or missing API key. Send it as Authorization: Bearer KEY.")
+
+
+def unknown_path(method: str, path: str) -> ClientError:
+    return ClientError(404, "unknown_url", f"Unrecognized request URL ({method} {path}).")
+
+
+def method_not_allowed(method: str, path: str) -> ClientError:
+    return ClientError(405, "method_not_allowed", f"{method} is not allowed on {path}.")

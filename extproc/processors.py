@@ -1,0 +1,154 @@
+"""One processor per API kind (chat/completions, embeddings, model list, unknown path).
+
+A processor sees plain values (headers as a mapping, body bytes) and returns actions; the stream
+state in :mod:`extproc.stream` calls it, and :mod:`extproc.wire` builds the protobuf.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import orjson
+
+from extproc.actions import PASS, Action, Continue, Headers, Reply
+from extproc.bodies import Api, parse_embeddings, parse_generation
+from extproc.context import RequestContext
+from extproc.decide import Decision, decide, parse_context_hint
+from extproc.errors import bad_request, model_not_found
+from extproc.tokens import PER_MESSAGE_TOKENS, PER_PROMPT_TOKENS, count_texts, counter_for
+from routing.compiled import ModelRoute
+
+
+class Processor(Protocol):
+    """The four ext_proc request/response phases for one API kind."""
+
+    def on_request_headers(self, end_of_stream: bool) -> Action: ...
+    def on_request_body(self, body: bytes) -> Action: ...
+    def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action: ...
+    def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action: ...
+
+
+class _Base:
+    def __init__(self, ctx: RequestContext) -> None:
+        self.ctx = ctx
+
+    def on_request_headers(self, end_of_stream: bool) -> Action:
+        return PASS
+
+    def on_request_body(self, body: bytes) -> Action:
+        return PASS
+
+    def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
+        return PASS
+
+    def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
+        return PASS
+
+
+def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) -> Headers:
+    """The ``x-llm-*`` headers Envoy routes and rate-limits on (CONTRACT §4)."""
+    return (
+        ("x-llm-cluster", decision.cluster),
+        ("x-llm-model", model.name),
+        ("x-llm-tenant", ctx.identity.tenant),
+        ("x-llm-key-id", ctx.identity.key_id),
+        ("x-llm-context-length", str(decision.context_length)),
+        ("x-llm-priority", decision.priority),
+        ("x-llm-variant", decision.variant),
+    )
+
+
+def _model(ctx: RequestContext, name: str, want: str) -> ModelRoute:
+    model = ctx.snapshot.models.get(name)
+    if model is None:
+        raise model_not_found(name)
+    if model.kind != want:
+        what = "an embedding model" if model.kind == "embedding" else "a chat/completions model"
+        raise bad_request(f"The model `{name}` is {what}; it cannot serve this endpoint.",
+                          param="model", code="model_not_supported")
+    return model
+
+
+def _body_required() -> Reply:
+    err = bad_request("This endpoint needs a JSON request body.", code="invalid_json")
+    return Reply(err.status, err.body())
+
+
+class GenerationProcessor(_Base):
+    """``/v1/chat/completions`` and ``/v1/completions``."""
+
+    def __init__(self, ctx: RequestContext, api: Api) -> None:
+        super().__init__(ctx)
+        self.api = api
+        self.decision: Decision | None = None
+
+    def on_request_headers(self, end_of_stream: bool) -> Action:
+        return _body_required() if end_of_stream else PASS
+
+    def on_request_body(self, body: bytes) -> Action:
+        parsed = parse_generation(self.api, body)
+        model = _model(self.ctx, parsed.model, "chat")
+        counter = counter_for(model.tokenizer)
+        prompt = parsed.prompt
+        prompt_tokens = count_texts(counter, prompt.texts) + prompt.token_ids
+        if prompt.messages:
+            prompt_tokens += PER_PROMPT_TOKENS + PER_MESSAGE_TOKENS * prompt.messages
+        hint = parse_context_hint(self.ctx.headers.get("x-context-length"))
+        decision = decide(model, prompt_tokens, parsed.max_output_tokens, hint,
+                          self.ctx.sticky_value(model.canary.sticky if model.canary else "api_key"),
+                          self.ctx.snapshot.high_below, self.ctx.snapshot.low_from)
+        self.decision = decision
+        new_body = None
+        if decision.upstream_model != parsed.model or self.ctx.snapshot.inject_priority:
+            doc = dict(parsed.doc)
+            doc["model"] = decision.upstream_model
+            if self.ctx.snapshot.inject_priority:
+                doc["priority"] = ("high", "medium", "low").index(decision.priority)
+            new_body = orjson.dumps(doc)
+        headers = route_headers(self.ctx, model, decision)
+        if new_body is not None:
+            headers += (("content-length", str(len(new_body))),)
+        return Continue(set_headers=headers, body=new_body, clear_route_cache=True)
+
+
+class EmbeddingsProcessor(_Base):
+    """``/v1/embeddings``: routed by its longest input (the cache comes in a later step)."""
+
+    def on_request_headers(self, end_of_stream: bool) -> Action:
+        return _body_required() if end_of_stream else PASS
+
+    def on_request_body(self, body: bytes) -> Action:
+        parsed = parse_embeddings(body)
+        model = _model(self.ctx, parsed.model, "embedding")
+        counter = counter_for(model.tokenizer)
+        longest = max(
+            counter.count(item) if isinstance(item, str) else len(item) for item in parsed.inputs
+        )
+        hint = parse_context_hint(self.ctx.headers.get("x-context-length"))
+        decision = decide(model, longest, 0, hint, self.ctx.identity.key_id,
+                          self.ctx.snapshot.high_below, self.ctx.snapshot.low_from)
+        return Continue(set_headers=route_headers(self.ctx, model, decision),
+                        clear_route_cache=True)
+
+
+class ModelsProcessor(_Base):
+    """``GET /v1/models``: the gateway answers with the models it routes."""
+
+    def on_request_headers(self, end_of_stream: bool) -> Action:
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "llm-sidecar",
+             "max_model_len": model.max_context}
+            for name, model in self.ctx.snapshot.models.items()
+        ]
+        return Reply(200, orjson.dumps({"object": "list", "data": data}))
+
+
+class ErrorProcessor(_Base):
+    """Answers every request with one fixed client error (unknown path, wrong method)."""
+
+    def __init__(self, ctx: RequestContext, reply: Reply) -> None:
+        super().__init__(ctx)
+        self.reply = reply
+
+    def on_request_headers(self, end_of_stream: bool) -> Action:
+        return self.reply

@@ -1,0 +1,83 @@
+"""The ext_proc gRPC service: receives messages, hands them to the stream state, sends answers.
+
+Only this module (with :mod:`extproc.wire`) knows about gRPC and protobuf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from extproc import wire
+from extproc.stream import StreamState
+from llm_sidecar.logs import get_logger
+from llm_sidecar.ops_http import start_ops_server
+from llm_sidecar.settings import Settings
+from routing.compiled import Snapshot
+
+log = get_logger("extproc.service")
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """One ``Process`` call per HTTP request; each gets its own :class:`StreamState`."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot], settings: Settings) -> None:
+        self._snapshot = snapshot
+        self._secret = settings.key_id_secret.get_secret_value().encode()
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        state = StreamState(self._snapshot(), self._secret)
+        async for request in request_iterator:
+            phase, headers, body, end = wire.read(request)
+            if phase is None:
+                continue  # trailers: not requested by our processing mode
+            yield wire.build(phase, state.handle(phase, headers, body, end))
+
+
+async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str, port: int,
+                metrics_host: str, metrics_port: int, registry: CollectorRegistry,
+                stop: asyncio.Event) -> None:
+    """Run the gRPC server and the ops HTTP server until ``stop`` is set, then drain."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ("grpc.so_reuseport", 0),
+    ])
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(snapshot, settings), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"extproc cannot listen on {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    runner = await start_ops_server(metrics_host, metrics_port, registry, lambda: True)
+    log.info("extproc_listening", grpc=f"{host}:{bound}", metrics=f"{metrics_host}:{metrics_port}")
+    try:
+        await stop.wait()
+    finally:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace=5)
+        await runner.cleanup()
+        log.info("extproc_stopped")
+
+
+def install_stop_handlers(stop: asyncio.Event) -> None:
+    """SIGINT and SIGTERM set ``stop`` (graceful drain) instead of killing the process."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)

@@ -1,0 +1,107 @@
+"""One ext_proc stream = one :class:`StreamState` (sans-IO: feed it messages, get actions back).
+
+The processor is chosen from the path on the request-headers message; until then nothing is
+known and a message out of order is passed through. Client errors become OpenAI-shaped replies
+here, in one place; an unexpected exception becomes a 500 reply rather than a broken stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from extproc.actions import PASS, Action, Continue, Phase, Reply
+from extproc.context import RequestContext, spoofed_headers
+from extproc.errors import ClientError, error_body, method_not_allowed, unknown_path
+from extproc.identity import identify
+from extproc.processors import (
+    EmbeddingsProcessor,
+    ErrorProcessor,
+    GenerationProcessor,
+    ModelsProcessor,
+    Processor,
+)
+from llm_sidecar.logs import get_logger
+from routing.compiled import Snapshot
+
+log = get_logger("extproc.stream")
+
+_POST_ROUTES = {
+    "/v1/chat/completions": lambda ctx: GenerationProcessor(ctx, "chat"),
+    "/v1/completions": lambda ctx: GenerationProcessor(ctx, "completions"),
+    "/v1/embeddings": EmbeddingsProcessor,
+}
+_GET_ROUTES = {"/v1/models": ModelsProcessor}
+
+
+def choose_processor(ctx: RequestContext) -> Processor:
+    path = ctx.path
+    post: Callable[[RequestContext], Processor] | None = _POST_ROUTES.get(path)
+    get: Callable[[RequestContext], Processor] | None = _GET_ROUTES.get(path)
+    if ctx.method == "POST" and post is not None:
+        return post(ctx)
+    if ctx.method == "GET" and get is not None:
+        return get(ctx)
+    err = method_not_allowed(ctx.method, path) if (post or get) else unknown_path(ctx.method, path)
+    return ErrorProcessor(ctx, Reply(err.status, err.body()))
+
+
+class StreamState:
+    """Holds what one HTTP request's ext_proc stream has seen so far."""
+
+    def __init__(self, snapshot: Snapshot, key_id_secret: bytes,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.snapshot = snapshot
+        self.secret = key_id_secret
+        self.clock = clock
+        self.processor: Processor | None = None
+        self.ctx: RequestContext | None = None
+
+    def handle(self, phase: Phase, headers: Mapping[str, str] | None, body: bytes,
+               end_of_stream: bool) -> Action:
+        """The answer to one message; never raises."""
+        try:
+            return self._dispatch(phase, headers, body, end_of_stream)
+        except ClientError as err:
+            return Reply(err.status, err.body(), details=err.code)
+        except Exception:
+            log.exception("extproc_internal_error", phase=phase,
+                          request_id=self.ctx.request_id if self.ctx else None)
+            return Reply(500, error_body("The gateway failed to process the request.",
+                                         "server_error", "internal_error"),
+                         details="internal_error")
+
+    def _dispatch(self, phase: Phase, headers: Mapping[str, str] | None, body: bytes,
+                  end_of_stream: bool) -> Action:
+        if phase == "request_headers":
+            return self._start(headers or {}, end_of_stream)
+        processor = self.processor
+        if processor is None:
+            return PASS
+        if phase == "request_body":
+            return processor.on_request_body(body)
+        if phase == "response_headers":
+            return processor.on_response_headers(dict(headers or {}), end_of_stream)
+        return processor.on_response_body(body, end_of_stream)
+
+    def _start(self, headers: Mapping[str, str], end_of_stream: bool) -> Action:
+        removed = spoofed_headers(headers)
+        # Read nothing a client could have spoofed: drop x-llm-* before deciding anything.
+        clean = {k: v for k, v in headers.items() if k not in removed} if removed else headers
+        path = clean.get(":path", "/").split("?", 1)[0]
+        ctx = RequestContext(
+            snapshot=self.snapshot,
+            method=clean.get(":method", "GET").upper(),
+            path=path,
+            headers=clean,
+            identity=identify(self.snapshot, clean, self.secret),
+            request_id=clean.get("x-request-id", ""),
+            started=self.clock(),
+        )
+        self.ctx = ctx
+        self.processor = choose_processor(ctx)
+        action = self.processor.on_request_headers(end_of_stream)
+        if removed and isinstance(action, Continue):
+            action = replace(action, remove_headers=action.remove_headers + removed)
+        return action

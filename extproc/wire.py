@@ -1,0 +1,100 @@
+"""Protobuf in and out of ext_proc (upb ``xds-protos``): the only module that builds messages.
+
+``read`` turns a ProcessingRequest into (phase, headers, body, end_of_stream); ``build`` turns an
+action into the matching ProcessingResponse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+
+from extproc.actions import Action, Continue, Headers, ModeOverride, Phase
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_BODY_MODES = {
+    "none": processing_mode_pb2.ProcessingMode.NONE,
+    "streamed": processing_mode_pb2.ProcessingMode.STREAMED,
+    "buffered": processing_mode_pb2.ProcessingMode.BUFFERED,
+}
+METADATA_NAMESPACE = "envoy.filters.http.ext_proc"
+
+
+def header_dict(message: Any) -> dict[str, str]:
+    """Lower-case name → value; Envoy sends values in ``raw_value`` (bytes) or ``value``."""
+    out: dict[str, str] = {}
+    for header in message.headers.headers:
+        raw = header.raw_value
+        value = raw.decode("utf-8", "replace") if raw else header.value
+        key = header.key.lower()
+        # Repeated headers are joined as HTTP allows; ":"-pseudo headers are never repeated.
+        out[key] = f"{out[key]},{value}" if key in out else value
+    return out
+
+
+def read(request: pb.ProcessingRequest) -> tuple[Phase | None, dict[str, str] | None, bytes, bool]:
+    which = request.WhichOneof("request")
+    if which == "request_headers" or which == "response_headers":
+        msg = getattr(request, which)
+        return which, header_dict(msg), b"", msg.end_of_stream
+    if which == "request_body" or which == "response_body":
+        msg = getattr(request, which)
+        return which, None, msg.body, msg.end_of_stream
+    return None, None, b"", False
+
+
+def _header_mutation(target: pb.HeaderMutation, set_headers: Headers,
+                     remove: tuple[str, ...]) -> None:
+    for key, value in set_headers:
+        option = target.set_headers.add()
+        option.header.key = key
+        option.header.raw_value = value.encode()
+        option.append_action = _OVERWRITE
+    if remove:
+        target.remove_headers.extend(remove)
+
+
+def _mode(mode: ModeOverride) -> processing_mode_pb2.ProcessingMode:
+    out = processing_mode_pb2.ProcessingMode()
+    out.response_header_mode = (
+        processing_mode_pb2.ProcessingMode.SEND if mode.response_headers
+        else processing_mode_pb2.ProcessingMode.SKIP
+    )
+    out.response_body_mode = _BODY_MODES[mode.response_body]
+    return out
+
+
+def _struct(values: dict[str, Any]) -> struct_pb2.Struct:
+    out = struct_pb2.Struct()
+    out.update(values)
+    return out
+
+
+def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    if not isinstance(action, Continue):
+        immediate = response.immediate_response
+        immediate.status.code = action.status
+        immediate.body = action.body
+        if action.details:
+            immediate.details = action.details
+        _header_mutation(immediate.headers, action.headers, ())
+        return response
+    holder = getattr(response, phase)
+    holder.SetInParent()  # an empty CommonResponse still has to be present to say "continue"
+    common = holder.response
+    if action.set_headers or action.remove_headers:
+        _header_mutation(common.header_mutation, action.set_headers, action.remove_headers)
+    if action.body is not None:
+        common.body_mutation.body = action.body
+    if action.clear_route_cache:
+        common.clear_route_cache = True
+    if action.mode is not None:
+        response.mode_override.CopyFrom(_mode(action.mode))
+    if action.metadata:
+        response.dynamic_metadata.CopyFrom(_struct({METADATA_NAMESPACE: action.metadata}))
+    return response

@@ -1,0 +1,89 @@
+"""The ``llm-sidecar`` command line (CONTRACT §2)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from llm_sidecar.logs import configure
+from llm_sidecar.settings import Settings
+from routing.errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llm-sidecar",
+        description="Envoy ext_proc and rate-limit services in front of vLLM pools. Settings "
+                    "also come from LLM_SIDECAR_* environment variables "
+                    "(e.g. LLM_SIDECAR_REDIS_URL=redis://:pass@host:6379/0).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run the whole gateway here: Envoy, extproc, ratelimit, "
+                                   "vLLM simulators; Ctrl-C stops it")
+    up.add_argument("--config", default=None,
+                    help="routing YAML (default: the example config shipped in the package)")
+
+    from extproc.main import add_arguments as extproc_args
+    extproc_args(sub.add_parser("extproc", help="the ext_proc gRPC service"))
+
+    rl = sub.add_parser("ratelimit", help="the rate-limit gRPC service (Envoy RLS v3)")
+    try:
+        from ratelimit.main import add_arguments as ratelimit_args
+    except ImportError:
+        rl.add_argument("--config", required=True)
+    else:
+        ratelimit_args(rl)
+
+    render = sub.add_parser("render", help="write envoy.yaml, ratelimit.yaml and "
+                                           "envoyfilter.yaml for a routing YAML")
+    render.add_argument("--config", required=True)
+    render.add_argument("--out", required=True, help="output directory")
+
+    check = sub.add_parser("check", help="validate a routing YAML: exit 0, or 1 with one "
+                                         "FILE:LINE: message per problem")
+    check.add_argument("--config", required=True)
+
+    from simulator import add_arguments as sim_args
+    sim_args(sub.add_parser("sim", help="the vLLM simulator (OpenAI API as vLLM serves it)"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    settings = Settings()
+    configure(settings.log_level, service=f"llm-sidecar-{args.command}")
+    try:
+        return _dispatch(args, settings)
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
+    if args.command == "check":
+        from routing.loader import load_config
+        load_config(args.config)
+        return 0
+    if args.command == "render":
+        from routing.loader import load_config
+        from routing.render import write_all
+        for path in write_all(load_config(args.config), args.out):
+            print(path)
+        return 0
+    if args.command == "up":
+        from llm_sidecar.up import run as up_run
+        return up_run(args)
+    if args.command == "extproc":
+        from extproc.main import run as extproc_run
+        return extproc_run(args, settings)
+    if args.command == "ratelimit":
+        from ratelimit.main import run as ratelimit_run
+        code: int = ratelimit_run(args, settings)
+        return code
+    if args.command == "sim":
+        from simulator import run as sim_run
+        return sim_run(args)
+    raise AssertionError(args.command)

@@ -1,0 +1,30 @@
+"""The small HTTP server each service runs beside gRPC: ``/metrics`` and ``/healthz``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+
+async def start_ops_server(host: str, port: int, registry: CollectorRegistry,
+                           healthy: Callable[[], bool]) -> web.AppRunner:
+    """Serve metrics and health on ``host:port``; the caller awaits ``runner.cleanup()``."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        ok = healthy()
+        return web.json_response({"status": "ok" if ok else "unavailable"},
+                                 status=200 if ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    return runner

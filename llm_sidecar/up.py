@@ -1,0 +1,101 @@
+"""``llm-sidecar up``: the whole gateway on this machine, stopped cleanly by Ctrl-C or SIGTERM.
+
+Renders the config to a temp dir, starts a vLLM simulator per ``simulate: true`` cluster,
+extproc, ratelimit (when the config has ``rate_limits``) and Envoy, waits until all are ready,
+prints the URL, and stops every child when it is told to or when any child dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+from importlib import resources
+
+from llm_sidecar.procs import Child, envoy_binary, sidecar_command, start, wait_http_ok, wait_tcp
+from routing.loader import load_config
+from routing.render import write_all
+from routing.schema import RoutingConfig
+from routing.units import parse_hostport
+
+
+def example_config_path() -> str:
+    return str(resources.files("llm_sidecar").joinpath("example.yaml"))
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+
+
+def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
+              extproc_metrics_port: int = 9101, ratelimit_metrics_port: int = 9102) -> list[Child]:
+    """Start every process of the gateway and wait for each to be ready."""
+    write_all(config, workdir)
+    children: list[Child] = []
+    try:
+        for name, cluster in config.clusters.items():
+            if not cluster.simulate:
+                continue
+            for endpoint in cluster.endpoints:
+                host, port = parse_hostport(endpoint)
+                child = start(f"sim {name}", sidecar_command(
+                    "sim", "--host", host, "--port", str(port), "--name", name,
+                    "--max-model-len", str(cluster.max_context)),
+                    log_path=os.path.join(workdir, f"sim-{name}-{port}.log"))
+                children.append(child)
+                wait_http_ok(f"http://{_connect_host(host)}:{port}/health", 30, child)
+        host, port = parse_hostport(config.services.extproc)
+        extproc = start("extproc", sidecar_command(
+            "extproc", "--config", config_path, "--metrics-port", str(extproc_metrics_port)))
+        children.append(extproc)
+        wait_tcp(_connect_host(host), port, 30, extproc)
+        if config.rate_limits is not None:
+            host, port = parse_hostport(config.services.ratelimit)
+            ratelimit = start("ratelimit", sidecar_command(
+                "ratelimit", "--config", config_path,
+                "--metrics-port", str(ratelimit_metrics_port)))
+            children.append(ratelimit)
+            wait_tcp(_connect_host(host), port, 30, ratelimit)
+        envoy = start("envoy", [envoy_binary(), "-c", os.path.join(workdir, "envoy.yaml"),
+                                "--log-level", "warn", "--disable-hot-restart"])
+        children.append(envoy)
+        admin_host, admin_port = parse_hostport(config.envoy.admin)
+        wait_http_ok(f"http://{_connect_host(admin_host)}:{admin_port}/ready", 30, envoy)
+    except BaseException:
+        stop_all(children)
+        raise
+    return children
+
+
+def stop_all(children: list[Child]) -> None:
+    """Envoy first (no new traffic), then the services, then the simulators."""
+    for child in reversed(children):
+        child.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    path = args.config or example_config_path()
+    config = load_config(path)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with tempfile.TemporaryDirectory(prefix="llm-sidecar-") as workdir:
+        children = start_all(config, path, workdir)
+        host, port = parse_hostport(config.envoy.listen)
+        print(f"llm-sidecar is up: http://{_connect_host(host)}:{port}/v1 "
+              f"(OpenAI API; Ctrl-C stops it)", flush=True)
+        failed: Child | None = None
+        while not stop.wait(0.5):
+            failed = next((c for c in children if not c.alive()), None)
+            if failed is not None:
+                break
+        stop_all(children)
+        if failed is not None:
+            print(f"llm-sidecar: {failed.name} exited with code {failed.process.returncode}; "
+                  "stopped everything", file=sys.stderr)
+            return 1
+    print("llm-sidecar stopped", flush=True)
+    return 0

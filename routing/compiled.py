@@ -1,0 +1,131 @@
+"""What runs: the routing YAML compiled once into lookup tables (one immutable snapshot).
+
+A reload compiles a new :class:`Snapshot` and swaps one reference; nothing here changes after
+construction, so a request holding a snapshot sees one consistent config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from routing.schema import RoutingConfig
+from routing.units import parse_duration
+
+PRIORITY_TIERS = ("high", "medium", "low")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One vLLM cluster a model may be routed to."""
+
+    cluster: str
+    max_context: int
+
+
+@dataclass(frozen=True)
+class Canary:
+    model: str
+    cluster: str
+    percent: float
+    sticky: Literal["api_key", "tenant", "request"]
+    max_context: int
+
+    @property
+    def threshold(self) -> int:
+        """Sticky buckets below this (out of 10000) go to the canary."""
+        return round(self.percent * 100)
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    namespace: str
+    ttl_s: int
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """Everything extproc needs to route one model, pools sorted by ``max_context``."""
+
+    name: str
+    kind: Literal["chat", "embedding"]
+    pools: tuple[Pool, ...]
+    default_max_tokens: int
+    tokenizer: str | None
+    canary: Canary | None
+    cache: CachePolicy | None
+
+    @property
+    def max_context(self) -> int:
+        return self.pools[-1].max_context
+
+
+@dataclass(frozen=True)
+class KeyIdentity:
+    """A listed API key: its configured name, tenant and public id."""
+
+    name: str
+    tenant: str
+    key_id: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    config: RoutingConfig
+    models: MappingProxyType[str, ModelRoute]
+    keys_by_sha256: MappingProxyType[str, KeyIdentity]
+    auth_required: bool
+    tenant_header: str
+    high_below: float
+    low_from: float
+    inject_priority: bool
+
+
+def listed_key_id(sha256_hex: str) -> str:
+    """Public id of a listed key: derived from its sha256, so render and extproc agree.
+
+    It is a hash of a hash of the secret: not reversible, and safe in headers and Redis keys.
+    """
+    return "k" + hashlib.sha256(b"llm-sidecar/key-id/" + sha256_hex.encode()).hexdigest()[:20]
+
+
+def compile_config(config: RoutingConfig) -> Snapshot:
+    """Build the runtime tables of a validated config."""
+    models: dict[str, ModelRoute] = {}
+    for name, spec in config.models.items():
+        pools = sorted(
+            (Pool(c, config.clusters[c].max_context) for c in spec.clusters),
+            key=lambda pool: pool.max_context,
+        )
+        canary = None
+        if spec.canary is not None:
+            c = spec.canary
+            canary = Canary(c.model, c.cluster, c.percent, c.sticky,
+                            config.clusters[c.cluster].max_context)
+        cache = None
+        if spec.cache is not None:
+            cache = CachePolicy(spec.cache.namespace, parse_duration(spec.cache.ttl))
+        models[name] = ModelRoute(
+            name=name,
+            kind=spec.kind,
+            pools=tuple(pools),
+            default_max_tokens=spec.default_max_tokens,
+            tokenizer=spec.tokenizer,
+            canary=canary,
+            cache=cache,
+        )
+    keys = {
+        k.sha256: KeyIdentity(k.name, k.tenant, listed_key_id(k.sha256)) for k in config.api_keys
+    }
+    return Snapshot(
+        config=config,
+        models=MappingProxyType(models),
+        keys_by_sha256=MappingProxyType(keys),
+        auth_required=config.auth.required,
+        tenant_header=config.auth.tenant_header,
+        high_below=config.priority.high_below,
+        low_from=config.priority.low_from,
+        inject_priority=config.priority.inject,
+    )

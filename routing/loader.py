@@ -1,0 +1,166 @@
+"""Reading a routing YAML into a validated :class:`RoutingConfig`, with every problem located.
+
+``load_config`` is what ``llm-sidecar check`` runs: it reports all problems it can find at once,
+each as ``FILE:LINE: message``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from routing.errors import ConfigError, Problem
+from routing.schema import Limit, RoutingConfig
+from routing.yamlsrc import Located, Path, read_yaml
+
+
+def load_config(path: str) -> RoutingConfig:
+    """Parse, validate and cross-check the routing YAML at ``path``."""
+    located = read_yaml(path)
+    return validate(located)
+
+
+def validate(located: Located) -> RoutingConfig:
+    """Validate already-parsed YAML; raises :class:`ConfigError` listing every problem."""
+    if not isinstance(located.data, dict):
+        raise ConfigError([located.problem((), "the file must be a mapping with version: 1")])
+    try:
+        config = RoutingConfig.model_validate(located.data)
+    except ValidationError as exc:
+        raise ConfigError(_pydantic_problems(exc, located)) from None
+    problems = cross_check(config, located)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _allowed_keys(loc: Path) -> list[str]:
+    """Field names of the model that owns ``loc`` (for "did you mean" hints)."""
+    model: type[BaseModel] | None = RoutingConfig
+    for part in loc[:-1]:
+        if model is None:
+            return []
+        field = model.model_fields.get(str(part))
+        if field is None:
+            continue  # a dict key (cluster or model name) or list index
+        model = _model_of(field.annotation)
+    return list(model.model_fields) if model is not None else []
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _pydantic_problems(exc: ValidationError, located: Located) -> list[Problem]:
+    problems: list[Problem] = []
+    for err in exc.errors():
+        loc: Path = tuple(err["loc"])
+        dotted = ".".join(str(p) for p in loc) or "(top level)"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            key = str(loc[-1])
+            where = ".".join(str(p) for p in loc[:-1]) or "top level"
+            hint = _hint(key, _allowed_keys(loc))
+            message = f"unknown key {key!r} in {where}{hint}"
+        elif kind == "missing":
+            message = f"missing required key {dotted}"
+        elif kind == "literal_error" and loc == ("version",):
+            message = "version must be 1"
+        else:
+            text = str(err["msg"]).removeprefix("Value error, ")
+            message = f"{dotted}: {text}"
+        problems.append(located.problem(loc, message))
+    return problems
+
+
+def _hint(key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    if allowed:
+        return f" (allowed: {', '.join(allowed)})"
+    return ""
+
+
+def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
+    """Problems that span sections: references, overlaps and duplicates."""
+    problems: list[Problem] = []
+
+    def add(path: Path, message: str) -> None:
+        problems.append(located.problem(path, message))
+
+    for name, model in config.models.items():
+        for i, cluster in enumerate(model.clusters):
+            if cluster not in config.clusters:
+                add(("models", name, "clusters", i),
+                    f"model {name!r} names unknown cluster {cluster!r}"
+                    f"{_hint(cluster, list(config.clusters))}")
+        sizes = Counter(config.clusters[c].max_context for c in model.clusters if c in config.clusters)
+        for size, count in sizes.items():
+            if count > 1:
+                add(("models", name, "clusters"),
+                    f"model {name!r} has {count} clusters with max_context {size}: pools overlap, "
+                    "give each pool of a model its own max_context")
+        if len(set(model.clusters)) != len(model.clusters):
+            add(("models", name, "clusters"), f"model {name!r} lists a cluster twice")
+        if model.canary is not None:
+            canary = model.canary
+            if canary.cluster not in config.clusters:
+                add(("models", name, "canary", "cluster"),
+                    f"canary of {name!r} names unknown cluster {canary.cluster!r}")
+            if canary.model == name:
+                add(("models", name, "canary", "model"), "the canary model must differ from the model")
+            elif canary.model in config.models:
+                add(("models", name, "canary", "model"),
+                    f"canary model {canary.model!r} is also a model: names overlap")
+        if model.cache is not None and model.kind != "embedding":
+            add(("models", name, "cache"),
+                f"cache is only for kind: embedding models ({name!r} is {model.kind})")
+
+    seen_names: set[str] = set()
+    seen_hashes: set[str] = set()
+    for i, key in enumerate(config.api_keys):
+        if key.name in seen_names:
+            add(("api_keys", i, "name"), f"api key name {key.name!r} is used twice")
+        if key.sha256 in seen_hashes:
+            add(("api_keys", i, "sha256"), f"api key {key.name!r} has the same sha256 as another key")
+        seen_names.add(key.name)
+        seen_hashes.add(key.sha256)
+
+    limits = config.rate_limits
+    if limits is not None:
+        for level, known in (("api_key", {k.name for k in config.api_keys}), ("model", set(config.models))):
+            section = getattr(limits, level)
+            if section is None:
+                continue
+            for override in section.overrides:
+                if override not in known:
+                    what = "api key name" if level == "api_key" else "model"
+                    add(("rate_limits", level, "overrides", override),
+                        f"rate_limits.{level} overrides unknown {what} {override!r}")
+        for level in ("api_key", "tenant", "model"):
+            section = getattr(limits, level)
+            if section is None:
+                continue
+            entries: list[tuple[Path, Limit]] = (
+                [(("default",), section.default)] if section.default else [])
+            entries += [(("overrides", k), v) for k, v in section.overrides.items()]
+            for sub, limit in entries:
+                if limit.requests is None and limit.tokens is None:
+                    add(("rate_limits", level, *sub), "a limit needs requests, tokens or both")
+                if limit.burst is not None and limit.requests is None:
+                    add(("rate_limits", level, *sub, "burst"),
+                        "burst is the capacity of the requests bucket: it needs a requests rate")
+
+    if config.priority.high_below > config.priority.low_from:
+        add(("priority", "high_below"), "priority.high_below must not be above priority.low_from")
+    return problems

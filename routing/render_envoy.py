@@ -1,0 +1,214 @@
+"""Routing YAML → Envoy bootstrap (``envoy.yaml``), as plain dicts dumped to YAML.
+
+Cold path, built without ``envoy-data-plane``: every config rendered here is checked by
+``envoy --mode validate`` in the tests. The filter chain is ext_proc → ratelimit → router; the
+router picks the cluster named by ``x-llm-cluster``, which only extproc sets.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from routing.schema import RoutingConfig
+from routing.units import parse_duration, parse_hostport
+
+EXTPROC_CLUSTER = "llm-sidecar-extproc"
+RATELIMIT_CLUSTER = "llm-sidecar-ratelimit"
+RATELIMIT_DOMAIN = "llm-sidecar"
+TYPE = "@type"
+API = "type.googleapis.com/envoy."
+
+
+def _address(text: str) -> dict[str, Any]:
+    host, port = parse_hostport(text)
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _json_error(message: str, type_: str, code: str) -> dict[str, Any]:
+    """A local-reply body format that renders OpenAI's error JSON."""
+    return {
+        "json_format": {"error": {"message": message, "type": type_, "param": None, "code": code}},
+        "content_type": "application/json",
+    }
+
+
+def _cel(expression: str) -> dict[str, Any]:
+    return {"extension_filter": {
+        "name": "envoy.access_loggers.extension_filters.cel",
+        "typed_config": {TYPE: API + "extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                         "expression": expression},
+    }}
+
+
+def local_reply_config() -> dict[str, Any]:
+    """Envoy's own error replies as OpenAI JSON; replies extproc or ratelimit wrote are kept."""
+    return {"mappers": [
+        {   # body bigger than the ext_proc buffer
+            "filter": _cel("response.code_details == 'request_payload_too_large'"),
+            "body_format_override": _json_error(
+                "The request body is larger than the gateway accepts.", "invalid_request_error",
+                "request_too_large"),
+        },
+        {   # no upstream, upstream failure, or a sidecar service down and failing closed
+            "filter": {"or_filter": {"filters": [
+                {"response_flag_filter": {"flags": ["UH", "UF", "NR", "NC", "URX", "UO", "UC",
+                                                    "RLSE", "UAEX"]}},
+                _cel("response.code_details.startsWith('ext_proc_error')"),
+            ]}},
+            "status_code": 503,
+            "body_format_override": _json_error(
+                "The model backend is unavailable: %RESPONSE_CODE_DETAILS%.", "server_error",
+                "upstream_unavailable"),
+        },
+        {
+            "filter": {"response_flag_filter": {"flags": ["UT"]}},
+            "body_format_override": _json_error(
+                "The model backend timed out.", "server_error", "upstream_timeout"),
+        },
+    ]}
+
+
+def access_log() -> list[dict[str, Any]]:
+    fields = {
+        "time": "%START_TIME%", "request_id": "%REQ(X-REQUEST-ID)%", "method": "%REQ(:METHOD)%",
+        "path": "%REQ(:PATH)%", "status": "%RESPONSE_CODE%", "details": "%RESPONSE_CODE_DETAILS%",
+        "flags": "%RESPONSE_FLAGS%", "cluster": "%UPSTREAM_CLUSTER%",
+        "model": "%REQ(X-LLM-MODEL)%", "variant": "%REQ(X-LLM-VARIANT)%",
+        "tenant": "%REQ(X-LLM-TENANT)%", "bytes_in": "%BYTES_RECEIVED%",
+        "bytes_out": "%BYTES_SENT%", "duration_ms": "%DURATION%",
+        "upstream_ms": "%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%",
+    }
+    return [{
+        "name": "envoy.access_loggers.stdout",
+        "typed_config": {TYPE: API + "extensions.access_loggers.stream.v3.StdoutAccessLog",
+                         "log_format": {"json_format": fields}},
+    }]
+
+
+def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            TYPE: API + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, "timeout": "10s"},
+            "failure_mode_allow": config.services.failure_mode_allow,
+            "status_on_error": {"code": 503},
+            # Counting a 32K-token prompt with a real tokenizer can take tens of milliseconds.
+            "message_timeout": "5s",
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "request_body_mode": "BUFFERED",
+                "response_header_mode": "SKIP",
+                "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            "allow_mode_override": True,
+            "mutation_rules": {"allow_all_routing": True},
+        },
+    }
+
+
+def router_filter() -> dict[str, Any]:
+    return {"name": "envoy.filters.http.router",
+            "typed_config": {TYPE: API + "extensions.filters.http.router.v3.Router"}}
+
+
+def routes(config: RoutingConfig) -> list[dict[str, Any]]:
+    idle = f"{parse_duration(config.envoy.stream_idle_timeout)}s"
+    return [
+        {
+            "name": "llm-routed",
+            "match": {"prefix": "/", "headers": [{"name": "x-llm-cluster", "present_match": True}]},
+            "route": {
+                "cluster_header": "x-llm-cluster",
+                # No whole-request timeout may cut a long generation or an SSE stream: an idle
+                # timeout ends stuck ones instead.
+                "timeout": "0s",
+                "idle_timeout": idle,
+                "retry_policy": {"retry_on": "connect-failure,reset-before-request",
+                                 "num_retries": 2},
+            },
+        },
+        {
+            "name": "llm-unrouted",
+            "match": {"prefix": "/"},
+            "direct_response": {"status": 503, "body": {"inline_string": (
+                '{"error":{"message":"No model pool was chosen for this request.",'
+                '"type":"server_error","param":null,"code":"upstream_unavailable"}}')}},
+            "response_headers_to_add": [{"header": {"key": "content-type",
+                                                    "value": "application/json"},
+                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+        },
+    ]
+
+
+def _cluster(name: str, endpoints: list[str], *, grpc: bool = False) -> dict[str, Any]:
+    hosts = [parse_hostport(e) for e in endpoints]
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS",
+        "connect_timeout": "2s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
+            for h, p in hosts]}]},
+    }
+    if grpc:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                TYPE: API + "extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }}
+    return cluster
+
+
+def clusters(config: RoutingConfig) -> list[dict[str, Any]]:
+    out = [_cluster(name, spec.endpoints) for name, spec in config.clusters.items()]
+    out.append(_cluster(EXTPROC_CLUSTER, [config.services.extproc], grpc=True))
+    return out
+
+
+def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
+    return {
+        TYPE: API + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "llm",
+        "codec_type": "AUTO",
+        "generate_request_id": True,
+        "stream_idle_timeout": f"{parse_duration(config.envoy.stream_idle_timeout)}s",
+        "request_timeout": f"{parse_duration(config.envoy.request_timeout)}s",
+        "access_log": access_log(),
+        "local_reply_config": local_reply_config(),
+        "route_config": {"name": "llm", "virtual_hosts": [
+            {"name": "llm", "domains": ["*"], "routes": routes(config)}]},
+        "http_filters": [ext_proc_filter(config), router_filter()],
+    }
+
+
+def bootstrap(config: RoutingConfig) -> dict[str, Any]:
+    """The full Envoy bootstrap for ``config``."""
+    return {
+        "admin": {"address": _address(config.envoy.admin)},
+        "static_resources": {
+            "listeners": [{
+                "name": "llm",
+                "address": _address(config.envoy.listen),
+                # ext_proc buffers whole request bodies: the limit is the largest body accepted.
+                "per_connection_buffer_limit_bytes": config.envoy.max_request_bytes,
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": http_connection_manager(config),
+                }]}],
+            }],
+            "clusters": clusters(config),
+        },
+    }

@@ -1,0 +1,28 @@
+"""Building snapshots for extproc unit tests without files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from routing.compiled import Snapshot, compile_config
+from routing.loader import validate
+from routing.yamlsrc import Located
+
+BASE: dict[str, Any] = {
+    "version": 1,
+    "clusters": {
+        "vllm-short": {"endpoints": ["10.0.0.11:8000"], "max_context": 2048},
+        "vllm-long": {"endpoints": ["10.0.0.12:8000"], "max_context": 32768},
+        "vllm-canary": {"endpoints": ["10.0.0.13:8000"], "max_context": 32768},
+        "embed": {"endpoints": ["10.0.0.14:8000"], "max_context": 8192},
+    },
+    "models": {
+        "llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "default_max_tokens": 256},
+        "bge-m3": {"kind": "embedding", "clusters": ["embed"]},
+    },
+}
+
+
+def snapshot(**sections: Any) -> Snapshot:
+    doc = {**BASE, **sections}
+    return compile_config(validate(Located("test.yaml", doc, {})))

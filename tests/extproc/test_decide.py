@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import pytest
+
+from extproc.decide import (
+    canary_bucket,
+    context_length,
+    decide,
+    on_canary,
+    parse_context_hint,
+    priority_tier,
+)
+from extproc.errors import ClientError
+from routing.compiled import Canary
+from tests.extproc.helpers import snapshot
+
+SNAP = snapshot()
+LLAMA = SNAP.models["llama-2-13b"]
+
+
+@pytest.mark.parametrize(("prompt", "output", "hint", "expected"), [
+    (100, 10, 0, 110), (100, 10, 2048, 2048), (5000, 1, 10, 5001), (0, 0, 0, 0),
+])
+def test_context_length_is_the_larger_of_hint_and_count(prompt: int, output: int, hint: int,
+                                                        expected: int) -> None:
+    assert context_length(prompt, output, hint) == expected
+
+
+@pytest.mark.parametrize(("hint", "cluster"), [
+    (1, "vllm-short"), (2048, "vllm-short"), (2049, "vllm-long"), (32768, "vllm-long"),
+])
+def test_pools_by_hint(hint: int, cluster: str) -> None:
+    assert decide(LLAMA, 10, 1, hint, "k", 500, 5000).cluster == cluster
+
+
+def test_above_every_pool_is_413() -> None:
+    with pytest.raises(ClientError) as caught:
+        decide(LLAMA, 10, 1, 32769, "k", 500, 5000)
+    assert (caught.value.status, caught.value.code) == (413, "context_length_exceeded")
+
+
+def test_default_max_tokens_counts_when_unset() -> None:
+    assert decide(LLAMA, 1800, None, 0, "k", 500, 5000).cluster == "vllm-long"
+    assert decide(LLAMA, 1800, 10, 0, "k", 500, 5000).cluster == "vllm-short"
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 0), ("", 0), ("2048", 2048), (" 7 ", 7)])
+def test_hint_parsing(value: str | None, expected: int) -> None:
+    assert parse_context_hint(value) == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "1e3", "9" * 13, "1.5"])
+def test_bad_hints_are_400(value: str) -> None:
+    with pytest.raises(ClientError) as caught:
+        parse_context_hint(value)
+    assert caught.value.status == 400
+
+
+@pytest.mark.parametrize(("prompt", "output", "tier"), [
+    (10, 10, "high"), (1000, 499, "high"), (1000, 500, "medium"), (1000, 4999, "medium"),
+    (1000, 5000, "low"), (32000, 256, "low"),
+])
+def test_priority_tiers(prompt: int, output: int, tier: str) -> None:
+    assert priority_tier(prompt, output, 500, 5000) == tier
+
+
+def test_canary_is_sticky_and_monotonic_in_percent() -> None:
+    five = Canary("v2", "vllm-canary", 5, "api_key", 32768)
+    ten = Canary("v2", "vllm-canary", 10, "api_key", 32768)
+    keys = [f"key-{i}" for i in range(4000)]
+    on5 = {k for k in keys if on_canary(five, k, "m")}
+    on10 = {k for k in keys if on_canary(ten, k, "m")}
+    assert on5 <= on10
+    assert 0.038 <= len(on5) / len(keys) <= 0.062
+    assert all(canary_bucket(k, "m") == canary_bucket(k, "m") for k in keys[:50])

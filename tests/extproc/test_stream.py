@@ -1,0 +1,141 @@
+"""The ext_proc stream state fed messages directly: no gRPC, no Envoy."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from extproc.actions import Continue, Reply
+from extproc.stream import StreamState
+from tests.extproc.helpers import snapshot
+
+SECRET = b"test-secret"
+
+
+def start(path: str = "/v1/chat/completions", method: str = "POST",
+          **headers: str) -> StreamState:
+    state = StreamState(snapshot(), SECRET)
+    action = state.handle("request_headers", {":path": path, ":method": method, **headers},
+                          b"", False)
+    assert isinstance(action, Continue)
+    return state
+
+
+def body(state: StreamState, doc: object) -> Continue | Reply:
+    raw = doc if isinstance(doc, bytes) else orjson.dumps(doc)
+    return state.handle("request_body", None, raw, True)
+
+
+def chat_doc(content: str = "hello", **extra: object) -> dict[str, object]:
+    return {"model": "llama-2-13b", "messages": [{"role": "user", "content": content}], **extra}
+
+
+def test_chat_sets_every_routing_header_and_clears_the_route() -> None:
+    action = body(start(), chat_doc(max_tokens=10))
+    assert isinstance(action, Continue)
+    headers = dict(action.set_headers)
+    assert headers["x-llm-cluster"] == "vllm-short"
+    assert headers["x-llm-variant"] == "stable"
+    assert headers["x-llm-tenant"] == "default"
+    assert headers["x-llm-key-id"] == "anonymous"
+    assert action.clear_route_cache and action.body is None
+
+
+def test_spoofed_llm_headers_are_removed_and_ignored() -> None:
+    state = StreamState(snapshot(), SECRET)
+    first = state.handle("request_headers", {
+        ":path": "/v1/chat/completions", ":method": "POST", "x-llm-cluster": "vllm-long",
+        "x-llm-tenant": "vip"}, b"", False)
+    assert isinstance(first, Continue)
+    assert set(first.remove_headers) == {"x-llm-cluster", "x-llm-tenant"}
+    action = body(state, chat_doc())
+    assert isinstance(action, Continue)
+    assert dict(action.set_headers)["x-llm-cluster"] == "vllm-short"
+    assert dict(action.set_headers)["x-llm-tenant"] == "default"
+
+
+@pytest.mark.parametrize(("raw", "status", "code"), [
+    (b"{nope", 400, "invalid_json"),
+    (b"[]", 400, "invalid_json"),
+    (b"", 400, "invalid_json"),
+    (b'{"messages": []}', 400, "invalid_request"),
+    (b'{"model": null, "messages": []}', 400, "invalid_request"),
+    (b'{"model": "x", "messages": [{"role": "user", "content": "a"}]}', 404, "model_not_found"),
+    (b'{"model": "bge-m3", "messages": [{"role": "user", "content": "a"}]}', 400,
+     "model_not_supported"),
+    (b'{"model": "llama-2-13b", "messages": "hi"}', 400, "invalid_request"),
+    (b'{"model": "llama-2-13b", "messages": [{"role": "user", "content": "a"}], '
+     b'"max_tokens": "5"}', 400, "invalid_request"),
+    (b'{"model": "llama-2-13b", "messages": [{"role": "user", "content": "a"}], '
+     b'"max_tokens": 40000}', 413, "context_length_exceeded"),
+    (b'{"model": "llama-2-13b", "messages": [{"role": "user", "content": "a"}], '
+     b'"stream": "yes"}', 400, "invalid_request"),
+    (b'\xff\xfe', 400, "invalid_json"),
+])
+def test_bad_bodies_get_openai_errors(raw: bytes, status: int, code: str) -> None:
+    action = body(start(), raw)
+    assert isinstance(action, Reply)
+    assert action.status == status
+    payload = orjson.loads(action.body)
+    assert payload["error"]["code"] == code
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completions_with_token_ids_count_each_id() -> None:
+    action = body(start("/v1/completions"), {"model": "llama-2-13b", "prompt": [1] * 2000,
+                                             "max_tokens": 100})
+    assert isinstance(action, Continue)
+    assert dict(action.set_headers)["x-llm-cluster"] == "vllm-long"
+    assert dict(action.set_headers)["x-llm-context-length"] == "2100"
+
+
+def test_embeddings_route_by_longest_input() -> None:
+    action = body(start("/v1/embeddings"), {"model": "bge-m3", "input": ["a", "b" * 300]})
+    assert isinstance(action, Continue)
+    assert dict(action.set_headers)["x-llm-cluster"] == "embed"
+
+
+def test_model_list_is_answered_by_extproc() -> None:
+    state = StreamState(snapshot(), SECRET)
+    action = state.handle("request_headers", {":path": "/v1/models", ":method": "GET"}, b"", True)
+    assert isinstance(action, Reply) and action.status == 200
+    assert {m["id"] for m in orjson.loads(action.body)["data"]} == {"llama-2-13b", "bge-m3"}
+
+
+@pytest.mark.parametrize(("path", "method", "status"), [
+    ("/v1/nope", "POST", 404), ("/v1/chat/completions", "GET", 405), ("/", "GET", 404),
+])
+def test_unknown_paths_and_methods(path: str, method: str, status: int) -> None:
+    state = StreamState(snapshot(), SECRET)
+    action = state.handle("request_headers", {":path": path, ":method": method}, b"", True)
+    assert isinstance(action, Reply) and action.status == status
+
+
+def test_a_post_without_body_is_400() -> None:
+    state = StreamState(snapshot(), SECRET)
+    action = state.handle("request_headers",
+                          {":path": "/v1/chat/completions", ":method": "POST"}, b"", True)
+    assert isinstance(action, Reply) and action.status == 400
+
+
+def test_required_auth_rejects_unknown_keys_before_the_body() -> None:
+    import hashlib
+    snap = snapshot(auth={"required": True},
+                    api_keys=[{"name": "bot", "sha256": hashlib.sha256(b"sk-good").hexdigest(),
+                               "tenant": "legal"}])
+    state = StreamState(snap, SECRET)
+    action = state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+                                              "authorization": "Bearer sk-bad"}, b"", False)
+    assert isinstance(action, Reply) and action.status == 401
+    state = StreamState(snap, SECRET)
+    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+                                     "authorization": "Bearer sk-good"}, b"", False)
+    ok = body(state, chat_doc())
+    assert isinstance(ok, Continue)
+    assert dict(ok.set_headers)["x-llm-tenant"] == "legal"
+    assert "sk-good" not in repr(ok)
+
+
+def test_messages_out_of_order_pass_through() -> None:
+    state = StreamState(snapshot(), SECRET)
+    assert isinstance(state.handle("response_body", None, b"x", True), Continue)

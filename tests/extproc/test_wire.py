@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import wire
+from extproc.actions import Continue, ModeOverride, Reply
+
+
+def headers_request(**headers: str) -> pb.ProcessingRequest:
+    request = pb.ProcessingRequest()
+    for key, value in headers.items():
+        h = request.request_headers.headers.headers.add()
+        h.key = key.replace("_", "-")
+        h.raw_value = value.encode()
+    request.request_headers.end_of_stream = True
+    return request
+
+
+def test_read_headers_from_raw_value_and_join_repeats() -> None:
+    request = headers_request(x_a="1")
+    extra = request.request_headers.headers.headers.add()
+    extra.key, extra.value = "X-A", "2"
+    phase, headers, body, end = wire.read(request)
+    assert (phase, headers, body, end) == ("request_headers", {"x-a": "1,2"}, b"", True)
+
+
+def test_read_body() -> None:
+    request = pb.ProcessingRequest()
+    request.request_body.body = b"{}"
+    request.request_body.end_of_stream = True
+    assert wire.read(request) == ("request_body", None, b"{}", True)
+
+
+def test_empty_continue_still_names_the_phase() -> None:
+    response = wire.build("request_headers", Continue())
+    assert response.WhichOneof("response") == "request_headers"
+
+
+def test_continue_with_mutations() -> None:
+    action = Continue(set_headers=(("x-llm-cluster", "a"),), remove_headers=("x-llm-tenant",),
+                      body=b"new", clear_route_cache=True,
+                      mode=ModeOverride(response_headers=True, response_body="buffered"),
+                      metadata={"tokens": 5})
+    response = wire.build("request_body", action)
+    common = response.request_body.response
+    assert common.header_mutation.set_headers[0].header.raw_value == b"a"
+    assert list(common.header_mutation.remove_headers) == ["x-llm-tenant"]
+    assert common.body_mutation.body == b"new" and common.clear_route_cache
+    assert response.mode_override.response_body_mode == 2  # BUFFERED
+    assert response.dynamic_metadata.fields[wire.METADATA_NAMESPACE].struct_value \
+        .fields["tokens"].number_value == 5
+
+
+def test_reply_is_an_immediate_response() -> None:
+    response = wire.build("request_body", Reply(413, b'{"error": {}}', details="x"))
+    immediate = response.immediate_response
+    assert immediate.status.code == 413 and immediate.body == b'{"error": {}}'
+    assert immediate.headers.set_headers[0].header.key == "content-type"

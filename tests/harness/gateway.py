@@ -1,0 +1,111 @@
+"""A whole gateway for end-to-end tests: real Envoy, extproc, simulators, on free ports.
+
+It runs the same code as ``llm-sidecar up`` (``start_all``), with a config the test writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from llm_sidecar.procs import Child, envoy_binary, free_port
+from llm_sidecar.up import start_all, stop_all
+from routing.loader import load_config
+from tests.harness.ci import unavailable
+
+
+@dataclass
+class Gateway:
+    url: str
+    """Envoy's listener, e.g. ``http://127.0.0.1:PORT``."""
+    admin_url: str
+    config_path: str
+    workdir: str
+    sims: dict[str, str]
+    """Cluster name → simulator base URL."""
+    extproc_metrics: str
+    ratelimit_metrics: str
+    children: list[Child]
+
+    @property
+    def openai_base(self) -> str:
+        return f"{self.url}/v1"
+
+    def sim_requests(self, cluster: str) -> list[dict[str, Any]]:
+        with urllib.request.urlopen(f"{self.sims[cluster]}/sim/requests", timeout=5) as resp:
+            result: list[dict[str, Any]] = json.loads(resp.read())
+        return result
+
+    def clear_sims(self) -> None:
+        for url in self.sims.values():
+            request = urllib.request.Request(f"{url}/sim/requests", method="DELETE")
+            with urllib.request.urlopen(request, timeout=5):
+                pass
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+
+def default_doc() -> dict[str, Any]:
+    """The example config's shape, every port free, every pool a simulator."""
+    def ep() -> list[str]:
+        return [f"127.0.0.1:{free_port()}"]
+
+    return {
+        "version": 1,
+        "envoy": {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"},
+        "services": {"extproc": f"127.0.0.1:{free_port()}",
+                     "ratelimit": f"127.0.0.1:{free_port()}"},
+        "clusters": {
+            "vllm-short": {"endpoints": ep(), "max_context": 2048, "simulate": True},
+            "vllm-long": {"endpoints": ep(), "max_context": 32768, "simulate": True},
+            "vllm-canary": {"endpoints": ep(), "max_context": 32768, "simulate": True},
+            "embed": {"endpoints": ep(), "max_context": 8192, "simulate": True},
+        },
+        "models": {
+            "llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "default_max_tokens": 256},
+            "bge-m3": {"kind": "embedding", "clusters": ["embed"]},
+        },
+    }
+
+
+@contextmanager
+def running_gateway(doc: dict[str, Any], workdir: str) -> Iterator[Gateway]:
+    """Start the gateway for ``doc`` in ``workdir``; stop every process afterwards."""
+    try:
+        envoy_binary()
+    except FileNotFoundError:
+        unavailable("envoy")
+    if shutil.which("envoy") is None and not os.path.exists(envoy_binary()):
+        unavailable("envoy")
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "routing.yaml")
+    with open(path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(doc, handle, sort_keys=False)
+    config = load_config(path)
+    extproc_metrics, ratelimit_metrics = free_port(), free_port()
+    children = start_all(config, path, workdir, extproc_metrics_port=extproc_metrics,
+                         ratelimit_metrics_port=ratelimit_metrics)
+    try:
+        sims = {name: f"http://{spec.endpoints[0]}" for name, spec in config.clusters.items()
+                if spec.simulate}
+        yield Gateway(
+            url=f"http://{config.envoy.listen}",
+            admin_url=f"http://{config.envoy.admin}",
+            config_path=path,
+            workdir=workdir,
+            sims=sims,
+            extproc_metrics=f"http://127.0.0.1:{extproc_metrics}",
+            ratelimit_metrics=f"http://127.0.0.1:{ratelimit_metrics}",
+            children=children,
+        )
+    finally:
+        stop_all(children)
