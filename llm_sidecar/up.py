@@ -36,17 +36,25 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
     write_all(config, workdir)
     children: list[Child] = []
     try:
+        sims: list[tuple[Child, str]] = []
         for name, cluster in config.clusters.items():
-            if not cluster.simulate:
+            sim = cluster.simulator
+            if sim is None:
                 continue
             for endpoint in cluster.endpoints:
                 host, port = parse_hostport(endpoint)
                 child = start(f"sim {name}", sidecar_command(
                     "sim", "--host", host, "--port", str(port), "--name", name,
-                    "--max-model-len", str(cluster.max_context)),
+                    "--max-model-len", str(cluster.max_context),
+                    "--prefill-ms-per-token", str(sim.prefill_ms_per_token),
+                    "--decode-ms-per-token", str(sim.decode_ms_per_token),
+                    "--default-output-tokens", str(sim.default_output_tokens),
+                    "--embedding-dim", str(sim.embedding_dim)),
                     log_path=os.path.join(workdir, f"sim-{name}-{port}.log"))
                 children.append(child)
-                wait_http_ok(f"http://{_connect_host(host)}:{port}/health", 30, child)
+                sims.append((child, f"http://{_connect_host(host)}:{port}/health"))
+        for child, health_url in sims:  # started together, waited for together
+            wait_http_ok(health_url, 30, child)
         host, port = parse_hostport(config.services.extproc)
         extproc = start("extproc", sidecar_command(
             "extproc", "--config", config_path, "--metrics-port", str(extproc_metrics_port)))

@@ -66,7 +66,7 @@ def local_reply_config() -> dict[str, Any]:
             ]}},
             "status_code": 503,
             "body_format_override": _json_error(
-                "The model backend is unavailable: %RESPONSE_CODE_DETAILS%.", "server_error",
+                "The model backend or a gateway service is unavailable (%RESPONSE_CODE_DETAILS%).", "server_error",
                 "upstream_unavailable"),
         },
         {

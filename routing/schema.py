@@ -63,10 +63,26 @@ class ServicesSection(Strict):
         return value
 
 
+class SimulateSpec(Strict):
+    """How ``llm-sidecar up`` runs the simulator of a ``simulate:`` cluster."""
+
+    prefill_ms_per_token: float = Field(default=0.0, ge=0, le=1000)
+    decode_ms_per_token: float = Field(default=2.0, ge=0, le=10_000)
+    default_output_tokens: int = Field(default=16, ge=1, le=1_000_000)
+    embedding_dim: int = Field(default=256, ge=1, le=65_536)
+
+
 class ClusterSpec(Strict):
     endpoints: Annotated[list[str], Field(min_length=1)]
     max_context: int = Field(gt=0, le=10_000_000)
-    simulate: bool = False
+    simulate: bool | SimulateSpec = False
+    """true (or simulator settings): ``llm-sidecar up`` runs a vLLM simulator on each endpoint."""
+
+    @property
+    def simulator(self) -> SimulateSpec | None:
+        if self.simulate is True:
+            return SimulateSpec()
+        return self.simulate or None
 
     @field_validator("endpoints")
     @classmethod

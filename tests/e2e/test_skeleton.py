@@ -111,8 +111,10 @@ def test_a_small_hint_never_lowers_a_long_prompt(gateway: Gateway) -> None:
 def test_without_a_header_prompt_and_max_tokens_decide(gateway: Gateway) -> None:
     assert chat(gateway, "short", max_tokens=16)[1] == "vllm-short"
     assert chat(gateway, "short", max_tokens=3000)[1] == "vllm-long"
-    # No max_tokens: the model's default_max_tokens (256) counts.
-    assert chat(gateway, "x " * 2400, max_tokens=None)[1] == "vllm-long"
+    # 6000 bytes estimate to 2000 tokens (+16 chat template): with 16 output tokens that fits
+    # 2048, with no max_tokens the model's default_max_tokens (256) counts and it does not.
+    assert chat(gateway, "x " * 3000, max_tokens=16)[1] == "vllm-short"
+    assert chat(gateway, "x " * 3000, max_tokens=None)[1] == "vllm-long"
 
 
 @pytest.mark.parametrize(("body", "status", "code"), [

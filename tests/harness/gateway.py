@@ -59,6 +59,8 @@ def default_doc() -> dict[str, Any]:
     def ep() -> list[str]:
         return [f"127.0.0.1:{free_port()}"]
 
+    fast = {"decode_ms_per_token": 0.2}
+
     return {
         "version": 1,
         "envoy": {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"},
@@ -66,8 +68,8 @@ def default_doc() -> dict[str, Any]:
                      "ratelimit": f"127.0.0.1:{free_port()}"},
         "clusters": {
             "vllm-short": {"endpoints": ep(), "max_context": 2048, "simulate": True},
-            "vllm-long": {"endpoints": ep(), "max_context": 32768, "simulate": True},
-            "vllm-canary": {"endpoints": ep(), "max_context": 32768, "simulate": True},
+            "vllm-long": {"endpoints": ep(), "max_context": 32768, "simulate": fast},
+            "vllm-canary": {"endpoints": ep(), "max_context": 32768, "simulate": fast},
             "embed": {"endpoints": ep(), "max_context": 8192, "simulate": True},
         },
         "models": {
@@ -96,7 +98,7 @@ def running_gateway(doc: dict[str, Any], workdir: str) -> Iterator[Gateway]:
                          ratelimit_metrics_port=ratelimit_metrics)
     try:
         sims = {name: f"http://{spec.endpoints[0]}" for name, spec in config.clusters.items()
-                if spec.simulate}
+                if spec.simulator is not None}
         yield Gateway(
             url=f"http://{config.envoy.listen}",
             admin_url=f"http://{config.envoy.admin}",

@@ -1,0 +1,79 @@
+"""Envoy's own replies (extproc down, no pool chosen, body too large) are OpenAI JSON too."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import yaml
+
+from llm_sidecar.procs import envoy_binary, start, wait_http_ok
+from routing.loader import load_config
+from routing.render import write_all
+from tests.harness.gateway import default_doc
+
+
+@contextmanager
+def envoy_only(doc: dict[str, Any], workdir: str) -> Iterator[str]:
+    """Envoy alone, with nothing behind its ext_proc address."""
+    path = os.path.join(workdir, "routing.yaml")
+    with open(path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(doc, handle)
+    config = load_config(path)
+    write_all(config, workdir)
+    child = start("envoy", [envoy_binary(), "-c", os.path.join(workdir, "envoy.yaml"),
+                            "--log-level", "error", "--disable-hot-restart"])
+    try:
+        wait_http_ok(f"http://{config.envoy.admin}/ready", 30, child)
+        yield f"http://{config.envoy.listen}"
+    finally:
+        child.stop()
+
+
+def post(url: str, body: bytes) -> tuple[int, str, dict[str, Any]]:
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, method="POST",
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, resp.headers["content-type"], json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers["content-type"], json.loads(err.read())
+
+
+BODY = b'{"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def test_extproc_down_fails_closed_with_503_json(tmp_path: Any) -> None:
+    with envoy_only(default_doc(), str(tmp_path)) as url:
+        status, content_type, payload = post(url, BODY)
+    assert status == 503
+    assert content_type == "application/json"
+    assert payload["error"]["code"] == "upstream_unavailable"
+    assert payload["error"]["type"] == "server_error"
+    assert payload["error"]["param"] is None
+
+
+def test_fail_open_without_a_pool_is_a_clear_503(tmp_path: Any) -> None:
+    doc = default_doc()
+    doc["services"]["failure_mode_allow"] = True
+    with envoy_only(doc, str(tmp_path)) as url:
+        status, content_type, payload = post(url, BODY)
+    assert status == 503
+    assert content_type == "application/json"
+    assert payload["error"]["code"] == "upstream_unavailable"
+    assert "No model pool" in payload["error"]["message"]
+
+
+def test_a_body_above_the_limit_is_a_json_413(tmp_path: Any) -> None:
+    doc = default_doc()
+    doc["envoy"]["max_request_bytes"] = 4096
+    with envoy_only(doc, str(tmp_path)) as url:
+        status, content_type, payload = post(url, b'{"model": "' + b"x" * 20000 + b'"}')
+    assert status == 413
+    assert content_type == "application/json"
+    assert payload["error"]["code"] == "request_too_large"
