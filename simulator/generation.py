@@ -1,0 +1,133 @@
+"""What a simulated model generates, and when: pure decisions, no clocks, no sockets.
+
+Output length (``plan_output``): a request that sets ``max_tokens`` gets exactly that many tokens
+and finish reason ``length`` (the simulated model never stops early, so the budget is always what
+cuts it); one that sets none gets ``default_output_tokens`` and ``stop``, unless the context
+window leaves fewer, in which case it gets what is left and ``length``.
+
+Text: one word per token, chosen from a small vocabulary by a hash of the prompt, so the same
+prompt always produces the same text in every process.
+
+Timing (``timeline``): a sequence's prefill takes ``prefill * prompt_tokens``; its k-th token
+(0-based) is produced ``(k + 1) * decode`` after that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Literal
+
+from simulator.errors import context_length_exceeded
+from simulator.tokens import ChatPrompt, Prompt, TokenPrompt
+
+FinishReason = Literal["stop", "length"]
+
+_WORDS = (
+    "the", "model", "token", "stream", "route", "pool", "cache", "batch",
+    "queue", "prompt", "reply", "vector", "limit", "bucket", "canary", "cluster",
+    "alpha", "beta", "gamma", "delta", "sigma", "omega", "river", "stone",
+    "light", "north", "south", "quiet", "rapid", "green", "amber", "cobalt",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """One sequence to run: its prompt size, the text of each output token, and why it ends."""
+
+    prompt_tokens: int
+    pieces: tuple[str, ...]
+    finish_reason: FinishReason
+
+    @property
+    def text(self) -> str:
+        """The whole generated text."""
+        return "".join(self.pieces)
+
+
+@dataclass(frozen=True)
+class TimelineStep:
+    """At ``at`` seconds after admission, sequence ``seq`` produces token ``token``.
+
+    ``token`` is -1 for a sequence that produces no tokens (an embedding): the step marks the end
+    of its prefill.
+    """
+
+    at: float
+    seq: int
+    token: int
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Raise vLLM's context-length 400 when the prompt and requested output do not fit.
+
+    A request without ``max_tokens`` still needs room for one output token.
+    """
+    wanted = 1 if max_tokens is None else max_tokens
+    if prompt_tokens + wanted > max_model_len:
+        raise context_length_exceeded(max_model_len, prompt_tokens, wanted)
+
+
+def check_pooling_context(prompt_tokens: int, max_model_len: int) -> None:
+    """Raise vLLM's context-length 400 for an embedding input longer than the window."""
+    if prompt_tokens > max_model_len:
+        raise context_length_exceeded(max_model_len, prompt_tokens, 0)
+
+
+def plan_output(
+    prompt: Prompt,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    default_output_tokens: int,
+    max_model_len: int,
+) -> SequencePlan:
+    """The output of one prompt (see module docstring); checks the context window first."""
+    check_context(prompt_tokens, max_tokens, max_model_len)
+    room = max_model_len - prompt_tokens
+    count: int
+    finish: FinishReason
+    if max_tokens is not None:
+        count, finish = max_tokens, "length"
+    elif default_output_tokens <= room:
+        count, finish = default_output_tokens, "stop"
+    else:
+        count, finish = room, "length"
+    return SequencePlan(prompt_tokens, output_pieces(prompt_seed(prompt), count), finish)
+
+
+def prompt_seed(prompt: Prompt) -> bytes:
+    """Bytes that identify a prompt's content, for deriving its output deterministically."""
+    if isinstance(prompt, str):
+        return b"text\0" + prompt.encode("utf-8")
+    if isinstance(prompt, TokenPrompt):
+        return b"ids\0" + ",".join(map(str, prompt.ids)).encode("ascii")
+    return b"chat\0" + _chat_bytes(prompt)
+
+
+def _chat_bytes(prompt: ChatPrompt) -> bytes:
+    parts = []
+    for message in prompt.messages:
+        parts.append(message.role.encode("utf-8"))
+        parts.extend(text.encode("utf-8") for text in message.texts)
+    return b"\0".join(parts)
+
+
+def output_pieces(seed: bytes, count: int) -> tuple[str, ...]:
+    """``count`` words derived from ``seed``; every word after the first has a leading space."""
+    stream = hashlib.shake_256(seed).digest(count)
+    return tuple(("" if k == 0 else " ") + _WORDS[byte % len(_WORDS)] for k, byte in enumerate(stream))
+
+
+def timeline(
+    plans: tuple[SequencePlan, ...], prefill_s_per_token: float, decode_s_per_token: float
+) -> list[TimelineStep]:
+    """Every token of every sequence in the order they are produced (ties: sequence order)."""
+    steps = []
+    for seq, plan in enumerate(plans):
+        prefill = prefill_s_per_token * plan.prompt_tokens
+        if not plan.pieces:
+            steps.append(TimelineStep(prefill, seq, -1))
+        for k in range(len(plan.pieces)):
+            steps.append(TimelineStep(prefill + (k + 1) * decode_s_per_token, seq, k))
+    steps.sort(key=lambda step: (step.at, step.seq, step.token))
+    return steps

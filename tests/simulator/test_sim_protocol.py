@@ -1,0 +1,189 @@
+"""Request parsing: accepted shapes and the exact 400 for each malformed field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from simulator.errors import SimError
+from simulator.protocol import (
+    parse_chat_request,
+    parse_completion_request,
+    parse_embedding_request,
+)
+from simulator.tokens import ChatMessage, ChatPrompt, TokenPrompt
+
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+def test_chat_request_fields() -> None:
+    parsed = parse_chat_request(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+                },
+            ],
+            "max_tokens": 9,
+            "max_completion_tokens": 7,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "priority": -3,
+            "temperature": 0.2,
+            "n": 1,
+        }
+    )
+    assert parsed.prompts == (
+        ChatPrompt(
+            (
+                ChatMessage("system", ("be brief",)),
+                ChatMessage("user", ("a",)),
+                ChatMessage("assistant", ("f", "{}")),
+            )
+        ),
+    )
+    assert (parsed.model, parsed.max_tokens, parsed.stream, parsed.priority) == ("m", 7, True, -3)
+    assert (parsed.include_usage, parsed.continuous_usage) == (True, True)
+
+
+@pytest.mark.parametrize(
+    ("options", "stream", "usage"),
+    [
+        (None, True, (False, False)),
+        ({}, True, (True, False)),  # vLLM's StreamOptions.include_usage defaults to true
+        ({}, False, (True, False)),  # an empty object passes vLLM's stream check
+        ({"include_usage": False, "continuous_usage_stats": True}, True, (False, False)),
+        ({"continuous_usage_stats": True}, True, (True, True)),
+    ],
+)
+def test_stream_options_follow_vllm(
+    options: dict[str, Any] | None, stream: bool, usage: tuple[bool, bool]
+) -> None:
+    parsed = parse_chat_request({"messages": HELLO, "stream": stream, "stream_options": options})
+    assert (parsed.include_usage, parsed.continuous_usage) == usage
+
+
+@pytest.mark.parametrize(
+    ("prompt", "prompts"),
+    [
+        ("hi", ("hi",)),
+        (["a", "b"], ("a", "b")),
+        ([1, 2, 3], (TokenPrompt((1, 2, 3)),)),
+        ([[1], [2, 3]], (TokenPrompt((1,)), TokenPrompt((2, 3)))),
+    ],
+)
+def test_completion_prompt_forms(prompt: Any, prompts: tuple[Any, ...]) -> None:
+    parsed = parse_completion_request({"prompt": prompt})
+    assert parsed.prompts == prompts
+    assert (parsed.model, parsed.max_tokens, parsed.stream, parsed.priority) == (None, None, False, 0)
+
+
+def test_embedding_request_fields() -> None:
+    parsed = parse_embedding_request(
+        {"input": [[1, 2]], "model": "e", "encoding_format": "base64", "dimensions": 8}
+    )
+    assert parsed.inputs == (TokenPrompt((1, 2)),)
+    assert (parsed.model, parsed.encoding_format, parsed.dimensions) == ("e", "base64", 8)
+    assert parse_embedding_request({"input": "x", "encoding_format": None}).encoding_format == "float"
+
+
+CHAT_ERRORS = [
+    ([1, 2], None, "The request body must be a JSON object"),
+    ({}, "messages", "'messages' must be a non-empty list of messages"),
+    ({"messages": []}, "messages", "'messages' must be a non-empty list of messages"),
+    ({"messages": ["hi"]}, "messages", "'messages[0]' must be an object"),
+    ({"messages": [{"content": "x"}]}, "messages", "'messages[0].role' must be a non-empty string"),
+    (
+        {"messages": [{"role": "user", "content": 5}]},
+        "messages",
+        "'messages[0].content' must be a string or a list of parts",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages",
+        "'messages[0].content' text parts need a string 'text'",
+    ),
+    ({"messages": HELLO, "model": 3}, "model", "'model' must be a string"),
+    ({"messages": HELLO, "max_tokens": "5"}, "max_tokens", "'max_tokens' must be an integer"),
+    ({"messages": HELLO, "max_tokens": True}, "max_tokens", "'max_tokens' must be an integer"),
+    (
+        {"messages": HELLO, "max_tokens": 0},
+        "max_tokens",
+        "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+    ),
+    (
+        {"messages": HELLO, "n": 2},
+        "n",
+        "The vLLM simulator only supports n=1. (parameter=n, value=2)",
+    ),
+    ({"messages": HELLO, "stream": "yes"}, "stream", "'stream' must be a boolean"),
+    (
+        {"messages": HELLO, "stream_options": {"include_usage": True}},
+        "stream_options",
+        "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+    ),
+    (
+        {"messages": HELLO, "stream": True, "stream_options": {"include_usage": 1}},
+        "stream_options.include_usage",
+        "'stream_options.include_usage' must be a boolean",
+    ),
+    ({"messages": HELLO, "priority": 1.5}, "priority", "'priority' must be an integer"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), CHAT_ERRORS)
+def test_chat_request_errors(body: Any, param: str | None, message: str) -> None:
+    with pytest.raises(SimError) as caught:
+        parse_chat_request(body)
+    assert (caught.value.status, caught.value.param, caught.value.message) == (400, param, message)
+
+
+FORMS = "a string, a non-empty list of strings, a list of non-negative token ids, or a list of token-id lists"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({}, "prompt", "'prompt' is required"),
+        ({"prompt": None}, "prompt", "'prompt' is required"),
+        ({"prompt": []}, "prompt", f"'prompt' must be {FORMS}"),
+        ({"prompt": 5}, "prompt", f"'prompt' must be {FORMS}"),
+        ({"prompt": ["a", 1]}, "prompt", f"'prompt' must be {FORMS}"),
+        ({"prompt": [-1]}, "prompt", f"'prompt' must be {FORMS}"),
+        ({"prompt": [[1], []]}, "prompt", "The decoder prompt cannot be empty (parameter=prompt)"),
+        ({"prompt": ""}, "prompt", "The decoder prompt cannot be empty (parameter=prompt)"),
+    ],
+)
+def test_completion_request_errors(body: Any, param: str, message: str) -> None:
+    with pytest.raises(SimError) as caught:
+        parse_completion_request(body)
+    assert (caught.value.status, caught.value.param, caught.value.message) == (400, param, message)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({}, "input", "'input' is required"),
+        ({"input": ["ok", ""]}, "input", "The input cannot be empty (parameter=input)"),
+        (
+            {"input": "x", "encoding_format": "int8"},
+            "encoding_format",
+            "'encoding_format' must be 'float' or 'base64'",
+        ),
+        (
+            {"input": "x", "dimensions": 0},
+            "dimensions",
+            "dimensions must be at least 1 (parameter=dimensions, value=0)",
+        ),
+    ],
+)
+def test_embedding_request_errors(body: Any, param: str, message: str) -> None:
+    with pytest.raises(SimError) as caught:
+        parse_embedding_request(body)
+    assert (caught.value.status, caught.value.param, caught.value.message) == (400, param, message)
