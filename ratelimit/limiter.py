@@ -139,7 +139,7 @@ def resolve(planned: Plan, stored: StoreResult) -> LimitOutcome:
     denied = [s for s in statuses if s.code == "over_limit"]
     waits = [_wait(s) for s in denied]
     cause = denied[waits.index(max(waits))] if denied else None
-    return LimitOutcome(False, tuple(statuses), max(1, math.ceil(max(waits, default=1))), cause)
+    return LimitOutcome(False, tuple(statuses), _whole_seconds(max(waits, default=1.0)), cause)
 
 
 def fallback(planned: Plan, policy: OnBackendError) -> LimitOutcome:
@@ -188,6 +188,11 @@ def _status(item: Planned, result: BucketResult | None) -> DescriptorOutcome:
         item.kind,
         label,
     )
+
+
+def _whole_seconds(wait: float) -> int:
+    """``retry-after``: whole seconds, at least 1; a millisecond over does not add a second."""
+    return max(1, math.ceil(wait - 0.001))
 
 
 def _wait(status: DescriptorOutcome) -> float:

@@ -51,6 +51,7 @@ _UINT32_MAX = 2**32 - 1
 _SHORT_UNIT = re.compile(r"^([0-9]+)(s|m|min|h|d|w)$")
 _SHORT_UNITS = {"s": "second", "m": "minute", "min": "minute", "h": "hour", "d": "day", "w": "week"}
 YAML_SUFFIXES = (".yaml", ".yml")
+_UNIT_HINT = " (expected second, minute, hour, day, week, month, year, or a window like 5m)"
 
 
 def load_path(path: str | FsPath) -> RateLimitConfig:
@@ -239,10 +240,11 @@ def _compile_limit(doc: Document, here: Path, item: dict[str, Any], full_key: st
 
 
 def _unit(doc: Document, at: Path, block: dict[str, Any]) -> tuple[str, int]:
-    raw = block.get("unit")
-    if not isinstance(raw, str) or not raw:
-        where: Path = (*at, "unit") if "unit" in block else at
-        raise doc.error(where, f"invalid rate limit unit '{raw or ''}'")
+    if "unit" not in block:
+        raise doc.error(at, "rate_limit needs unit (or unlimited: true)")
+    raw = block["unit"]
+    if not isinstance(raw, str) or not raw.strip():
+        raise doc.error((*at, "unit"), f"invalid rate limit unit '{raw}'{_UNIT_HINT}")
     text = raw.strip().lower()
     multiplier = 1
     if text in UNIT_SECONDS:
@@ -250,7 +252,7 @@ def _unit(doc: Document, at: Path, block: dict[str, Any]) -> tuple[str, int]:
     else:
         short = _SHORT_UNIT.match(text)
         if short is None or int(short.group(1)) < 1:
-            raise doc.error((*at, "unit"), f"invalid rate limit unit '{raw}'")
+            raise doc.error((*at, "unit"), f"invalid rate limit unit '{raw}'{_UNIT_HINT}")
         unit, multiplier = _SHORT_UNITS[short.group(2)], int(short.group(1))
     if "unit_multiplier" in block:
         factor = _uint(doc, (*at, "unit_multiplier"), block["unit_multiplier"], "unit_multiplier")

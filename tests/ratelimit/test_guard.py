@@ -1,0 +1,83 @@
+"""Deadline and circuit breaker around a store that hangs or fails."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from ratelimit.breaker import BreakerState
+from ratelimit.bucket import BucketResult, Hit
+from ratelimit.errors import BackendError
+from ratelimit.guard import GuardedStore
+from ratelimit.metrics import RateLimitMetrics
+from ratelimit.store import StoreResult
+
+from .helpers import FakeClock
+
+
+class ScriptedStore:
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.calls = 0
+
+    async def decide(self, hits: Sequence[Hit]) -> StoreResult:
+        self.calls += 1
+        if self.mode == "hang":
+            await asyncio.sleep(10)
+        if self.mode == "fail":
+            raise BackendError("boom")
+        return StoreResult(True, tuple(BucketResult(True, 1.0) for _ in hits))
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_deadline_breaker_and_recovery() -> None:
+    inner, clock, metrics = ScriptedStore(), FakeClock(), RateLimitMetrics()
+    guard = GuardedStore(inner, timeout_s=0.05, cooldown_s=1.0, metrics=metrics, clock=clock)
+    assert (await guard.decide([])).admitted
+
+    inner.mode = "hang"
+    started = time.perf_counter()
+    with pytest.raises(BackendError, match="deadline"):
+        await guard.decide([])
+    assert time.perf_counter() - started < 0.2
+    assert guard.breaker_state is BreakerState.OPEN
+    assert metrics.breaker_state._value.get() == 1
+
+    calls = inner.calls
+    for _ in range(5):  # open: fails at once without touching the store
+        with pytest.raises(BackendError, match="breaker"):
+            await guard.decide([])
+    assert inner.calls == calls
+    assert metrics.backend_errors.labels("breaker_open")._value.get() == 5
+
+    clock.advance(1.0)
+    inner.mode = "fail"
+    with pytest.raises(BackendError, match="boom"):  # the half-open probe fails
+        await guard.decide([])
+    assert guard.breaker_state is BreakerState.OPEN
+
+    clock.advance(1.0)
+    inner.mode = "ok"
+    assert (await guard.decide([])).admitted  # the probe succeeds
+    assert guard.breaker_state is BreakerState.CLOSED
+    assert metrics.breaker_state._value.get() == 0
+
+
+async def test_cancelled_probe_does_not_wedge_the_breaker() -> None:
+    inner, clock = ScriptedStore(), FakeClock()
+    guard = GuardedStore(inner, 5.0, 1.0, RateLimitMetrics(), clock=clock)
+    inner.mode = "hang"
+    task = asyncio.create_task(guard.decide([]))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert guard.breaker_state is BreakerState.OPEN
+    clock.advance(1.0)
+    inner.mode = "ok"
+    assert (await guard.decide([])).admitted

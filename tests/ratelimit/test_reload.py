@@ -1,0 +1,87 @@
+"""Config reload: an edit, a Kubernetes-style symlink swap, and a broken file."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from llm_sidecar.settings import Settings
+from ratelimit.descriptors import RateLimitConfig
+from ratelimit.loader import load_path
+from ratelimit.reload import Reloader
+from ratelimit.service import RateLimitServer
+
+TEMPLATE = """
+domain: llm
+descriptors:
+  - key: api_key
+    rate_limit: {{unit: second, requests_per_unit: {n}}}
+"""
+
+
+def capacity(config: RateLimitConfig) -> int | None:
+    limit = config.domains["llm"].match([("api_key", "k")])
+    return None if limit is None else limit.requests_per_unit
+
+
+async def wait_for(predicate: object, timeout_s: float = 2.0) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if predicate():  # type: ignore[operator]
+            return time.monotonic() - started
+        await asyncio.sleep(0.02)
+    raise AssertionError("not within 2 s")
+
+
+async def test_edit_applies_within_two_seconds_and_broken_file_keeps_old(tmp_path: Path) -> None:
+    path = tmp_path / "ratelimit.yaml"
+    path.write_text(TEMPLATE.format(n=5))
+    server = RateLimitServer(str(path), "127.0.0.1", 0, 0, Settings(reload_interval_s=0.1))
+    await server.start()
+    try:
+        reloader = server.reloader
+        assert capacity(reloader.current()) == 5
+        path.write_text(TEMPLATE.format(n=7))
+        await wait_for(lambda: capacity(reloader.current()) == 7)
+
+        path.write_text("domain: llm\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: x}\n")
+        await wait_for(lambda: server.metrics.reloads.labels("error")._value.get() == 1)
+        assert capacity(reloader.current()) == 7
+        await asyncio.sleep(0.3)  # the broken file is not reloaded (or re-logged) every poll
+        assert server.metrics.reloads.labels("error")._value.get() == 1
+
+        path.write_text(TEMPLATE.format(n=9))
+        await wait_for(lambda: capacity(reloader.current()) == 9)
+        assert server.metrics.reloads.labels("ok")._value.get() == 2
+    finally:
+        await server.stop(grace_s=0.1)
+
+
+def _configmap(root: Path, version: str, n: int) -> None:
+    """Lay out a ConfigMap volume: ``..<version>/`` holds the data, ``..data`` points at it,
+    and ``ratelimit.yaml`` is a symlink through ``..data``."""
+    folder = root / f"..{version}"
+    folder.mkdir()
+    (folder / "ratelimit.yaml").write_text(TEMPLATE.format(n=n))
+    tmp_link = root / "..data_tmp"
+    tmp_link.symlink_to(folder.name)
+    os.replace(tmp_link, root / "..data")  # atomic, as the kubelet does it
+
+
+async def test_configmap_symlink_swap_file_and_directory(tmp_path: Path) -> None:
+    _configmap(tmp_path, "v1", 3)
+    (tmp_path / "ratelimit.yaml").symlink_to("..data/ratelimit.yaml")
+    as_file = Reloader(tmp_path / "ratelimit.yaml", load_path, 0.05)
+    as_dir = Reloader(tmp_path, load_path, 0.05)
+    tasks = [asyncio.create_task(r.run()) for r in (as_file, as_dir)]
+    try:
+        assert capacity(as_file.current()) == 3 and capacity(as_dir.current()) == 3
+        _configmap(tmp_path, "v2", 4)
+        await wait_for(lambda: capacity(as_file.current()) == 4)
+        await wait_for(lambda: capacity(as_dir.current()) == 4)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

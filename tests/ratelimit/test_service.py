@@ -1,0 +1,183 @@
+"""The gRPC service through a real grpc.aio channel (memory store): what Envoy sees."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import grpc
+import orjson
+import pytest
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llm_sidecar.settings import Settings
+from ratelimit.service import RateLimitServer
+
+CONFIG = """
+domain: llm
+descriptors:
+  - key: kind
+    value: requests
+    descriptors:
+      - key: api_key
+        rate_limit: {unit: second, requests_per_unit: 2, name: per-key}
+      - key: tenant
+        rate_limit: {unit: 5m, requests_per_unit: 100}
+  - key: kind
+    value: tokens
+    descriptors:
+      - key: api_key
+        rate_limit: {unit: minute, requests_per_unit: 60, debt: true}
+  - key: ldap
+    rate_limit: {unlimited: true}
+"""
+
+Response = rls_pb2.RateLimitResponse
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[RateLimitServer]:
+    path = tmp_path / "ratelimit.yaml"
+    path.write_text(CONFIG)
+    server = RateLimitServer(str(path), "127.0.0.1", 0, 0, Settings(reload_interval_s=0.1))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace_s=0.5)
+
+
+@pytest.fixture
+async def channel(server: RateLimitServer) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield channel
+
+
+def descriptor(*entries: tuple[str, str], hits: int | None = None) -> ratelimit_pb2.RateLimitDescriptor:
+    out = ratelimit_pb2.RateLimitDescriptor(
+        entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key=k, value=v) for k, v in entries]
+    )
+    if hits is not None:
+        out.hits_addend.value = hits
+    return out
+
+
+async def ask(
+    channel: grpc.aio.Channel,
+    *descriptors: ratelimit_pb2.RateLimitDescriptor,
+    domain: str = "llm",
+    hits_addend: int = 0,
+) -> rls_pb2.RateLimitResponse:
+    stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+    request = rls_pb2.RateLimitRequest(domain=domain, descriptors=list(descriptors), hits_addend=hits_addend)
+    response: rls_pb2.RateLimitResponse = await stub.ShouldRateLimit(request, timeout=5)
+    return response
+
+
+KEY = descriptor(("kind", "requests"), ("api_key", "k1"))
+
+
+async def test_ok_statuses_carry_limit_remaining_and_reset(channel: grpc.aio.Channel) -> None:
+    response = await ask(channel, KEY)
+    assert response.overall_code == Response.OK
+    status = response.statuses[0]
+    assert status.code == Response.OK
+    assert status.current_limit.requests_per_unit == 2
+    assert status.current_limit.unit == Response.RateLimit.SECOND
+    assert status.current_limit.name == "per-key"
+    assert status.limit_remaining == 1
+    assert status.duration_until_reset.seconds == 1
+    assert not response.raw_body and not response.response_headers_to_add
+
+
+async def test_over_limit_has_retry_after_and_openai_body(channel: grpc.aio.Channel) -> None:
+    await ask(channel, KEY)
+    await ask(channel, KEY)
+    response = await ask(channel, KEY)
+    assert response.overall_code == Response.OVER_LIMIT
+    assert response.statuses[0].code == Response.OVER_LIMIT
+    assert response.statuses[0].limit_remaining == 0
+    headers = {h.key: h.value for h in response.response_headers_to_add}
+    assert headers == {"retry-after": "1", "content-type": "application/json"}
+    body = orjson.loads(response.raw_body)
+    assert body == {
+        "error": {
+            "message": "Rate limit reached for requests per api_key: limit 2 per second. "
+            "Please retry after 1 second.",
+            "type": "requests",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    }
+    assert b"k1" not in response.raw_body
+
+
+async def test_tokens_body_and_multi_unit_limit(channel: grpc.aio.Channel) -> None:
+    tenant = descriptor(("kind", "requests"), ("tenant", "legal"))
+    response = await ask(channel, tenant)
+    assert response.statuses[0].current_limit.requests_per_unit == 20
+    assert response.statuses[0].current_limit.unit == Response.RateLimit.MINUTE
+    tokens = descriptor(("kind", "tokens"), ("api_key", "k1"), hits=500)
+    assert (await ask(channel, tokens)).overall_code == Response.OK
+    response = await ask(channel, descriptor(("kind", "tokens"), ("api_key", "k1"), hits=0))
+    assert response.overall_code == Response.OVER_LIMIT
+    body = orjson.loads(response.raw_body)["error"]
+    assert body["type"] == "tokens"
+    assert body["message"].startswith("Rate limit reached for tokens per api_key")
+    headers = {h.key: h.value for h in response.response_headers_to_add}
+    assert int(headers["retry-after"]) in (440, 441)
+
+
+async def test_hits_addend_semantics(channel: grpc.aio.Channel) -> None:
+    tenant = descriptor(("kind", "requests"), ("tenant", "t"))
+    assert (await ask(channel, tenant)).statuses[0].limit_remaining == 99  # unset: 1
+    assert (await ask(channel, tenant, hits_addend=9)).statuses[0].limit_remaining == 90
+    check = descriptor(("kind", "requests"), ("tenant", "t"), hits=0)
+    assert (await ask(channel, check, hits_addend=9)).statuses[0].limit_remaining == 90
+    big = descriptor(("kind", "requests"), ("tenant", "t"), hits=2**64 - 1)
+    response = await ask(channel, big)
+    assert response.overall_code == Response.OVER_LIMIT
+    assert (await ask(channel, check)).statuses[0].limit_remaining == 90
+
+
+async def test_unknown_domain_unmatched_and_unlimited_are_ok(channel: grpc.aio.Channel) -> None:
+    response = await ask(channel, KEY, domain="no-such-domain")
+    assert response.overall_code == Response.OK
+    assert not response.statuses[0].HasField("current_limit")
+    response = await ask(channel, descriptor(("ldap", "x")), descriptor(("color", "red")))
+    assert [s.code for s in response.statuses] == [Response.OK, Response.OK]
+    assert response.statuses[0].limit_remaining == 2**32 - 1
+    assert (await ask(channel, domain="")).overall_code == Response.OK
+    assert (await ask(channel, descriptor())).overall_code == Response.OK
+
+
+async def test_garbage_does_not_crash_the_service(channel: grpc.aio.Channel) -> None:
+    raw = channel.unary_unary(
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+        request_serializer=None,
+        response_deserializer=None,
+    )
+    for junk in (b"\xff\xfe\xfd garbage", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x05\x0a\x03\xff\xfe"):
+        with pytest.raises(grpc.aio.AioRpcError):
+            await raw(junk, timeout=5)
+    assert (await ask(channel, KEY)).overall_code == Response.OK
+
+
+async def test_health_and_http_endpoints(server: RateLimitServer, channel: grpc.aio.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "envoy.service.ratelimit.v3.RateLimitService"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    await ask(channel, KEY)
+    async with aiohttp.ClientSession() as session:
+        base = f"http://127.0.0.1:{server.metrics_port}"
+        async with session.get(f"{base}/healthz") as reply:
+            assert reply.status == 200
+        async with session.get(f"{base}/metrics") as reply:
+            text = await reply.text()
+    assert 'ratelimit_decisions_total{kind="requests",level="api_key",result="ok"} 1.0' in text
+    assert "ratelimit_breaker_state" in text
+    assert "ratelimit_config_reloads_total" in text or "ratelimit_config_reloads" in text
