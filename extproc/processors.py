@@ -10,13 +10,15 @@ from typing import Protocol
 
 import orjson
 
-from extproc.actions import PASS, Action, Continue, Headers, Reply
+from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply
 from extproc.bodies import Api, parse_embeddings, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
 from extproc.tokens import PER_MESSAGE_TOKENS, PER_PROMPT_TOKENS, count_texts, counter_for
+from extproc.usage import UsageMeter, tokens_to_charge
 from routing.compiled import ModelRoute
+from routing.ratelimits import TOKENS_METADATA_KEY
 
 
 class Processor(Protocol):
@@ -75,15 +77,46 @@ def _body_required() -> Reply:
 
 
 class GenerationProcessor(_Base):
-    """``/v1/chat/completions`` and ``/v1/completions``."""
+    """``/v1/chat/completions`` and ``/v1/completions``.
+
+    The response is streamed through extproc (never held back) so the tokens it used can be
+    read off it and handed to the rate limiter as dynamic metadata at end of stream.
+    """
 
     def __init__(self, ctx: RequestContext, api: Api) -> None:
         super().__init__(ctx)
         self.api = api
         self.decision: Decision | None = None
+        self.status = 0
+        self.meter: UsageMeter | None = None
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
-        return _body_required() if end_of_stream else PASS
+        if end_of_stream:
+            return _body_required()
+        return Continue(mode=ModeOverride(response_headers=True, response_body="streamed"))
+
+    def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
+        status = headers.get(":status", "0")
+        self.status = int(status) if status.isdigit() else 0
+        streaming = headers.get("content-type", "").startswith("text/event-stream")
+        self.meter = UsageMeter(streaming)
+        return self._finish() if end_of_stream else PASS
+
+    def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
+        if self.meter is None:
+            self.meter = UsageMeter(streaming=False)
+        self.meter.feed(chunk)
+        return self._finish() if end_of_stream else PASS
+
+    def _finish(self) -> Action:
+        """At end of stream: the tokens to charge (0 for an upstream error, nothing was served)."""
+        decision = self.decision
+        if decision is None or self.meter is None:
+            return PASS
+        usage = self.meter.finish()
+        tokens = 0 if self.status >= 400 else tokens_to_charge(
+            usage, decision.prompt_tokens, decision.output_tokens)
+        return Continue(metadata={TOKENS_METADATA_KEY: tokens})
 
     def on_request_body(self, body: bytes) -> Action:
         parsed = parse_generation(self.api, body)

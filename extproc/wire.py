@@ -14,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.actions import Action, Continue, Headers, ModeOverride, Phase
+from routing.ratelimits import METADATA_NAMESPACE
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _BODY_MODES = {
@@ -21,7 +22,6 @@ _BODY_MODES = {
     "streamed": processing_mode_pb2.ProcessingMode.STREAMED,
     "buffered": processing_mode_pb2.ProcessingMode.BUFFERED,
 }
-METADATA_NAMESPACE = "envoy.filters.http.ext_proc"
 
 
 def header_dict(message: Any) -> dict[str, str]:
@@ -59,7 +59,10 @@ def _header_mutation(target: pb.HeaderMutation, set_headers: Headers,
 
 
 def _mode(mode: ModeOverride) -> processing_mode_pb2.ProcessingMode:
+    # An override replaces the whole mode: keep the request side as the filter config has it.
     out = processing_mode_pb2.ProcessingMode()
+    out.request_header_mode = processing_mode_pb2.ProcessingMode.SEND
+    out.request_body_mode = processing_mode_pb2.ProcessingMode.BUFFERED
     out.response_header_mode = (
         processing_mode_pb2.ProcessingMode.SEND if mode.response_headers
         else processing_mode_pb2.ProcessingMode.SKIP

@@ -6,6 +6,7 @@ import os
 
 import yaml
 
+from routing.ratelimits import descriptors
 from routing.render_envoy import bootstrap
 from routing.schema import RoutingConfig
 
@@ -16,7 +17,10 @@ def dump(doc: object) -> str:
 
 def render_all(config: RoutingConfig) -> dict[str, str]:
     """File name → text of each artifact."""
-    return {"envoy.yaml": dump(bootstrap(config))}
+    return {
+        "envoy.yaml": dump(bootstrap(config)),
+        "ratelimit.yaml": dump(descriptors(config)),
+    }
 
 
 def write_all(config: RoutingConfig, out_dir: str) -> list[str]:

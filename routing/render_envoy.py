@@ -10,12 +10,13 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from routing.ratelimits import DOMAIN, METADATA_NAMESPACE, route_rate_limits
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport
 
 EXTPROC_CLUSTER = "llm-sidecar-extproc"
 RATELIMIT_CLUSTER = "llm-sidecar-ratelimit"
-RATELIMIT_DOMAIN = "llm-sidecar"
+RATELIMIT_DOMAIN = DOMAIN
 TYPE = "@type"
 API = "type.googleapis.com/envoy."
 
@@ -66,8 +67,8 @@ def local_reply_config() -> dict[str, Any]:
             ]}},
             "status_code": 503,
             "body_format_override": _json_error(
-                "The model backend or a gateway service is unavailable (%RESPONSE_CODE_DETAILS%).", "server_error",
-                "upstream_unavailable"),
+                "The model backend or a gateway service is unavailable "
+                "(%RESPONSE_CODE_DETAILS%).", "server_error", "upstream_unavailable"),
         },
         {
             "filter": {"response_flag_filter": {"flags": ["UT"]}},
@@ -114,6 +115,30 @@ def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
             },
             "allow_mode_override": True,
             "mutation_rules": {"allow_all_routing": True},
+            # extproc hands the LLM tokens a response used to the rate limiter this way.
+            "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
+        },
+    }
+
+
+def ratelimit_filter(config: RoutingConfig) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.ratelimit",
+        "typed_config": {
+            TYPE: API + "extensions.filters.http.ratelimit.v3.RateLimit",
+            "domain": RATELIMIT_DOMAIN,
+            # The service answers within its Redis deadline (50 ms by default) plus a margin.
+            "timeout": "0.25s",
+            "failure_mode_deny": config.services.ratelimit_failure_mode_deny,
+            "status_on_error": {"code": 503},
+            "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
+            # Filter-level actions: Envoy honours hits_addend (0 = check only, or the tokens
+            # extproc reported) on these, and evaluates apply_on_stream_done ones at the end.
+            "rate_limits": route_rate_limits(config),
+            "rate_limit_service": {
+                "grpc_service": {"envoy_grpc": {"cluster_name": RATELIMIT_CLUSTER}},
+                "transport_api_version": "V3",
+            },
         },
     }
 
@@ -175,6 +200,8 @@ def _cluster(name: str, endpoints: list[str], *, grpc: bool = False) -> dict[str
 def clusters(config: RoutingConfig) -> list[dict[str, Any]]:
     out = [_cluster(name, spec.endpoints) for name, spec in config.clusters.items()]
     out.append(_cluster(EXTPROC_CLUSTER, [config.services.extproc], grpc=True))
+    if config.rate_limits is not None:
+        out.append(_cluster(RATELIMIT_CLUSTER, [config.services.ratelimit], grpc=True))
     return out
 
 
@@ -190,7 +217,11 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "local_reply_config": local_reply_config(),
         "route_config": {"name": "llm", "virtual_hosts": [
             {"name": "llm", "domains": ["*"], "routes": routes(config)}]},
-        "http_filters": [ext_proc_filter(config), router_filter()],
+        "http_filters": [
+            ext_proc_filter(config),
+            *([ratelimit_filter(config)] if config.rate_limits is not None else []),
+            router_filter(),
+        ],
     }
 
 

@@ -4,6 +4,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import wire
 from extproc.actions import Continue, ModeOverride, Reply
+from routing.ratelimits import METADATA_NAMESPACE
 
 
 def headers_request(**headers: str) -> pb.ProcessingRequest:
@@ -47,7 +48,7 @@ def test_continue_with_mutations() -> None:
     assert list(common.header_mutation.remove_headers) == ["x-llm-tenant"]
     assert common.body_mutation.body == b"new" and common.clear_route_cache
     assert response.mode_override.response_body_mode == 2  # BUFFERED
-    assert response.dynamic_metadata.fields[wire.METADATA_NAMESPACE].struct_value \
+    assert response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value \
         .fields["tokens"].number_value == 5
 
 

@@ -1,0 +1,132 @@
+"""Reading token usage off a chat/completions response, streamed (SSE) or not.
+
+Pure and incremental: feed response body chunks as Envoy passes them, ask for the result at the
+end. Memory is bounded: a non-streamed body above ``MAX_JSON_BYTES`` is not kept (usage then
+falls back to the request's estimate), and an SSE event above ``MAX_EVENT_BYTES`` is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import orjson
+
+MAX_JSON_BYTES = 8 * 1024 * 1024
+MAX_EVENT_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    total_tokens: int | None
+    streamed_tokens: int
+    """Content chunks seen on an SSE stream (vLLM sends about one token per chunk)."""
+
+
+def _usage_of(doc: object) -> tuple[int | None, int | None, int | None]:
+    if not isinstance(doc, dict):
+        return None, None, None
+    usage = doc.get("usage")
+    if not isinstance(usage, dict):
+        return None, None, None
+
+    def number(name: str) -> int | None:
+        value = usage.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+            else None
+
+    return number("prompt_tokens"), number("completion_tokens"), number("total_tokens")
+
+
+def _has_content(doc: dict[str, object]) -> bool:
+    choices = doc.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        if isinstance(text, str) and text:
+            return True
+    return False
+
+
+class UsageMeter:
+    """Accumulates one response; ``streaming`` is decided from its content-type."""
+
+    def __init__(self, streaming: bool) -> None:
+        self.streaming = streaming
+        self._buffer = bytearray()
+        self._overflow = False
+        self._usage: tuple[int | None, int | None, int | None] = (None, None, None)
+        self.streamed_tokens = 0
+        self.events = 0
+
+    def feed(self, chunk: bytes) -> int:
+        """Take the next body chunk; the number of content-bearing SSE events it completed."""
+        if not chunk or (self._overflow and not self.streaming):
+            return 0
+        self._buffer += chunk
+        if not self.streaming:
+            if len(self._buffer) > MAX_JSON_BYTES:
+                self._overflow = True
+                self._buffer.clear()
+            return 0
+        return self._drain_events()
+
+    def _drain_events(self) -> int:
+        found = 0
+        while True:
+            buffer = self._buffer
+            end = buffer.find(b"\n\n")
+            if end < 0:
+                if len(buffer) > MAX_EVENT_BYTES:
+                    buffer.clear()
+                return found
+            event = bytes(buffer[:end])
+            del buffer[:end + 2]
+            found += self._event(event)
+
+    def _event(self, event: bytes) -> int:
+        for line in event.split(b"\n"):
+            line = line.rstrip(b"\r")
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if not data or data == b"[DONE]":
+                continue
+            try:
+                doc = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(doc, dict):
+                continue
+            self.events += 1
+            usage = _usage_of(doc)
+            if usage[2] is not None:
+                self._usage = usage
+            if _has_content(doc):
+                self.streamed_tokens += 1
+                return 1
+        return 0
+
+    def finish(self) -> Usage:
+        if not self.streaming and self._buffer and not self._overflow:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                self._usage = _usage_of(orjson.loads(bytes(self._buffer)))
+            self._buffer.clear()
+        prompt, completion, total = self._usage
+        return Usage(prompt, completion, total, self.streamed_tokens)
+
+
+def tokens_to_charge(usage: Usage, prompt_estimate: int, output_budget: int) -> int:
+    """``usage.total_tokens``, else prompt + streamed tokens, else the request's estimate."""
+    if usage.total_tokens is not None:
+        return usage.total_tokens
+    if usage.streamed_tokens:
+        return (usage.prompt_tokens if usage.prompt_tokens is not None else prompt_estimate) \
+            + usage.streamed_tokens
+    return prompt_estimate + output_budget

@@ -1,0 +1,117 @@
+"""Rate limits through real Envoy: per key, tenant and model; requests and LLM tokens."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from tests.harness.gateway import Gateway, default_doc, running_gateway
+
+BOT_KEY = "sk-contract-bot-secret"
+
+
+def doc() -> dict[str, Any]:
+    d = default_doc()
+    d["api_keys"] = [{"name": "contract-bot", "sha256": hashlib.sha256(BOT_KEY.encode()).hexdigest(),
+                      "tenant": "legal"}]
+    d["rate_limits"] = {
+        "api_key": {"default": {"requests": "3/min"},
+                    "overrides": {"contract-bot": {"requests": "5/min"}}},
+        "tenant": {"overrides": {"small": {"requests": "2/min"},
+                                 "thrifty": {"tokens": "100/min"},
+                                 "streamy": {"tokens": "50/min"},
+                                 "frugal": {"tokens": "50/min"}}},
+        "model": {"overrides": {"bge-m3": {"requests": "4/min"}}},
+    }
+    return d
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with running_gateway(doc(), str(tmp_path_factory.mktemp("gw-rl"))) as gateway:
+        yield gateway
+
+
+def client(gw: Gateway, key: str, tenant: str | None = None) -> openai.OpenAI:
+    headers = {"x-tenant-id": tenant} if tenant else None
+    return openai.OpenAI(base_url=gw.openai_base, api_key=key, default_headers=headers,
+                         max_retries=0, timeout=10)
+
+
+def chat(c: openai.OpenAI, max_tokens: int = 2) -> Any:
+    return c.chat.completions.with_raw_response.create(
+        model="llama-2-13b", messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens)
+
+
+def test_per_key_limit_denies_with_openai_json(gw: Gateway) -> None:
+    c = client(gw, "sk-key-a")
+    remaining = [int(chat(c).headers["x-ratelimit-remaining"]) for _ in range(3)]
+    assert remaining == sorted(remaining, reverse=True) and remaining[0] > remaining[-1]
+    with pytest.raises(openai.RateLimitError) as caught:
+        chat(c)
+    err = caught.value
+    assert err.status_code == 429
+    assert err.body["code"] == "rate_limit_exceeded"
+    assert err.body["type"] == "requests"
+    assert set(err.body) == {"message", "type", "param", "code"}
+    assert err.response.headers["content-type"] == "application/json"
+    assert int(err.response.headers["retry-after"]) >= 1
+    assert err.response.headers["x-ratelimit-remaining"] == "0"
+    # Another key is not affected.
+    assert chat(client(gw, "sk-key-b")).parse().choices
+
+
+def test_listed_key_gets_its_override(gw: Gateway) -> None:
+    c = client(gw, BOT_KEY)
+    for _ in range(5):
+        chat(c)
+    with pytest.raises(openai.RateLimitError):
+        chat(c)
+
+
+def test_per_tenant_limit_spans_keys(gw: Gateway) -> None:
+    chat(client(gw, "sk-t1", "small"))
+    chat(client(gw, "sk-t2", "small"))
+    with pytest.raises(openai.RateLimitError):
+        chat(client(gw, "sk-t3", "small"))
+    assert chat(client(gw, "sk-t4", "roomy")).parse().choices
+
+
+def test_per_model_limit(gw: Gateway) -> None:
+    for i in range(4):
+        client(gw, f"sk-m{i}").embeddings.create(model="bge-m3", input="x")
+    with pytest.raises(openai.RateLimitError):
+        client(gw, "sk-m9").embeddings.create(model="bge-m3", input="x")
+    assert chat(client(gw, "sk-m10")).parse().choices  # the chat model is not limited
+
+
+def test_token_limit_denies_after_usage_exhausts_it(gw: Gateway) -> None:
+    c = client(gw, "sk-tok-1", "thrifty")
+    first = chat(c, max_tokens=95).parse()  # prompt + 95 > 100 tokens: the bucket goes into debt
+    assert first.usage.total_tokens > 100
+    with pytest.raises(openai.RateLimitError) as caught:
+        chat(client(gw, "sk-tok-2", "thrifty"))
+    assert caught.value.body["type"] == "tokens"
+
+
+def test_streamed_usage_is_charged_too(gw: Gateway) -> None:
+    stream = client(gw, "sk-s1", "streamy").chat.completions.create(
+        model="llama-2-13b", messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+        stream=True)
+    assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) == 60
+    with pytest.raises(openai.RateLimitError) as caught:
+        chat(client(gw, "sk-s2", "streamy"))
+    assert caught.value.body["type"] == "tokens"
+
+
+def test_rejected_requests_charge_no_tokens(gw: Gateway) -> None:
+    c = client(gw, "sk-r1", "frugal")
+    for _ in range(3):  # 404s from extproc: nothing served, nothing charged
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert chat(c, max_tokens=30).parse().usage.total_tokens < 50
+    assert chat(client(gw, "sk-r2", "frugal")).parse().choices

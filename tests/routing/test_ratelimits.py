@@ -1,0 +1,69 @@
+"""The routing YAML's rate_limits → descriptors (loaded by the ratelimit service) and actions."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from ratelimit.loader import load_document
+from routing.compiled import listed_key_id
+from routing.loader import validate
+from routing.ratelimits import descriptors, route_rate_limits
+from routing.yamlsrc import Located
+from tests.extproc.helpers import BASE
+
+SHA = hashlib.sha256(b"sk-bot").hexdigest()
+
+
+def config(rate_limits: dict[str, Any]) -> Any:
+    doc = {**BASE, "api_keys": [{"name": "bot", "sha256": SHA, "tenant": "legal"}],
+           "rate_limits": rate_limits}
+    return validate(Located("t.yaml", doc, {}))
+
+
+def branch(doc: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return next(d["descriptors"] for d in doc["descriptors"] if d["value"] == kind)
+
+
+def test_override_inherits_unset_fields_and_names_keys_by_id() -> None:
+    doc = descriptors(config({"api_key": {
+        "default": {"requests": "10/s", "burst": 20, "tokens": "100k/min"},
+        "overrides": {"bot": {"requests": "50/s"}}}}))
+    requests = branch(doc, "requests")
+    assert requests[0] == {"key": "api_key", "rate_limit": {
+        "name": "api_key:default:requests", "requests_per_unit": 10, "unit": "second",
+        "burst": 20}}
+    assert requests[1]["value"] == listed_key_id(SHA)
+    assert requests[1]["rate_limit"] == {"name": "api_key:bot:requests",
+                                         "requests_per_unit": 50, "unit": "second"}
+    tokens = branch(doc, "tokens")
+    assert tokens[1]["rate_limit"] == {"name": "api_key:bot:tokens", "requests_per_unit": 100000,
+                                       "unit": "minute", "debt": True}
+
+
+def test_multi_unit_windows() -> None:
+    doc = descriptors(config({"tenant": {"default": {"requests": "50/5m", "tokens": "1M/2h"}}}))
+    assert branch(doc, "requests")[0]["rate_limit"]["unit_multiplier"] == 5
+    assert branch(doc, "tokens")[0]["rate_limit"] == {
+        "name": "tenant:default:tokens", "requests_per_unit": 1_000_000, "unit": "hour",
+        "unit_multiplier": 2, "debt": True}
+
+
+def test_descriptors_load_in_the_ratelimit_service() -> None:
+    doc = descriptors(config({"api_key": {"default": {"requests": "10/s", "tokens": "1k/min"}},
+                              "model": {"overrides": {"llama-2-13b": {"requests": "40/s"}}},
+                              "on_backend_error": "deny"}))
+    loaded = load_document(doc, "t.yaml")
+    assert list(loaded.domains) == ["llm-sidecar"]
+
+
+def test_actions_check_tokens_at_start_and_charge_at_stream_end() -> None:
+    actions = route_rate_limits(config({"tenant": {"default": {"requests": "1/s",
+                                                               "tokens": "1k/min"}}}))
+    assert len(actions) == 3
+    assert "hits_addend" not in actions[0]
+    assert actions[1]["hits_addend"] == {"number": 0}
+    assert actions[2]["apply_on_stream_done"] is True
+    assert "DYNAMIC_METADATA(llm_sidecar:llm_tokens)" in actions[2]["hits_addend"]["format"]
+    headers = [a["actions"][1]["request_headers"]["header_name"] for a in actions]
+    assert headers == ["x-llm-tenant"] * 3
