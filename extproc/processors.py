@@ -11,7 +11,7 @@ from typing import Protocol
 import orjson
 
 from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply
-from extproc.bodies import Api, parse_embeddings, parse_generation
+from extproc.bodies import Api, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
@@ -30,7 +30,7 @@ class Processor(Protocol):
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action: ...
 
 
-class _Base:
+class BaseProcessor:
     def __init__(self, ctx: RequestContext) -> None:
         self.ctx = ctx
 
@@ -60,7 +60,7 @@ def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) ->
     )
 
 
-def _model(ctx: RequestContext, name: str, want: str) -> ModelRoute:
+def resolve_model(ctx: RequestContext, name: str, want: str) -> ModelRoute:
     model = ctx.snapshot.models.get(name)
     if model is None:
         raise model_not_found(name)
@@ -71,12 +71,12 @@ def _model(ctx: RequestContext, name: str, want: str) -> ModelRoute:
     return model
 
 
-def _body_required() -> Reply:
+def body_required() -> Reply:
     err = bad_request("This endpoint needs a JSON request body.", code="invalid_json")
     return Reply(err.status, err.body())
 
 
-class GenerationProcessor(_Base):
+class GenerationProcessor(BaseProcessor):
     """``/v1/chat/completions`` and ``/v1/completions``.
 
     The response is streamed through extproc (never held back) so the tokens it used can be
@@ -92,7 +92,7 @@ class GenerationProcessor(_Base):
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
         if end_of_stream:
-            return _body_required()
+            return body_required()
         return Continue(mode=ModeOverride(response_headers=True, response_body="streamed"))
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
@@ -120,7 +120,7 @@ class GenerationProcessor(_Base):
 
     def on_request_body(self, body: bytes) -> Action:
         parsed = parse_generation(self.api, body)
-        model = _model(self.ctx, parsed.model, "chat")
+        model = resolve_model(self.ctx, parsed.model, "chat")
         counter = counter_for(model.tokenizer)
         prompt = parsed.prompt
         prompt_tokens = count_texts(counter, prompt.texts) + prompt.token_ids
@@ -144,27 +144,7 @@ class GenerationProcessor(_Base):
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True)
 
 
-class EmbeddingsProcessor(_Base):
-    """``/v1/embeddings``: routed by its longest input (the cache comes in a later step)."""
-
-    def on_request_headers(self, end_of_stream: bool) -> Action:
-        return _body_required() if end_of_stream else PASS
-
-    def on_request_body(self, body: bytes) -> Action:
-        parsed = parse_embeddings(body)
-        model = _model(self.ctx, parsed.model, "embedding")
-        counter = counter_for(model.tokenizer)
-        longest = max(
-            counter.count(item) if isinstance(item, str) else len(item) for item in parsed.inputs
-        )
-        hint = parse_context_hint(self.ctx.headers.get("x-context-length"))
-        decision = decide(model, longest, 0, hint, self.ctx.identity.key_id,
-                          self.ctx.snapshot.high_below, self.ctx.snapshot.low_from)
-        return Continue(set_headers=route_headers(self.ctx, model, decision),
-                        clear_route_cache=True)
-
-
-class ModelsProcessor(_Base):
+class ModelsProcessor(BaseProcessor):
     """``GET /v1/models``: the gateway answers with the models it routes."""
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
@@ -176,7 +156,7 @@ class ModelsProcessor(_Base):
         return Reply(200, orjson.dumps({"object": "list", "data": data}))
 
 
-class ErrorProcessor(_Base):
+class ErrorProcessor(BaseProcessor):
     """Answers every request with one fixed client error (unknown path, wrong method)."""
 
     def __init__(self, ctx: RequestContext, reply: Reply) -> None:

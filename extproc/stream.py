@@ -13,10 +13,10 @@ from dataclasses import replace
 
 from extproc.actions import PASS, Action, Continue, Phase, Reply
 from extproc.context import RequestContext, spoofed_headers
+from extproc.embeddings import EmbeddingsProcessor
 from extproc.errors import ClientError, error_body, method_not_allowed, unknown_path
 from extproc.identity import identify
 from extproc.processors import (
-    EmbeddingsProcessor,
     ErrorProcessor,
     GenerationProcessor,
     ModelsProcessor,

@@ -1,3 +1,3 @@
 """Fixtures shared by every test folder live in tests/harness; this file only registers them."""
 
-pytest_plugins: list[str] = []
+pytest_plugins: list[str] = ["tests.harness.redis_fixtures"]
