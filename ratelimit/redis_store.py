@@ -30,12 +30,16 @@ from ratelimit.store import StoreResult
 
 Client = Redis | RedisCluster
 _DEBT, _SHADOW = 1, 2
+CLUSTER_MAX_CONNECTIONS = 128
+"""Per cluster node. redis-py's cluster client raises instead of waiting when a node's pool
+is exhausted, so the store never has more scripts in flight than this."""
 
 
 def make_client(url: str, timeout_s: float) -> Client:
     """A client for ``redis://``, ``rediss://``, ``redis+cluster://`` or ``rediss+cluster://``.
 
-    No client-side retries: a retry would spend the decision's deadline twice.
+    No client-side retries: a retry would spend the decision's deadline twice (and a
+    script whose reply was lost must not run twice).
     """
     socket_timeout = max(timeout_s, 0.25)
     if "+cluster://" in url:
@@ -44,7 +48,7 @@ def make_client(url: str, timeout_s: float) -> Client:
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_timeout,
             retry=Retry(NoBackoff(), 0),
-            cluster_error_retry_attempts=1,
+            max_connections=CLUSTER_MAX_CONNECTIONS,
         )
     return Redis.from_url(
         url,
@@ -66,6 +70,9 @@ class RedisStore:
     def __init__(self, client: Client, margin_s: float = 1.0) -> None:
         self._client = client
         self._margin_ms = str(max(1, round(margin_s * 1000)))
+        self._slots = asyncio.Semaphore(CLUSTER_MAX_CONNECTIONS)
+        self._init_lock = asyncio.Lock()
+        self._initialized = False
 
     @property
     def client(self) -> Client:
@@ -146,6 +153,22 @@ class RedisStore:
         await self._eval(REFUND_SHA, REFUND, group.keys, args)
 
     async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
+        if isinstance(self._client, RedisCluster):
+            if not self._initialized:
+                await self._initialize(self._client)
+            async with self._slots:
+                return await self._eval_once(sha, script, keys, args)
+        return await self._eval_once(sha, script, keys, args)
+
+    async def _initialize(self, client: RedisCluster) -> None:
+        """Load the cluster map once. redis-py (8.1) lets a burst of first commands each run
+        the discovery, and each run drops the connections the others are using."""
+        async with self._init_lock:
+            if not self._initialized:
+                await client.initialize()
+                self._initialized = True
+
+    async def _eval_once(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
         try:
             return await self._client.evalsha(sha, len(keys), *keys, *args)
         except NoScriptError:

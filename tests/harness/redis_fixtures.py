@@ -23,7 +23,13 @@ from tests.harness.redis_servers import (
     start_redis_cluster,
 )
 
-__all__ = ["own_redis_server", "redis_cluster", "redis_server", "redis_server_module"]
+__all__ = [
+    "own_redis_server",
+    "redis_cluster",
+    "redis_cluster_module",
+    "redis_server",
+    "redis_server_module",
+]
 
 
 @pytest.fixture(scope="module")

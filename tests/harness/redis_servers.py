@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,6 +38,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 55000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RedisUnavailable("no free port pair for a cluster node")
 
 
 def redis_binary() -> str | None:
@@ -306,7 +326,7 @@ def start_redis_cluster(masters: int = 3) -> RedisClusterServers:
     nodes: list[ProcessRedis] = []
     try:
         for _ in range(masters):
-            node = ProcessRedis(binary=binary)
+            node = ProcessRedis(binary=binary, port=free_cluster_port())
             node.extra_args = (
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(node.workdir / "nodes.conf"),
@@ -328,9 +348,11 @@ def _form_cluster(nodes: list[ProcessRedis]) -> None:
         last = CLUSTER_SLOTS - 1 if n == len(nodes) - 1 else first + share - 1
         with node.client() as client:
             client.execute_command("CLUSTER ADDSLOTS", *range(first, last + 1))
-    with nodes[0].client() as client:
-        for other in nodes[1:]:
-            client.execute_command("CLUSTER MEET", other.host, other.port)
+    for node in nodes:  # everyone meets everyone: no waiting for gossip to spread
+        with node.client() as client:
+            for other in nodes:
+                if other is not node:
+                    client.execute_command("CLUSTER MEET", other.host, other.port)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if all(_cluster_ok(node, len(nodes)) for node in nodes):

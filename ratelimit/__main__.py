@@ -1,0 +1,23 @@
+"""``python -m ratelimit --config FILE``: the service without the llm-sidecar CLI around it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llm_sidecar.logs import configure
+from llm_sidecar.settings import Settings
+from ratelimit.main import add_arguments, run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m ratelimit", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args()
+    settings = Settings()
+    configure(settings.log_level, service="llm-sidecar-ratelimit")
+    return run(args, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""One suite over every BucketStore: memory, a real Redis, and a 3-master Redis Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from ratelimit.bucket import BucketSpec, Hit
+from ratelimit.keys import bucket_key
+from ratelimit.memory_store import MemoryStore
+from ratelimit.redis_store import RedisStore, make_client
+from ratelimit.store import BucketStore
+
+pytestmark = pytest.mark.redis
+
+SLOW = 1e-4  # tokens per second: nothing refills during a test
+MARGIN_S = 0.05
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[BucketStore]:
+    if request.param == "memory":
+        made: BucketStore = MemoryStore(margin_s=MARGIN_S)
+    elif request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        made = RedisStore(make_client(server.url, 2.0), margin_s=MARGIN_S)
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        made = RedisStore(make_client(cluster.url, 2.0), margin_s=MARGIN_S)
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+def key(name: str) -> str:
+    return bucket_key("suite", [("bucket", name)])
+
+
+def hit(name: str, capacity: float, hits: int = 1, rate: float = SLOW, debt: bool = False) -> Hit:
+    return Hit(key(name), BucketSpec(capacity, rate, debt=debt), hits)
+
+
+async def level(store: BucketStore, name: str, capacity: float, debt: bool = False) -> float:
+    """The level, read with a check-only hit (which changes nothing)."""
+    result = await store.decide([hit(name, capacity, hits=0, debt=debt)])
+    return result.results[0].level
+
+
+async def exists(store: BucketStore, name: str) -> bool:
+    if isinstance(store, MemoryStore):
+        store.sweep()
+        return key(name) in store._buckets
+    assert isinstance(store, RedisStore)
+    return bool(await store.client.exists(key(name)))
+
+
+async def test_admits_exactly_the_limit(store: BucketStore) -> None:
+    results = [await store.decide([hit("a", 5)]) for _ in range(8)]
+    assert [r.admitted for r in results] == [True] * 5 + [False] * 3
+
+
+async def test_admits_exactly_the_limit_under_concurrency(store: BucketStore) -> None:
+    results = await asyncio.gather(*(store.decide([hit("c", 7)]) for _ in range(40)))
+    assert sum(r.admitted for r in results) == 7
+
+
+async def test_denied_multi_descriptor_request_changes_nothing(store: BucketStore) -> None:
+    assert (await store.decide([hit("full", 1)])).admitted  # now empty
+    before = [await level(store, name, 5) for name in ("x", "y")]
+    request = [hit("x", 5, 2), hit("full", 1), hit("y", 5, 3), hit("z", 4, 1)]
+    result = await store.decide(request)
+    assert not result.admitted
+    assert [r.admitted for r in result.results] == [True, False, True, True]
+    assert [await level(store, name, 5) for name in ("x", "y")] == pytest.approx(before)
+    assert await level(store, "z", 4) == pytest.approx(4)
+    assert await level(store, "full", 1) == pytest.approx(0, abs=1e-3)
+    assert (await store.decide([hit("x", 5, 5), hit("y", 5, 5)])).admitted
+
+
+async def test_check_only_takes_nothing(store: BucketStore) -> None:
+    for _ in range(5):
+        result = await store.decide([hit("k", 2, hits=0)])
+        assert result.admitted and result.results[0].level == pytest.approx(2)
+    await store.decide([hit("k", 2, hits=2)])
+    assert not (await store.decide([hit("k", 2, hits=0)])).admitted
+
+
+async def test_debt_goes_negative_and_is_never_refunded(store: BucketStore) -> None:
+    assert (await store.decide([hit("t", 10, hits=0, debt=True)])).admitted
+    charged = await store.decide([hit("t", 10, hits=50, debt=True)])
+    assert charged.admitted and charged.results[0].level == pytest.approx(-40, abs=1e-2)
+    assert not (await store.decide([hit("t", 10, hits=0, debt=True)])).admitted
+    # A charge that rides along a denied request still applies.
+    assert (await store.decide([hit("empty", 1)])).admitted
+    mixed = await store.decide([hit("t", 10, hits=5, debt=True), hit("empty", 1)])
+    assert not mixed.admitted
+    assert await level(store, "t", 10, debt=True) == pytest.approx(-45, abs=1e-2)
+
+
+async def test_idle_buckets_expire(store: BucketStore) -> None:
+    await store.decide([hit("e", 2, rate=20.0)])  # full again after 0.05 s, + 0.05 s margin
+    await store.decide([hit("long", 2)])  # full again only after hours
+    assert await exists(store, "e")
+    await asyncio.sleep(0.3)
+    assert not await exists(store, "e")
+    assert await exists(store, "long")
+
+
+async def test_keys_of_one_request_span_cluster_slots(store: BucketStore) -> None:
+    names = [f"slot-{i}" for i in range(6)]
+    if isinstance(store, RedisStore) and hasattr(store.client, "keyslot"):
+        assert len({store.client.keyslot(key(n)) for n in names}) > 1
+    assert (await store.decide([hit(n, 3) for n in names])).admitted
+    await store.decide([hit("slot-5", 3, hits=2)])  # slot-5 is empty now
+    denied = await store.decide([hit(n, 3) for n in names])
+    assert not denied.admitted
+    for n in names[:5]:
+        assert await level(store, n, 3) == pytest.approx(2, abs=1e-3)
