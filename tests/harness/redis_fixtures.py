@@ -17,8 +17,8 @@ import pytest
 from tests.harness.ci import unavailable
 from tests.harness.redis_servers import (
     RedisClusterServers,
+    RedisServer,
     RedisUnavailable,
-    _Base,
     start_redis,
     start_redis_cluster,
 )
@@ -33,7 +33,7 @@ __all__ = [
 
 
 @pytest.fixture(scope="module")
-def redis_server_module() -> Iterator[_Base | None]:
+def redis_server_module() -> Iterator[RedisServer | None]:
     try:
         server = start_redis()
     except RedisUnavailable:
@@ -46,7 +46,7 @@ def redis_server_module() -> Iterator[_Base | None]:
 
 
 @pytest.fixture
-def redis_server(redis_server_module: _Base | None) -> _Base:
+def redis_server(redis_server_module: RedisServer | None) -> RedisServer:
     if redis_server_module is None:
         unavailable("redis")
     redis_server_module.flush()
@@ -54,7 +54,7 @@ def redis_server(redis_server_module: _Base | None) -> _Base:
 
 
 @pytest.fixture
-def own_redis_server() -> Iterator[_Base]:
+def own_redis_server() -> Iterator[RedisServer]:
     try:
         server = start_redis(allow_external=False)
     except RedisUnavailable:

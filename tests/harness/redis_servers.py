@@ -9,6 +9,7 @@ port, its own temp dir and no persistence (``--save "" --appendonly no``).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import random
@@ -21,7 +22,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
@@ -102,29 +104,9 @@ def wait_until_ready(host: str, port: int, timeout_s: float = START_TIMEOUT_S) -
     raise RedisUnavailable(f"redis on {host}:{port} did not answer: {last}")
 
 
-class RedisServer(Protocol):
-    host: str
-    port: int
+class RedisServer(abc.ABC):
+    """A standalone server a test talks to; ``controllable`` says whether it may be killed."""
 
-    @property
-    def url(self) -> str: ...
-
-    def client(self, **kwargs: Any) -> redis.Redis: ...
-
-    def flush(self) -> None: ...
-
-    def kill(self) -> None: ...
-
-    def restart(self) -> None: ...
-
-    def pause(self) -> None: ...
-
-    def resume(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-
-class _Base:
     host = "127.0.0.1"
     port = 0
     controllable = True
@@ -140,9 +122,29 @@ class _Base:
         with self.client(socket_timeout=2) as client:
             client.flushall()
 
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """Die at once: connections drop, the port refuses until :meth:`restart`."""
+
+    @abc.abstractmethod
+    def restart(self) -> None:
+        """Start again on the same port, empty."""
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Freeze: connections stay open but nothing answers."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop for good and clean up."""
+
 
 @dataclass
-class ProcessRedis(_Base):
+class ProcessRedis(RedisServer):
     """A ``redis-server`` child process on a fixed port, in its own temp dir."""
 
     binary: str
@@ -208,7 +210,7 @@ class ProcessRedis(_Base):
 
 
 @dataclass
-class ContainerRedis(_Base):
+class ContainerRedis(RedisServer):
     """A ``redis`` container published on a fixed host port, so a restart keeps the port."""
 
     image: str = "redis:7-alpine"
@@ -251,16 +253,16 @@ class ContainerRedis(_Base):
 
 
 @dataclass
-class ExternalRedis(_Base):
+class ExternalRedis(RedisServer):
     """A server given by ``LLM_SIDECAR_TEST_REDIS_URL``: shared, flushed, never killed."""
 
     given_url: str = ""
     controllable = False
 
     def __post_init__(self) -> None:
-        parsed = redis.connection.parse_url(self.given_url)
-        self.host = str(parsed.get("host", "127.0.0.1"))
-        self.port = int(parsed.get("port", 6379))
+        parsed = urlsplit(self.given_url)
+        self.host = parsed.hostname or "127.0.0.1"
+        self.port = parsed.port or 6379
 
     @property
     def url(self) -> str:
@@ -272,13 +274,20 @@ class ExternalRedis(_Base):
     def kill(self) -> None:
         raise RedisUnavailable("an external Redis cannot be killed")
 
-    restart = pause = resume = kill
+    def restart(self) -> None:
+        self.kill()
+
+    def pause(self) -> None:
+        self.kill()
+
+    def resume(self) -> None:
+        self.kill()
 
     def stop(self) -> None:
         return None
 
 
-def start_redis(allow_external: bool = True) -> _Base:
+def start_redis(allow_external: bool = True) -> RedisServer:
     """A running standalone server from the first source that works (see module doc)."""
     url = os.environ.get(ENV_URL)
     if allow_external and url:
@@ -368,7 +377,7 @@ def _cluster_ok(node: ProcessRedis, size: int) -> bool:
 
 
 @contextlib.contextmanager
-def running_redis(allow_external: bool = True) -> Iterator[_Base]:
+def running_redis(allow_external: bool = True) -> Iterator[RedisServer]:
     server = start_redis(allow_external)
     try:
         yield server

@@ -75,12 +75,13 @@ def test_missing_path() -> None:
 
 
 def test_document_errors_use_the_given_line_map() -> None:
-    doc = {"domain": "llm", "descriptors": [{"key": "api_key", "rate_limit": {"unit": "x"}}]}
+    limit: dict[str, object] = {"unit": "x"}
+    doc = {"domain": "llm", "descriptors": [{"key": "api_key", "rate_limit": limit}]}
     lines = {("descriptors", 0): 40, ("descriptors", 0, "rate_limit", "unit"): 42}
     with pytest.raises(ConfigError) as caught:
         load_document(doc, "routing.yaml", lines)
     assert str(caught.value) == f"routing.yaml:42: invalid rate limit unit 'x'{UNITS}"
-    doc["descriptors"][0]["rate_limit"] = {"unit": "second"}
+    limit["unit"] = "second"
     with pytest.raises(ConfigError) as caught:
         load_document(doc, "routing.yaml", lines)
     assert str(caught.value).startswith("routing.yaml:40: rate_limit needs requests_per_unit")

@@ -1,0 +1,145 @@
+"""Redis dies or freezes under a running ratelimit service: answers keep their deadline,
+``on_backend_error`` decides, the breaker skips Redis, and enforcement comes back by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import orjson
+import pytest
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from pydantic import SecretStr
+
+from llm_sidecar.settings import Settings
+from ratelimit.breaker import BreakerState
+from ratelimit.guard import GuardedStore
+from ratelimit.service import RateLimitServer
+from tests.harness.redis_servers import RedisServer
+
+pytestmark = pytest.mark.redis
+
+Response = rls_pb2.RateLimitResponse
+DEADLINE_S = 0.05
+SLACK_S = 0.15
+COOLDOWN_S = Settings().redis_breaker_cooldown_ms / 1000  # the default, 1 s
+REQUEST = rls_pb2.RateLimitRequest(
+    domain="llm",
+    descriptors=[
+        ratelimit_pb2.RateLimitDescriptor(
+            entries=[ratelimit_pb2.RateLimitDescriptor.Entry(key="api_key", value="k")]
+        )
+    ],
+)
+
+
+def config(policy: str) -> str:
+    return f"""
+domain: llm
+on_backend_error: {policy}
+descriptors:
+  - key: api_key
+    rate_limit: {{unit: hour, requests_per_unit: 3}}
+"""
+
+
+class Client:
+    def __init__(self, server: RateLimitServer, channel: grpc.aio.Channel) -> None:
+        self.server = server
+        self.stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+
+    async def ask(self) -> tuple[rls_pb2.RateLimitResponse, float]:
+        started = time.perf_counter()
+        response = await self.stub.ShouldRateLimit(REQUEST, timeout=5)
+        return response, time.perf_counter() - started
+
+    def breaker(self) -> BreakerState:
+        assert isinstance(self.server.store, GuardedStore)
+        return self.server.store.breaker_state
+
+    def skipped(self) -> float:
+        return float(self.server.metrics.backend_errors.labels("breaker_open")._value.get())
+
+
+@pytest.fixture(params=["allow", "deny"])
+async def client(
+    request: pytest.FixtureRequest, own_redis_server: RedisServer, tmp_path: Path
+) -> AsyncIterator[Client]:
+    path = tmp_path / "ratelimit.yaml"
+    path.write_text(config(request.param))
+    settings = Settings(
+        redis_url=SecretStr(own_redis_server.url),
+        redis_timeout_ms=int(DEADLINE_S * 1000),
+    )
+    server = RateLimitServer(str(path), "127.0.0.1", 0, 0, settings)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            yield Client(server, channel)
+    finally:
+        await server.stop(grace_s=0.2)
+
+
+def policy_of(client: Client) -> str:
+    return client.server.reloader.current().domains["llm"].on_backend_error
+
+
+async def test_killed_redis(client: Client, own_redis_server: RedisServer) -> None:
+    allow = policy_of(client) == "allow"
+    codes = [(await client.ask())[0].overall_code for _ in range(4)]
+    assert codes == [Response.OK] * 3 + [Response.OVER_LIMIT]
+    await asyncio.gather(*(client.ask() for _ in range(20)))  # a pool of connections to go stale
+
+    own_redis_server.kill()
+    response, took = await client.ask()
+    assert took < DEADLINE_S + SLACK_S
+    assert response.overall_code == (Response.OK if allow else Response.OVER_LIMIT)
+    if not allow:
+        error = orjson.loads(response.raw_body)["error"]
+        assert (error["type"], error["code"]) == ("server_error", "upstream_unavailable")
+    assert client.breaker() is BreakerState.OPEN
+
+    before = client.skipped()
+    for _ in range(10):
+        response, took = await client.ask()
+        assert took < DEADLINE_S + SLACK_S
+    assert client.skipped() - before >= 9  # Redis not even tried while the breaker is open
+
+    own_redis_server.restart()  # empty: the old bucket is gone
+    restarted = time.monotonic()
+    while True:
+        response, _ = await client.ask()
+        fresh = response.overall_code == Response.OK and response.statuses[0].limit_remaining == 2
+        if fresh:
+            print(f"enforcement resumed {time.monotonic() - restarted:.2f} s after the restart")
+            break
+        assert time.monotonic() - restarted < 2.0, "enforcement did not resume within 2 s"
+        await asyncio.sleep(0.05)
+    assert client.breaker() is BreakerState.CLOSED
+    codes = [(await client.ask())[0].overall_code for _ in range(3)]
+    assert codes == [Response.OK, Response.OK, Response.OVER_LIMIT]
+
+
+async def test_frozen_redis_costs_one_deadline(client: Client, own_redis_server: RedisServer) -> None:
+    allow = policy_of(client) == "allow"
+    assert (await client.ask())[0].overall_code == Response.OK
+    own_redis_server.pause()
+    try:
+        response, took = await client.ask()
+        assert DEADLINE_S * 0.8 < took < DEADLINE_S + SLACK_S
+        assert response.overall_code == (Response.OK if allow else Response.OVER_LIMIT)
+        response, took = await client.ask()
+        assert took < DEADLINE_S  # the breaker answers at once
+    finally:
+        own_redis_server.resume()
+    resumed = time.monotonic()
+    while True:
+        response, _ = await client.ask()
+        if response.overall_code == Response.OK and response.statuses[0].limit_remaining < 3:
+            break
+        assert time.monotonic() - resumed < 2.0, "enforcement did not resume within 2 s"
+        await asyncio.sleep(0.05)
