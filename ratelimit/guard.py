@@ -7,11 +7,14 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
+from llm_sidecar.logs import get_logger
 from ratelimit.breaker import Breaker, BreakerState
 from ratelimit.bucket import Hit
 from ratelimit.errors import BackendError
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import BucketStore, StoreResult
+
+log = get_logger("ratelimit.backend")
 
 
 class GuardedStore:
@@ -46,15 +49,18 @@ class GuardedStore:
         reported = False
         try:
             result = await asyncio.wait_for(self.inner.decide(hits), self._timeout_s)
+            if self._breaker.state is not BreakerState.CLOSED:
+                log.info("ratelimit_backend_recovered")
             self._breaker.success()
             reported = True
             return result
         except TimeoutError:
-            self._fail("timeout")
+            message = f"backend missed its {self._timeout_s * 1000:.0f} ms deadline"
+            self._fail("timeout", message)
             reported = True
-            raise BackendError(f"backend missed its {self._timeout_s * 1000:.0f} ms deadline") from None
-        except BackendError:
-            self._fail("error")
+            raise BackendError(message) from None
+        except BackendError as exc:
+            self._fail("error", str(exc))
             reported = True
             raise
         finally:
@@ -63,8 +69,14 @@ class GuardedStore:
             self._metrics.set_breaker(self._breaker.state)
             self._metrics.backend_latency.observe(time.perf_counter() - started)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, message: str) -> None:
         self._metrics.backend_errors.labels(reason).inc()
+        if self._breaker.state is BreakerState.CLOSED:  # once per outage, not per request
+            log.warning(
+                "ratelimit_backend_failed",
+                error=message,
+                detail=f"skipping the backend for {self._breaker.cooldown_s:g} s at a time",
+            )
         self._breaker.failure(self._clock())
 
     async def aclose(self) -> None:
