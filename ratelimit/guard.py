@@ -7,8 +7,8 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
+from llm_sidecar.breaker import Breaker, BreakerState
 from llm_sidecar.logs import get_logger
-from ratelimit.breaker import Breaker, BreakerState
 from ratelimit.bucket import Hit
 from ratelimit.errors import BackendError
 from ratelimit.metrics import RateLimitMetrics

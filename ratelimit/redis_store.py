@@ -17,45 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
+from llm_sidecar.redis_client import CLUSTER_MAX_CONNECTIONS, Client
 from ratelimit.bucket import BucketResult, Hit
 from ratelimit.errors import BackendError
 from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA
 from ratelimit.store import StoreResult
 
-Client = Redis | RedisCluster
 _DEBT, _SHADOW = 1, 2
-CLUSTER_MAX_CONNECTIONS = 128
-"""Per cluster node. redis-py's cluster client raises instead of waiting when a node's pool
-is exhausted, so the store never has more scripts in flight than this."""
-
-
-def make_client(url: str, timeout_s: float) -> Client:
-    """A client for ``redis://``, ``rediss://``, ``redis+cluster://`` or ``rediss+cluster://``.
-
-    No client-side retries: a retry would spend the decision's deadline twice (and a
-    script whose reply was lost must not run twice).
-    """
-    socket_timeout = max(timeout_s, 0.25)
-    if "+cluster://" in url:
-        return RedisCluster.from_url(
-            url.replace("+cluster://", "://", 1),
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 0),
-            max_connections=CLUSTER_MAX_CONNECTIONS,
-        )
-    return Redis.from_url(
-        url,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=socket_timeout,
-        retry=Retry(NoBackoff(), 0),
-    )
 
 
 @dataclass(frozen=True)

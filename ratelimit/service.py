@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from llm_sidecar.logs import get_logger
+from llm_sidecar.redis_client import make_client
 from llm_sidecar.settings import Settings, redis_url_for_logs
 from ratelimit.admin import start_admin
 from ratelimit.descriptors import RateLimitConfig
@@ -24,7 +25,7 @@ from ratelimit.limiter import Limiter
 from ratelimit.loader import load_path
 from ratelimit.memory_store import MemoryStore
 from ratelimit.metrics import RateLimitMetrics
-from ratelimit.redis_store import RedisStore, make_client
+from ratelimit.redis_store import RedisStore
 from ratelimit.reload import Reloader
 from ratelimit.store import BucketStore
 from ratelimit.wire import request_from_proto, response_to_proto

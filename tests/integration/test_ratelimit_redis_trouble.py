@@ -15,8 +15,8 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from pydantic import SecretStr
 
+from llm_sidecar.breaker import BreakerState
 from llm_sidecar.settings import Settings
-from ratelimit.breaker import BreakerState
 from ratelimit.guard import GuardedStore
 from ratelimit.service import RateLimitServer
 from tests.harness.redis_servers import RedisServer

@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from llm_sidecar.redis_client import make_client
 from ratelimit.bucket import BucketSpec, Hit
 from ratelimit.keys import bucket_key
 from ratelimit.memory_store import MemoryStore
-from ratelimit.redis_store import RedisStore, make_client
+from ratelimit.redis_store import RedisStore
 from ratelimit.store import BucketStore
 
 pytestmark = pytest.mark.redis

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from ratelimit.breaker import BreakerState
+from llm_sidecar.breaker import BreakerState
 from ratelimit.bucket import BucketResult, Hit
 from ratelimit.errors import BackendError
 from ratelimit.guard import GuardedStore

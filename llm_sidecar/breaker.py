@@ -1,7 +1,8 @@
 """A circuit breaker on plain data: after a backend failure, skip the backend for a cooldown,
 then let one probe through (half-open); its outcome closes or reopens the breaker.
 
-The clock reading is passed in, so the state machine is tested without sleeping.
+The clock reading is passed in, so the state machine is tested without sleeping. Shared by the
+rate limiter's bucket store and extproc's embedding cache: each Redis user keeps its own breaker.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from enum import IntEnum
 
 
 class BreakerState(IntEnum):
-    """Values are what the ``ratelimit_breaker_state`` gauge shows."""
+    """Values are what the ``*_breaker_state`` gauges show."""
 
     CLOSED = 0
     OPEN = 1
