@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from extproc.identity import Identity
-from routing.compiled import Snapshot
+from extproc.telemetry import Telemetry
+from routing.compiled import Canary, ModelRoute, Snapshot
 
 LLM_HEADER_PREFIX = "x-llm-"
 
@@ -21,6 +22,10 @@ class RequestContext:
     request_id: str
     started: float
     """Monotonic seconds when the request headers reached extproc."""
+    clock: Callable[[], float]
+    telemetry: Telemetry
+    canary_for: Callable[[ModelRoute], Canary | None] = lambda model: model.canary
+    """The canary in force for a model (None once a guard stopped it)."""
 
     def sticky_value(self, sticky: str) -> str:
         if sticky == "tenant":

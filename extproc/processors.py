@@ -6,6 +6,7 @@ state in :mod:`extproc.stream` calls it, and :mod:`extproc.wire` builds the prot
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import orjson
@@ -15,8 +16,9 @@ from extproc.bodies import Api, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
+from extproc.telemetry import RequestRecord
 from extproc.tokens import PER_MESSAGE_TOKENS, PER_PROMPT_TOKENS, count_texts, counter_for
-from extproc.usage import UsageMeter, tokens_to_charge
+from extproc.usage import Usage, UsageMeter, tokens_to_charge
 from routing.compiled import ModelRoute
 from routing.ratelimits import TOKENS_METADATA_KEY
 
@@ -87,8 +89,13 @@ class GenerationProcessor(BaseProcessor):
         super().__init__(ctx)
         self.api = api
         self.decision: Decision | None = None
+        self.model_name = ""
         self.status = 0
         self.meter: UsageMeter | None = None
+        self.streamed = False
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.token_events = 0
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
         if end_of_stream:
@@ -98,14 +105,18 @@ class GenerationProcessor(BaseProcessor):
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
         status = headers.get(":status", "0")
         self.status = int(status) if status.isdigit() else 0
-        streaming = headers.get("content-type", "").startswith("text/event-stream")
-        self.meter = UsageMeter(streaming)
+        self.streamed = headers.get("content-type", "").startswith("text/event-stream")
+        self.meter = UsageMeter(self.streamed)
         return self._finish() if end_of_stream else PASS
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
         if self.meter is None:
             self.meter = UsageMeter(streaming=False)
-        self.meter.feed(chunk)
+        if self.meter.feed(chunk):
+            now = self.ctx.clock()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
         return self._finish() if end_of_stream else PASS
 
     def _finish(self) -> Action:
@@ -116,7 +127,37 @@ class GenerationProcessor(BaseProcessor):
         usage = self.meter.finish()
         tokens = 0 if self.status >= 400 else tokens_to_charge(
             usage, decision.prompt_tokens, decision.output_tokens)
+        self._report(usage, tokens)
         return Continue(metadata={TOKENS_METADATA_KEY: tokens})
+
+    def _report(self, usage: Usage, charged: int) -> None:
+        ctx, decision = self.ctx, self.decision
+        assert decision is not None
+        now = ctx.clock()
+        first, last = self.first_token_at, self.last_token_at
+        ttft = first - ctx.started if self.streamed and first is not None else None
+        tpot = None
+        if ttft is not None and first is not None and last is not None and usage.streamed_tokens > 1:
+            tpot = (last - first) / (usage.streamed_tokens - 1)
+        record = RequestRecord(
+            request_id=ctx.request_id,
+            model=self.model_name,
+            cluster=decision.cluster,
+            variant=decision.variant,
+            tenant=ctx.identity.tenant,
+            status=self.status,
+            streamed=self.streamed,
+            errored=usage.errored or self.status >= 500,
+            duration_s=now - ctx.started,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            prompt_tokens=usage.prompt_tokens if usage.prompt_tokens is not None
+            else decision.prompt_tokens,
+            completion_tokens=usage.completion_tokens if usage.completion_tokens is not None
+            else usage.streamed_tokens,
+            charged_tokens=charged,
+        )
+        ctx.telemetry.request_done(record)
 
     def on_request_body(self, body: bytes) -> Action:
         parsed = parse_generation(self.api, body)
@@ -127,10 +168,14 @@ class GenerationProcessor(BaseProcessor):
         if prompt.messages:
             prompt_tokens += PER_PROMPT_TOKENS + PER_MESSAGE_TOKENS * prompt.messages
         hint = parse_context_hint(self.ctx.headers.get("x-context-length"))
-        decision = decide(model, prompt_tokens, parsed.max_output_tokens, hint,
-                          self.ctx.sticky_value(model.canary.sticky if model.canary else "api_key"),
+        canary = self.ctx.canary_for(model)
+        routed = model if canary is model.canary else replace(model, canary=canary)
+        decision = decide(routed, prompt_tokens, parsed.max_output_tokens, hint,
+                          self.ctx.sticky_value(canary.sticky if canary else "api_key"),
                           self.ctx.snapshot.high_below, self.ctx.snapshot.low_from)
         self.decision = decision
+        self.model_name = model.name
+        self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
         new_body = None
         if decision.upstream_model != parsed.model or self.ctx.snapshot.inject_priority:
             doc = dict(parsed.doc)

@@ -8,16 +8,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc import wire
+from extproc.canary_guard import CanaryGuards, GuardedTelemetry
+from extproc.canary_report import MIN_SAMPLES, render_all
+from extproc.metrics import ExtprocMetrics
+from extproc.request_log import LoggedTelemetry
 from extproc.stream import StreamState
+from extproc.telemetry import NULL_TELEMETRY, Telemetry
 from llm_sidecar.logs import get_logger
 from llm_sidecar.ops_http import start_ops_server
 from llm_sidecar.settings import Settings
@@ -30,19 +36,29 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """One ``Process`` call per HTTP request; each gets its own :class:`StreamState`."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot], settings: Settings) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot], settings: Settings,
+                 telemetry: Telemetry = NULL_TELEMETRY,
+                 guards: CanaryGuards | None = None) -> None:
         self._snapshot = snapshot
         self._secret = settings.key_id_secret.get_secret_value().encode()
+        self._telemetry = telemetry
+        self._guards = guards
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        state = StreamState(self._snapshot(), self._secret)
+        telemetry = self._telemetry
+        clock = time.perf_counter
+        state = StreamState(self._snapshot(), self._secret, telemetry=telemetry,
+                            guards=self._guards)
         async for request in request_iterator:
+            started = clock()
             phase, headers, body, end = wire.read(request)
             if phase is None:
                 continue  # trailers: not requested by our processing mode
-            yield wire.build(phase, state.handle(phase, headers, body, end))
+            response = wire.build(phase, state.handle(phase, headers, body, end))
+            telemetry.phase(phase, clock() - started)
+            yield response
 
 
 async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str, port: int,
@@ -54,7 +70,11 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.so_reuseport", 0),
     ])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(snapshot, settings), server)
+    metrics = ExtprocMetrics(registry, lambda: snapshot().known_tenants)
+    guards = CanaryGuards()
+    telemetry = GuardedTelemetry(LoggedTelemetry(metrics), guards, snapshot, metrics.canary_tripped)
+    servicer = ExternalProcessor(snapshot, settings, telemetry, guards)
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -63,7 +83,8 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    runner = await start_ops_server(metrics_host, metrics_port, registry, lambda: True)
+    runner = await start_ops_server(metrics_host, metrics_port, registry, lambda: True,
+                                    {"/canary": lambda query: canary_page(registry, query)})
     log.info("extproc_listening", grpc=f"{host}:{bound}", metrics=f"{metrics_host}:{metrics_port}")
     try:
         await stop.wait()
@@ -81,3 +102,11 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+
+
+def canary_page(registry: CollectorRegistry, query: Mapping[str, str]) -> str:
+    """``GET /canary[?min_samples=N]``: the canary comparison of this replica."""
+    text = query.get("min_samples", str(MIN_SAMPLES))
+    if not text.isdigit():
+        raise ValueError("min_samples must be a whole number")
+    return render_all(generate_latest(registry).decode(), int(text))

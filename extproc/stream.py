@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from extproc.actions import PASS, Action, Continue, Phase, Reply
+from extproc.canary_guard import CanaryGuards
 from extproc.context import RequestContext, spoofed_headers
 from extproc.embeddings import EmbeddingsProcessor
 from extproc.errors import ClientError, error_body, method_not_allowed, unknown_path
@@ -22,6 +23,7 @@ from extproc.processors import (
     ModelsProcessor,
     Processor,
 )
+from extproc.telemetry import NULL_TELEMETRY, Telemetry
 from llm_sidecar.logs import get_logger
 from routing.compiled import Snapshot
 
@@ -51,10 +53,14 @@ class StreamState:
     """Holds what one HTTP request's ext_proc stream has seen so far."""
 
     def __init__(self, snapshot: Snapshot, key_id_secret: bytes,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 telemetry: Telemetry = NULL_TELEMETRY,
+                 guards: CanaryGuards | None = None) -> None:
         self.snapshot = snapshot
+        self.guards = guards
         self.secret = key_id_secret
         self.clock = clock
+        self.telemetry = telemetry
         self.processor: Processor | None = None
         self.ctx: RequestContext | None = None
 
@@ -64,6 +70,7 @@ class StreamState:
         try:
             return self._dispatch(phase, headers, body, end_of_stream)
         except ClientError as err:
+            self.telemetry.rejected(err.status, err.code)
             return Reply(err.status, err.body(), details=err.code)
         except Exception:
             log.exception("extproc_internal_error", phase=phase,
@@ -98,7 +105,11 @@ class StreamState:
             identity=identify(self.snapshot, clean, self.secret),
             request_id=clean.get("x-request-id", ""),
             started=self.clock(),
+            clock=self.clock,
+            telemetry=self.telemetry,
         )
+        if self.guards is not None:
+            ctx = replace(ctx, canary_for=self.guards.effective)
         self.ctx = ctx
         self.processor = choose_processor(ctx)
         action = self.processor.on_request_headers(end_of_stream)

@@ -23,6 +23,8 @@ class Usage:
     total_tokens: int | None
     streamed_tokens: int
     """Content chunks seen on an SSE stream (vLLM sends about one token per chunk)."""
+    errored: bool = False
+    """The body carried an OpenAI/vLLM ``error`` object (possibly mid-stream, with a 200)."""
 
 
 def _usage_of(doc: object) -> tuple[int | None, int | None, int | None]:
@@ -64,6 +66,7 @@ class UsageMeter:
         self._usage: tuple[int | None, int | None, int | None] = (None, None, None)
         self.streamed_tokens = 0
         self.events = 0
+        self.errored = False
 
     def feed(self, chunk: bytes) -> int:
         """Take the next body chunk; the number of content-bearing SSE events it completed."""
@@ -105,6 +108,8 @@ class UsageMeter:
             if not isinstance(doc, dict):
                 continue
             self.events += 1
+            if "error" in doc:
+                self.errored = True
             usage = _usage_of(doc)
             if usage[2] is not None:
                 self._usage = usage
@@ -116,10 +121,12 @@ class UsageMeter:
     def finish(self) -> Usage:
         if not self.streaming and self._buffer and not self._overflow:
             with contextlib.suppress(orjson.JSONDecodeError):
-                self._usage = _usage_of(orjson.loads(bytes(self._buffer)))
+                doc = orjson.loads(bytes(self._buffer))
+                self._usage = _usage_of(doc)
+                self.errored = isinstance(doc, dict) and "error" in doc
             self._buffer.clear()
         prompt, completion, total = self._usage
-        return Usage(prompt, completion, total, self.streamed_tokens)
+        return Usage(prompt, completion, total, self.streamed_tokens, self.errored)
 
 
 def tokens_to_charge(usage: Usage, prompt_estimate: int, output_budget: int) -> int:

@@ -44,6 +44,15 @@ def _parser() -> argparse.ArgumentParser:
                                          "FILE:LINE: message per problem")
     check.add_argument("--config", required=True)
 
+    canary = sub.add_parser("canary", help="canary vs stable side by side, from extproc's "
+                                           "/metrics, with a verdict per measure")
+    canary.add_argument("--metrics", required=True,
+                        help="extproc metrics URL, e.g. http://127.0.0.1:9101/metrics")
+    canary.add_argument("--model", default=None, help="one model (default: every model with "
+                                                      "canary traffic)")
+    canary.add_argument("--min-samples", type=int, default=30,
+                        help="requests each variant needs before a verdict (default 30)")
+
     from simulator import add_arguments as sim_args
     sim_args(sub.add_parser("sim", help="the vLLM simulator (OpenAI API as vLLM serves it)"))
     return parser
@@ -83,6 +92,9 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
         from ratelimit.main import run as ratelimit_run
         code: int = ratelimit_run(args, settings)
         return code
+    if args.command == "canary":
+        from extproc.canary_cli import run as canary_run
+        return canary_run(args)
     if args.command == "sim":
         from simulator import run as sim_run
         return sim_run(args)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 
 async def start_ops_server(host: str, port: int, registry: CollectorRegistry,
-                           healthy: Callable[[], bool]) -> web.AppRunner:
-    """Serve metrics and health on ``host:port``; the caller awaits ``runner.cleanup()``."""
+                           healthy: Callable[[], bool],
+                           text_pages: dict[str, Callable[[Mapping[str, str]], str]] | None = None,
+                           ) -> web.AppRunner:
+    """Serve metrics and health on ``host:port``; the caller awaits ``runner.cleanup()``.
+
+    ``text_pages`` adds plain-text pages (path → function of the query producing the text).
+    """
 
     async def metrics(_: web.Request) -> web.Response:
         body = generate_latest(registry)
@@ -24,7 +29,22 @@ async def start_ops_server(host: str, port: int, registry: CollectorRegistry,
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    for path, produce in (text_pages or {}).items():
+        app.router.add_get(path, _text_page(produce))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_address=True).start()
     return runner
+
+
+def _text_page(
+    produce: Callable[[Mapping[str, str]], str],
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def page(request: web.Request) -> web.Response:
+        try:
+            text = produce(request.query)
+        except ValueError as exc:
+            return web.Response(status=400, text=f"{exc}\n")
+        return web.Response(text=text + "\n")
+
+    return page

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from routing.schema import RoutingConfig
+from routing.schema import GuardSpec, RoutingConfig
 from routing.units import parse_duration
 
 PRIORITY_TIERS = ("high", "medium", "low")
@@ -32,6 +32,7 @@ class Canary:
     percent: float
     sticky: Literal["api_key", "tenant", "request"]
     max_context: int
+    guard: GuardSpec | None = None
 
     @property
     def threshold(self) -> int:
@@ -81,6 +82,8 @@ class Snapshot:
     high_below: float
     low_from: float
     inject_priority: bool
+    known_tenants: frozenset[str]
+    """Tenants named by listed keys (plus ``default``): the only tenant values metric labels use."""
 
 
 def listed_key_id(sha256_hex: str) -> str:
@@ -103,7 +106,7 @@ def compile_config(config: RoutingConfig) -> Snapshot:
         if spec.canary is not None:
             c = spec.canary
             canary = Canary(c.model, c.cluster, c.percent, c.sticky,
-                            config.clusters[c.cluster].max_context)
+                            config.clusters[c.cluster].max_context, c.guard)
         cache = None
         if spec.cache is not None:
             cache = CachePolicy(spec.cache.namespace, parse_duration(spec.cache.ttl))
@@ -128,4 +131,5 @@ def compile_config(config: RoutingConfig) -> Snapshot:
         high_below=config.priority.high_below,
         low_from=config.priority.low_from,
         inject_priority=config.priority.inject,
+        known_tenants=frozenset({"default", *(k.tenant for k in config.api_keys)}),
     )

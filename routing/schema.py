@@ -6,6 +6,7 @@ overlapping names) are checked in :mod:`routing.loader`, which knows the lines.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Literal
 
@@ -18,6 +19,13 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_name(value: str) -> str:
@@ -39,6 +47,16 @@ class EnvoySection(Strict):
     @classmethod
     def _address(cls, value: str) -> str:
         parse_hostport(value)
+        return value
+
+    @field_validator("admin")
+    @classmethod
+    def _loopback(cls, value: str) -> str:
+        host, port = parse_hostport(value)
+        if host != "localhost" and not _is_loopback(host):
+            raise ValueError(
+                f"the admin interface can stop Envoy and dump its config: listen on loopback, "
+                f"like 127.0.0.1:{port} (probes use GET /healthz on the listener)")
         return value
 
     @field_validator("request_timeout", "stream_idle_timeout")
@@ -92,11 +110,23 @@ class ClusterSpec(Strict):
         return value
 
 
+class GuardSpec(Strict):
+    """Stop the canary when it is clearly worse than stable (per extproc replica)."""
+
+    min_samples: int = Field(default=50, ge=1)
+    """Requests each variant must have finished before the guard judges."""
+    max_error_ratio: float = Field(default=2.0, gt=1)
+    """Trip when canary error rate > this x max(stable error rate, 1%)."""
+    max_ttft_p99_ratio: float = Field(default=2.0, gt=1)
+    """Trip when canary p99 time-to-first-token > this x stable's."""
+
+
 class CanarySpec(Strict):
     model: str
     cluster: str
     percent: float = Field(ge=0, le=100)
     sticky: Literal["api_key", "tenant", "request"] = "api_key"
+    guard: GuardSpec | None = None
 
 
 class CacheSpec(Strict):

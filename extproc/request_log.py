@@ -1,0 +1,40 @@
+"""One JSON log line per finished request (issue: logs that follow one request).
+
+The line carries the ``x-request-id`` Envoy generated, so it joins Envoy's access log and the
+rate limiter's lines. It never carries the API key: only the key id and tenant.
+"""
+
+from __future__ import annotations
+
+from extproc.telemetry import RequestRecord, Telemetry
+from llm_sidecar.logs import get_logger
+
+log = get_logger("extproc.request")
+
+
+class LoggedTelemetry:
+    """Logs each finished request, then hands every event to ``inner``."""
+
+    def __init__(self, inner: Telemetry) -> None:
+        self.inner = inner
+
+    def request_done(self, record: RequestRecord) -> None:
+        log.info(
+            "request_done", request_id=record.request_id, model=record.model,
+            cluster=record.cluster, variant=record.variant, tenant=record.tenant,
+            status=record.status, streamed=record.streamed, errored=record.errored,
+            duration_ms=round(record.duration_s * 1000, 3),
+            ttft_ms=None if record.ttft_s is None else round(record.ttft_s * 1000, 3),
+            prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens,
+            charged_tokens=record.charged_tokens,
+        )
+        self.inner.request_done(record)
+
+    def rejected(self, status: int, code: str) -> None:
+        self.inner.rejected(status, code)
+
+    def routed(self, model: str, cluster: str, variant: str) -> None:
+        self.inner.routed(model, cluster, variant)
+
+    def phase(self, phase: str, seconds: float) -> None:
+        self.inner.phase(phase, seconds)

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from extproc.canary_guard import CanaryGuards, Window, verdict
+from extproc.telemetry import RequestRecord
+from routing.schema import GuardSpec
+from tests.extproc.helpers import snapshot
+
+SPEC = GuardSpec(min_samples=10, max_error_ratio=2.0, max_ttft_p99_ratio=2.0)
+BASE = RequestRecord("r", "llama-2-13b", "vllm-short", "stable", "default", 200, True, False,
+                     0.1, 0.01, 0.001, 10, 10, 20)
+
+
+def window(n: int, errors: int = 0, ttft: float = 0.01) -> Window:
+    w = Window()
+    for i in range(n):
+        w.add(replace(BASE, errored=i < errors, ttft_s=ttft))
+    return w
+
+
+@pytest.mark.parametrize(("stable", "canary", "tripped"), [
+    (window(10), window(9, errors=9), False),              # not enough canary samples
+    (window(10), window(10), False),
+    (window(10), window(10, errors=1), True),              # 10% > 2 x max(0, 1%)
+    (window(100, errors=10), window(100, errors=15), False),  # 15% < 2 x 10%
+    (window(100, errors=10), window(100, errors=21), True),
+    (window(10, ttft=0.1), window(10, ttft=0.19), False),
+    (window(10, ttft=0.1), window(10, ttft=0.21), True),
+])
+def test_verdicts(stable: Window, canary: Window, tripped: bool) -> None:
+    assert (verdict(SPEC, stable, canary) is not None) == tripped
+
+
+def test_guard_stops_the_canary_until_its_config_changes() -> None:
+    canary = {"model": "v2", "cluster": "vllm-canary", "percent": 50,
+              "guard": {"min_samples": 3, "max_ttft_p99_ratio": 2.0}}
+    models = {"llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "canary": canary},
+              "bge-m3": {"kind": "embedding", "clusters": ["embed"]}}
+    snap = snapshot(models=models)
+    guards = CanaryGuards()
+    model = snap.models["llama-2-13b"]
+    assert guards.effective(model) is model.canary
+    for _ in range(3):
+        guards.observe(snap, replace(BASE, ttft_s=0.01))
+    reasons = [guards.observe(snap, replace(BASE, variant="canary", ttft_s=0.5)) for _ in range(3)]
+    assert reasons[:2] == [None, None] and reasons[2] is not None and "TTFT" in reasons[2]
+    assert guards.effective(model) is None
+    assert "llama-2-13b" in guards.tripped()
+    # An unrelated reload (same canary config) keeps the verdict; a changed canary resets it.
+    assert guards.effective(snapshot(models=models).models["llama-2-13b"]) is None
+    changed = {**models, "llama-2-13b": {**models["llama-2-13b"],
+                                         "canary": {**canary, "percent": 10}}}
+    fresh = snapshot(models=changed)
+    guards.observe(fresh, BASE)
+    assert guards.effective(fresh.models["llama-2-13b"]) is not None
