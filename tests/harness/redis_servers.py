@@ -271,6 +271,11 @@ class ExternalRedis(RedisServer):
     def client(self, **kwargs: Any) -> redis.Redis:
         return redis.Redis.from_url(self.given_url, **kwargs)
 
+    def flush(self) -> None:
+        """Only the URL's database: the server may hold others' data."""
+        with self.client(socket_timeout=2) as client:
+            client.flushdb()
+
     def kill(self) -> None:
         raise RedisUnavailable("an external Redis cannot be killed")
 
