@@ -58,3 +58,7 @@ def unknown_path(method: str, path: str) -> ClientError:
 
 def method_not_allowed(method: str, path: str) -> ClientError:
     return ClientError(405, "method_not_allowed", f"{method} is not allowed on {path}.")
+
+
+class BackendError(Exception):
+    """The embedding cache's store failed or missed its deadline: the request bypasses the cache."""

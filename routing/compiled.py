@@ -44,6 +44,7 @@ class Canary:
 class CachePolicy:
     namespace: str
     ttl_s: int
+    share_with_canary: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def compile_config(config: RoutingConfig) -> Snapshot:
                             config.clusters[c.cluster].max_context, c.guard)
         cache = None
         if spec.cache is not None:
-            cache = CachePolicy(spec.cache.namespace, parse_duration(spec.cache.ttl))
+            cache = CachePolicy(spec.cache.namespace, parse_duration(spec.cache.ttl),
+                                spec.cache.share_with_canary)
         models[name] = ModelRoute(
             name=name,
             kind=spec.kind,

@@ -131,7 +131,11 @@ class CanarySpec(Strict):
 
 class CacheSpec(Strict):
     namespace: str
+    """Models naming the same namespace share vectors: only safe when they are the same weights."""
     ttl: str = "7d"
+    share_with_canary: bool = False
+    """true: the model's canary reads and writes this namespace too (same weights, new server);
+    false: the canary gets ``<namespace>@<canary model>`` of its own."""
 
     @field_validator("ttl")
     @classmethod
