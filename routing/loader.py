@@ -60,6 +60,20 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+_MISSING_HINTS = {
+    "version": "write version: 1 at the top",
+    "clusters": "the vLLM pools, by name",
+    "models": "the model names clients send, each with its clusters",
+    "max_context": "the longest context the pool serves: its vLLM --max-model-len",
+    "endpoints": "host:port of each vLLM server of the pool",
+    "model": "the model name the canary serves",
+    "cluster": "the pool the canary runs on",
+    "namespace": "models that name the same namespace share cached vectors",
+    "name": "how overrides and logs refer to the key",
+    "sha256": "sha256 hex of the secret key: echo -n KEY | sha256sum",
+}
+
+
 def _pydantic_problems(exc: ValidationError, located: Located) -> list[Problem]:
     problems: list[Problem] = []
     for err in exc.errors():
@@ -72,9 +86,20 @@ def _pydantic_problems(exc: ValidationError, located: Located) -> list[Problem]:
             hint = _hint(key, _allowed_keys(loc))
             message = f"unknown key {key!r} in {where}{hint}"
         elif kind == "missing":
-            message = f"missing required key {dotted}"
+            why = _MISSING_HINTS.get(str(loc[-1]))
+            message = f"missing required key {dotted}" + (f" ({why})" if why else "")
         elif kind == "literal_error" and loc == ("version",):
             message = "version must be 1"
+        elif kind == "too_short" and len(loc) == 3 and loc[0] == "models" and loc[2] == "clusters":
+            clusters = located.data.get("clusters")
+            known = ", ".join(map(str, clusters)) if isinstance(clusters, dict) else ""
+            message = (f"model {loc[1]!r} has no clusters: list the pools that serve it "
+                       f"(known clusters: {known or 'none yet'})")
+        elif kind == "too_short" and loc in (("clusters",), ("models",)):
+            message = f"{loc[0]} is empty: define at least one"
+        elif loc[-1] == "percent" and kind in ("less_than_equal", "greater_than_equal"):
+            message = (f"{dotted}: {err['input']!r} is not a percentage: use 0 to 100 "
+                       "(5 sends 5% of the sticky keys to the canary)")
         else:
             text = str(err["msg"]).removeprefix("Value error, ")
             message = f"{dotted}: {text}"
@@ -82,13 +107,14 @@ def _pydantic_problems(exc: ValidationError, located: Located) -> list[Problem]:
     return problems
 
 
-def _hint(key: str, allowed: list[str]) -> str:
+def _hint(key: str, allowed: list[str], label: str = "allowed") -> str:
+    """`` (did you mean 'x'?)`` for a near miss, else the list of what ``key`` may be."""
     close = difflib.get_close_matches(key, allowed, n=1)
     if close:
         return f" (did you mean {close[0]!r}?)"
     if allowed:
-        return f" (allowed: {', '.join(allowed)})"
-    return ""
+        return f" ({label}: {', '.join(allowed)})"
+    return "" if label == "allowed" else f" (there are no {label})"
 
 
 def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
@@ -103,7 +129,7 @@ def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
             if cluster not in config.clusters:
                 add(("models", name, "clusters", i),
                     f"model {name!r} names unknown cluster {cluster!r}"
-                    f"{_hint(cluster, list(config.clusters))}")
+                    f"{_hint(cluster, list(config.clusters), 'known clusters')}")
         sizes = Counter(config.clusters[c].max_context for c in model.clusters if c in config.clusters)
         for size, count in sizes.items():
             if count > 1:
@@ -116,7 +142,8 @@ def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
             canary = model.canary
             if canary.cluster not in config.clusters:
                 add(("models", name, "canary", "cluster"),
-                    f"canary of {name!r} names unknown cluster {canary.cluster!r}")
+                    f"canary of {name!r} names unknown cluster {canary.cluster!r}"
+                    f"{_hint(canary.cluster, list(config.clusters), 'known clusters')}")
             if canary.model == name:
                 add(("models", name, "canary", "model"), "the canary model must differ from the model")
             elif canary.model in config.models:
@@ -126,27 +153,34 @@ def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
             add(("models", name, "cache"),
                 f"cache is only for kind: embedding models ({name!r} is {model.kind})")
 
-    seen_names: set[str] = set()
-    seen_hashes: set[str] = set()
+    seen_names: dict[str, int] = {}
+    seen_hashes: dict[str, str] = {}
     for i, key in enumerate(config.api_keys):
         if key.name in seen_names:
-            add(("api_keys", i, "name"), f"api key name {key.name!r} is used twice")
+            add(("api_keys", i, "name"),
+                f"api key name {key.name!r} is used twice (first at line "
+                f"{located.line_of(('api_keys', seen_names[key.name]))}): names must be unique")
         if key.sha256 in seen_hashes:
-            add(("api_keys", i, "sha256"), f"api key {key.name!r} has the same sha256 as another key")
-        seen_names.add(key.name)
-        seen_hashes.add(key.sha256)
+            add(("api_keys", i, "sha256"),
+                f"api key {key.name!r} has the same sha256 as {seen_hashes[key.sha256]!r}: one "
+                "secret can be one key only; give each key its own secret, or remove one")
+        seen_names.setdefault(key.name, i)
+        seen_hashes.setdefault(key.sha256, key.name)
 
     limits = config.rate_limits
     if limits is not None:
-        for level, known in (("api_key", {k.name for k in config.api_keys}), ("model", set(config.models))):
+        for level, known in (("api_key", [k.name for k in config.api_keys]),
+                             ("model", list(config.models))):
             section = getattr(limits, level)
             if section is None:
                 continue
             for override in section.overrides:
                 if override not in known:
-                    what = "api key name" if level == "api_key" else "model"
+                    what, label = (("api key name", "api key names under api_keys")
+                                   if level == "api_key" else ("model", "known models"))
                     add(("rate_limits", level, "overrides", override),
-                        f"rate_limits.{level} overrides unknown {what} {override!r}")
+                        f"rate_limits.{level} overrides unknown {what} {override!r}"
+                        f"{_hint(override, known, label)}")
         for level in ("api_key", "tenant", "model"):
             section = getattr(limits, level)
             if section is None:

@@ -7,31 +7,21 @@ router picks the cluster named by ``x-llm-cluster``, which only extproc sets.
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Any
 
 from routing.ratelimits import DOMAIN, METADATA_NAMESPACE, route_rate_limits
+from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport
 
-EXTPROC_CLUSTER = "llm-sidecar-extproc"
-RATELIMIT_CLUSTER = "llm-sidecar-ratelimit"
 RATELIMIT_DOMAIN = DOMAIN
-TYPE = "@type"
-API = "type.googleapis.com/envoy."
+HEALTH_PATH = "/healthz"
+"""Answered by Envoy itself (200, or 503 while draining): probes need no admin access."""
 
 
 def _address(text: str) -> dict[str, Any]:
     host, port = parse_hostport(text)
     return {"socket_address": {"address": host, "port_value": port}}
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _json_error(message: str, type_: str, code: str) -> dict[str, Any]:
@@ -79,20 +69,39 @@ def local_reply_config() -> dict[str, Any]:
 
 
 def access_log() -> list[dict[str, Any]]:
+    """One JSON line per request on stdout; Kubernetes probes of ``/healthz`` are left out."""
     fields = {
         "time": "%START_TIME%", "request_id": "%REQ(X-REQUEST-ID)%", "method": "%REQ(:METHOD)%",
         "path": "%REQ(:PATH)%", "status": "%RESPONSE_CODE%", "details": "%RESPONSE_CODE_DETAILS%",
         "flags": "%RESPONSE_FLAGS%", "cluster": "%UPSTREAM_CLUSTER%",
+        "upstream_host": "%UPSTREAM_HOST%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
         "model": "%REQ(X-LLM-MODEL)%", "variant": "%REQ(X-LLM-VARIANT)%",
-        "tenant": "%REQ(X-LLM-TENANT)%", "bytes_in": "%BYTES_RECEIVED%",
-        "bytes_out": "%BYTES_SENT%", "duration_ms": "%DURATION%",
+        "tenant": "%REQ(X-LLM-TENANT)%", "key_id": "%REQ(X-LLM-KEY-ID)%",
+        "bytes_in": "%BYTES_RECEIVED%", "bytes_out": "%BYTES_SENT%",
+        # duration: whole stream; request: until the body was read; first_byte: until the
+        # first response byte (time to first token, for a stream).
+        "duration_ms": "%DURATION%", "request_ms": "%REQUEST_DURATION%",
+        "first_byte_ms": "%RESPONSE_DURATION%",
         "upstream_ms": "%RESP(X-ENVOY-UPSTREAM-SERVICE-TIME)%",
     }
     return [{
         "name": "envoy.access_loggers.stdout",
+        "filter": {"not_health_check_filter": {}},
         "typed_config": {TYPE: API + "extensions.access_loggers.stream.v3.StdoutAccessLog",
                          "log_format": {"json_format": fields}},
     }]
+
+
+def health_check_filter() -> dict[str, Any]:
+    """``GET /healthz`` answered by Envoy: 200, or 503 once it drains (admin healthcheck/fail)."""
+    return {
+        "name": "envoy.filters.http.health_check",
+        "typed_config": {
+            TYPE: API + "extensions.filters.http.health_check.v3.HealthCheck",
+            "pass_through_mode": False,
+            "headers": [{"name": ":path", "string_match": {"exact": HEALTH_PATH}}],
+        },
+    }
 
 
 def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
@@ -160,8 +169,18 @@ def routes(config: RoutingConfig) -> list[dict[str, Any]]:
                 # timeout ends stuck ones instead.
                 "timeout": "0s",
                 "idle_timeout": idle,
-                "retry_policy": {"retry_on": "connect-failure,reset-before-request",
-                                 "num_retries": 2},
+                # Retry only what never reached vLLM (a generation is not idempotent, and it
+                # is expensive): a failed connect, or a reset before the request was sent.
+                "retry_policy": {
+                    "retry_on": "connect-failure,reset-before-request",
+                    "num_retries": 2,
+                    "retry_host_predicate": [{
+                        "name": "envoy.retry_host_predicates.previous_hosts",
+                        "typed_config": {TYPE: API + "extensions.retry.host.previous_hosts.v3"
+                                                     ".PreviousHostsPredicate"},
+                    }],
+                    "host_selection_retry_max_attempts": 3,
+                },
             },
         },
         {
@@ -177,47 +196,24 @@ def routes(config: RoutingConfig) -> list[dict[str, Any]]:
     ]
 
 
-def _cluster(name: str, endpoints: list[str], *, grpc: bool = False) -> dict[str, Any]:
-    hosts = [parse_hostport(e) for e in endpoints]
-    cluster: dict[str, Any] = {
-        "name": name,
-        "type": "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS",
-        "connect_timeout": "2s",
-        "lb_policy": "ROUND_ROBIN",
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
-            for h, p in hosts]}]},
-    }
-    if grpc:
-        cluster["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                TYPE: API + "extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }}
-    return cluster
-
-
-def clusters(config: RoutingConfig) -> list[dict[str, Any]]:
-    out = [_cluster(name, spec.endpoints) for name, spec in config.clusters.items()]
-    out.append(_cluster(EXTPROC_CLUSTER, [config.services.extproc], grpc=True))
-    if config.rate_limits is not None:
-        out.append(_cluster(RATELIMIT_CLUSTER, [config.services.ratelimit], grpc=True))
-    return out
-
-
 def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
     return {
         TYPE: API + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "llm",
         "codec_type": "AUTO",
         "generate_request_id": True,
+        "always_set_request_id_in_response": True,
+        # No whole-stream limit (generations and SSE streams may take minutes); a stream that
+        # sends nothing for stream_idle_timeout is ended instead.
         "stream_idle_timeout": f"{parse_duration(config.envoy.stream_idle_timeout)}s",
         "request_timeout": f"{parse_duration(config.envoy.request_timeout)}s",
+        "request_headers_timeout": "10s",
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),
         "route_config": {"name": "llm", "virtual_hosts": [
             {"name": "llm", "domains": ["*"], "routes": routes(config)}]},
         "http_filters": [
+            health_check_filter(),
             ext_proc_filter(config),
             *([ratelimit_filter(config)] if config.rate_limits is not None else []),
             router_filter(),
@@ -226,7 +222,7 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
 
 
 def bootstrap(config: RoutingConfig) -> dict[str, Any]:
-    """The full Envoy bootstrap for ``config``."""
+    """The full Envoy bootstrap for ``config``; the admin interface listens on loopback only."""
     return {
         "admin": {"address": _address(config.envoy.admin)},
         "static_resources": {

@@ -33,6 +33,9 @@ class Located:
         return Problem(self.source, self.line_of(path), message)
 
 
+_SYNTAX_HINT = "(check indentation, quotes and closing brackets on this line and the one above)"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that treats a repeated mapping key as an error instead of keeping the last."""
 
@@ -51,7 +54,8 @@ def _walk(node: yaml.Node, path: Path, lines: dict[Path, int], problems: list[Pr
             child = (*path, key)
             if key in out:
                 problems.append(Problem(source, key_node.start_mark.line + 1,
-                                        f"duplicate key {key!r}"))
+                                        f"duplicate key {key!r} (first at line {lines[child]}): "
+                                        "YAML keeps only the last, so merge the two"))
             lines[child] = key_node.start_mark.line + 1
             out[key] = _walk(value_node, child, lines, problems, source)
         return out
@@ -72,7 +76,8 @@ def load_yaml(text: str, source: str) -> Located:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 1
-        raise ConfigError([Problem(source, line, f"YAML syntax: {exc.problem or exc}")]) from None
+        raise ConfigError([Problem(source, line, f"YAML syntax: {exc.problem or exc} "
+                                   f"{_SYNTAX_HINT}")]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([Problem(source, 1, f"YAML syntax: {exc}")]) from None
     if node is None:

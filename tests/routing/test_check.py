@@ -1,12 +1,18 @@
-"""One fixture per mistake an operator can make, with the exact ``FILE:LINE: message``."""
+"""One fixture per mistake an operator can make, with the exact ``FILE:LINE: message``.
+
+Every message names what is wrong and carries a hint (a "did you mean", the allowed values, or
+what to write instead). ``llm-sidecar check`` prints these lines and exits 1.
+"""
 
 from __future__ import annotations
 
 import pathlib
+import subprocess
 import textwrap
 
 import pytest
 
+from llm_sidecar.procs import sidecar_command
 from routing.errors import ConfigError
 from routing.loader import load_config
 
@@ -19,66 +25,156 @@ models:
   llama-2-13b:
     clusters: [vllm-short, vllm-long]
 """
+HEX_A = "a" * 64
 
 CASES = {
     "unknown_top_level_key": (GOOD + "extra: 1\n",
                               ["8: unknown key 'extra' in top level (allowed: version, envoy, "
                                "services, clusters, models, auth, api_keys, rate_limits, priority)"]),
     "typo_key": (GOOD.replace("max_context: 2048", "max_contxt: 2048"),
-                 ["3: missing required key clusters.vllm-short.max_context",
+                 ["3: missing required key clusters.vllm-short.max_context (the longest context "
+                  "the pool serves: its vLLM --max-model-len)",
                   "3: unknown key 'max_contxt' in clusters.vllm-short (did you mean 'max_context'?)"]),
     "unknown_cluster": (GOOD.replace("[vllm-short, vllm-long]", "[vllm-short, vllm-lng]"),
                         ["7: model 'llama-2-13b' names unknown cluster 'vllm-lng' "
                          "(did you mean 'vllm-long'?)"]),
+    "unknown_cluster_far_off": (GOOD.replace("[vllm-short, vllm-long]", "[vllm-short, gpu-7]"),
+                                ["7: model 'llama-2-13b' names unknown cluster 'gpu-7' "
+                                 "(known clusters: vllm-short, vllm-long)"]),
     "no_clusters": (GOOD.replace("[vllm-short, vllm-long]", "[]"),
-                    ["7: models.llama-2-13b.clusters: List should have at least 1 item after "
-                     "validation, not 0"]),
+                    ["7: model 'llama-2-13b' has no clusters: list the pools that serve it "
+                     "(known clusters: vllm-short, vllm-long)"]),
+    "model_without_clusters_key": (GOOD.replace("    clusters: [vllm-short, vllm-long]\n",
+                                                "    default_max_tokens: 10\n"),
+                                   ["6: missing required key models.llama-2-13b.clusters (the "
+                                    "vLLM pools, by name)"]),
     "overlapping_pools": (GOOD.replace("max_context: 32768", "max_context: 2048"),
                           ["7: model 'llama-2-13b' has 2 clusters with max_context 2048: pools "
                            "overlap, give each pool of a model its own max_context"]),
+    "cluster_listed_twice": (GOOD.replace("[vllm-short, vllm-long]", "[vllm-short, vllm-short]"),
+                             ["7: model 'llama-2-13b' has 2 clusters with max_context 2048: pools "
+                              "overlap, give each pool of a model its own max_context",
+                              "7: model 'llama-2-13b' lists a cluster twice"]),
     "bad_rate": (GOOD + "rate_limits:\n  tenant: {default: {requests: 10/fortnight}}\n",
                  ["9: rate_limits.tenant.default.requests: bad rate '10/fortnight': use N/s, "
                   "N/min, N/h, N/d or N/5m-style windows, with an optional k or M suffix, "
                   "like 100k/min"]),
     "bad_percent": (GOOD + "    canary: {model: v2, cluster: vllm-long, percent: 150}\n",
-                    ["8: models.llama-2-13b.canary.percent: Input should be less than or equal "
-                     "to 100"]),
+                    ["8: models.llama-2-13b.canary.percent: 150 is not a percentage: use 0 to "
+                     "100 (5 sends 5% of the sticky keys to the canary)"]),
+    "negative_percent": (GOOD + "    canary: {model: v2, cluster: vllm-long, percent: -1}\n",
+                         ["8: models.llama-2-13b.canary.percent: -1 is not a percentage: use 0 to "
+                          "100 (5 sends 5% of the sticky keys to the canary)"]),
+    "canary_unknown_cluster": (GOOD + "    canary: {model: v2, cluster: canary, percent: 5}\n",
+                               ["8: canary of 'llama-2-13b' names unknown cluster 'canary' "
+                                "(known clusters: vllm-short, vllm-long)"]),
+    "canary_model_is_a_model": (GOOD + "    canary: {model: llama-2-13b, cluster: vllm-long, "
+                                "percent: 5}\n",
+                                ["8: the canary model must differ from the model"]),
     "duplicate_api_key": (GOOD + "api_keys:\n"
-                          "  - {name: a, sha256: '" + "a" * 64 + "'}\n"
-                          "  - {name: b, sha256: '" + "a" * 64 + "'}\n",
-                          ["10: api key 'b' has the same sha256 as another key"]),
-    "yaml_syntax": (GOOD + "  broken: [\n", ["9: YAML syntax: expected the node content, "
-                                            "but found '<stream end>'"]),
-    "duplicate_key": (GOOD + "models: {}\n", ["8: duplicate key 'models'"]),
+                          f"  - {{name: a, sha256: '{HEX_A}'}}\n"
+                          f"  - {{name: b, sha256: '{HEX_A}'}}\n",
+                          ["10: api key 'b' has the same sha256 as 'a': one secret can be one "
+                           "key only; give each key its own secret, or remove one"]),
+    "duplicate_api_key_name": (GOOD + "api_keys:\n"
+                               f"  - {{name: a, sha256: '{HEX_A}'}}\n"
+                               f"  - {{name: a, sha256: '{'b' * 64}'}}\n",
+                               ["10: api key name 'a' is used twice (first at line 9): names "
+                                "must be unique"]),
+    "bad_sha256": (GOOD + "api_keys:\n  - {name: a, sha256: sk-live-123}\n",
+                   ["9: api_keys.0.sha256: sha256 must be 64 hex digits: the sha256 of the "
+                    "secret key"]),
+    "yaml_syntax": (GOOD + "  broken: [\n",
+                    ["9: YAML syntax: expected the node content, but found '<stream end>' "
+                     "(check indentation, quotes and closing brackets on this line and the one "
+                     "above)"]),
+    "yaml_tab_indent": (GOOD + "\tbad: 1\n",
+                        ["8: YAML syntax: found character '\\t' that cannot start any token "
+                         "(check indentation, quotes and closing brackets on this line and the "
+                         "one above)"]),
+    "duplicate_key": (GOOD + "models: {}\n",
+                      ["8: duplicate key 'models' (first at line 5): YAML keeps only the last, "
+                       "so merge the two"]),
     "bad_version": (GOOD.replace("version: 1", "version: 2"), ["1: version must be 1"]),
-    "override_unknown_model": (GOOD + "rate_limits:\n  model: {overrides: {gpt: {requests: 1/s}}}\n",
-                               ["9: rate_limits.model overrides unknown model 'gpt'"]),
+    "override_unknown_model": (GOOD + "rate_limits:\n  model: {overrides: {lama-2-13b: "
+                               "{requests: 1/s}}}\n",
+                               ["9: rate_limits.model overrides unknown model 'lama-2-13b' "
+                                "(did you mean 'llama-2-13b'?)"]),
+    "override_unknown_key_name": (GOOD + "rate_limits:\n  api_key: {overrides: {bot: "
+                                  "{requests: 1/s}}}\n",
+                                  ["9: rate_limits.api_key overrides unknown api key name 'bot' "
+                                   "(there are no api key names under api_keys)"]),
     "burst_without_requests": (GOOD + "rate_limits:\n  tenant: {default: {tokens: 1k/min, "
                                "burst: 5}}\n",
                                ["9: burst is the capacity of the requests bucket: it needs a "
                                 "requests rate"]),
+    "empty_limit": (GOOD + "rate_limits:\n  tenant: {default: {}}\n",
+                    ["9: a limit needs requests, tokens or both"]),
     "bad_endpoint": (GOOD.replace('"10.0.0.11:8000"', '"10.0.0.11"'),
                      ["3: clusters.vllm-short.endpoints: bad address '10.0.0.11': use host:port, "
                       "like 10.0.0.11:8000"]),
+    "bad_duration": (GOOD + "envoy: {stream_idle_timeout: 5 minutes}\n",
+                     ["8: envoy.stream_idle_timeout: bad duration '5 minutes': use a whole number "
+                      "with s, m, h or d, like 30s or 7d"]),
+    "admin_not_on_loopback": (GOOD + "envoy: {admin: 0.0.0.0:9901}\n",
+                              ["8: envoy.admin: the admin interface can stop Envoy and dump its "
+                               "config: listen on loopback, like 127.0.0.1:9901 (probes use GET "
+                               "/healthz on the listener)"]),
     "cache_on_chat_model": (GOOD + "    cache: {namespace: x}\n",
                             ["8: cache is only for kind: embedding models ('llama-2-13b' is chat)"]),
+    "bad_name": (GOOD.replace("  vllm-long:", "  vllm long:").replace(", vllm-long]", "]"),
+                 ["2: clusters: bad name 'vllm long': use letters, digits, '.', '_' and '-'"]),
+    "priority_inverted": (GOOD + "priority: {high_below: 9000, low_from: 10}\n",
+                          ["8: priority.high_below must not be above priority.low_from"]),
     "not_a_mapping": ("- just\n- a list\n", ["1: the file must be a mapping with version: 1"]),
+    "empty_file": ("", ["1: the file must be a mapping with version: 1"]),
 }
+
+
+def write(tmp_path: pathlib.Path, name: str, text: str) -> pathlib.Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_mistake_is_reported_with_file_and_line(name: str, tmp_path: pathlib.Path) -> None:
     text, expected = CASES[name]
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(textwrap.dedent(text))
+    path = write(tmp_path, name, text)
     with pytest.raises(ConfigError) as caught:
         load_config(str(path))
     assert [str(p) for p in caught.value.problems] == [f"{path}:{line}" for line in expected]
 
 
 def test_the_good_file_loads(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "good.yaml"
-    path.write_text(GOOD)
-    config = load_config(str(path))
+    config = load_config(str(write(tmp_path, "good", GOOD)))
     assert list(config.models) == ["llama-2-13b"]
     assert config.rate_limits is None and config.api_keys == []
+
+
+def test_an_unreadable_file_is_one_located_line(tmp_path: pathlib.Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(missing))
+    assert str(caught.value).startswith(f"{missing}:1: cannot read the file: ")
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path: pathlib.Path) -> None:
+    text = (GOOD.replace("[vllm-short, vllm-long]", "[vllm-short, vllm-lng]")
+            + "    canary: {model: v2, cluster: vllm-long, percent: 5}\n"
+            + "rate_limits:\n  model: {overrides: {gpt: {requests: 1/s}}}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(write(tmp_path, "many", text)))
+    assert [p.line for p in caught.value.problems] == [7, 10]
+
+
+def test_check_command_prints_the_lines_and_exits_1(tmp_path: pathlib.Path) -> None:
+    bad = write(tmp_path, "bad", CASES["unknown_cluster"][0])
+    result = subprocess.run(sidecar_command("check", "--config", str(bad)),
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [f"{bad}:{CASES['unknown_cluster'][1][0]}"]
+    good = write(tmp_path, "good", GOOD)
+    result = subprocess.run(sidecar_command("check", "--config", str(good)),
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")

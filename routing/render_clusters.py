@@ -1,0 +1,136 @@
+"""Envoy clusters for the routing YAML: vLLM pools and the two gRPC sidecar services.
+
+Pools are hardened for long generations: active health checks on vLLM's ``/health``, outlier
+detection, circuit breakers sized for many concurrent streams, least-request balancing (one
+request can hold a pod for minutes, so round robin piles work on busy pods), and upstream
+connections closed before vLLM's own keep-alive (5 s) would close them under a request.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from routing.schema import ClusterSpec, RoutingConfig
+from routing.units import parse_hostport
+
+EXTPROC_CLUSTER = "llm-sidecar-extproc"
+RATELIMIT_CLUSTER = "llm-sidecar-ratelimit"
+TYPE = "@type"
+API = "type.googleapis.com/envoy."
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+VLLM_HEALTH_PATH = "/health"
+# uvicorn (vLLM's server) closes idle keep-alive connections after 5 s; Envoy must close first,
+# or a request can be written to a connection the server is closing.
+POOL_IDLE_TIMEOUT = "4s"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _base(name: str, endpoints: list[str]) -> dict[str, Any]:
+    hosts = [parse_hostport(e) for e in endpoints]
+    static = all(_is_ip(h) for h, _ in hosts)
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC" if static else "STRICT_DNS",
+        "connect_timeout": "2s",
+    }
+    if not static:
+        # Kubernetes headless Services give one A record per pod: balance across all of them.
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+        cluster["respect_dns_ttl"] = True
+        cluster["dns_refresh_rate"] = "5s"
+    cluster["load_assignment"] = {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
+        for h, p in hosts]}]}
+    return cluster
+
+
+def _thresholds(*, connections: int, pending: int, requests: int) -> dict[str, Any]:
+    return {"thresholds": [{
+        "priority": "DEFAULT",
+        "max_connections": connections,
+        "max_pending_requests": pending,
+        "max_requests": requests,
+        "max_retries": 3,
+        "track_remaining": True,
+    }]}
+
+
+def pool_cluster(name: str, spec: ClusterSpec) -> dict[str, Any]:
+    """One vLLM pool: HTTP/1.1 to each pod, health-checked and ejected when failing."""
+    cluster = _base(name, spec.endpoints)
+    cluster.update({
+        "lb_policy": "LEAST_REQUEST",
+        "health_checks": [{
+            "timeout": "2s",
+            "interval": "5s",
+            "interval_jitter": "1s",
+            "unhealthy_threshold": 3,
+            "healthy_threshold": 1,
+            # An idle pool (a canary at 0 %) is still probed, so it is known healthy when used.
+            "no_traffic_interval": "10s",
+            "http_health_check": {"path": VLLM_HEALTH_PATH},
+        }],
+        "outlier_detection": {
+            "consecutive_5xx": 5,
+            "consecutive_gateway_failure": 3,
+            "enforcing_consecutive_gateway_failure": 100,
+            "interval": "10s",
+            "base_ejection_time": "30s",
+            "max_ejection_percent": 50,
+        },
+        # HTTP/1.1: one connection per in-flight request, and a generation can last minutes.
+        "circuit_breakers": _thresholds(connections=4096, pending=1024, requests=4096),
+        "typed_extension_protocol_options": {HTTP_OPTIONS: {
+            TYPE: API + "extensions.upstreams.http.v3.HttpProtocolOptions",
+            "common_http_protocol_options": {"idle_timeout": POOL_IDLE_TIMEOUT},
+            "explicit_http_config": {"http_protocol_options": {}},
+        }},
+    })
+    return cluster
+
+
+def grpc_cluster(name: str, address: str) -> dict[str, Any]:
+    """extproc or ratelimit: HTTP/2, gRPC health-checked, sized for a stream per request."""
+    cluster = _base(name, [address])
+    cluster.update({
+        "lb_policy": "ROUND_ROBIN",
+        "health_checks": [{
+            "timeout": "1s",
+            "interval": "5s",
+            "unhealthy_threshold": 2,
+            "healthy_threshold": 1,
+            "grpc_health_check": {},
+        }],
+        # ext_proc holds one gRPC stream per in-flight HTTP request (for its whole life): the
+        # default of 1024 concurrent requests would cap the gateway at 1024 open generations.
+        "circuit_breakers": _thresholds(connections=1024, pending=100_000, requests=100_000),
+        "typed_extension_protocol_options": {HTTP_OPTIONS: {
+            TYPE: API + "extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {
+                "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+            }},
+        }},
+    })
+    return cluster
+
+
+def service_clusters(config: RoutingConfig) -> list[dict[str, Any]]:
+    """The gRPC clusters of extproc and (when there are limits) ratelimit."""
+    out = [grpc_cluster(EXTPROC_CLUSTER, config.services.extproc)]
+    if config.rate_limits is not None:
+        out.append(grpc_cluster(RATELIMIT_CLUSTER, config.services.ratelimit))
+    return out
+
+
+def clusters(config: RoutingConfig) -> list[dict[str, Any]]:
+    return [*(pool_cluster(name, spec) for name, spec in config.clusters.items()),
+            *service_clusters(config)]
