@@ -31,8 +31,19 @@ def _connect_host(host: str) -> str:
 
 
 def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
-              extproc_metrics_port: int = 9101, ratelimit_metrics_port: int = 9102) -> list[Child]:
-    """Start every process of the gateway and wait for each to be ready."""
+              extproc_metrics_port: int = 9101, ratelimit_metrics_port: int = 9102,
+              env: dict[str, str] | None = None, log_dir: str | None = None) -> list[Child]:
+    """Start every process of the gateway and wait for each to be ready.
+
+    ``env`` (for example ``LLM_SIDECAR_REDIS_URL``) is added to the environment of extproc and
+    ratelimit; with ``log_dir``, Envoy, extproc and ratelimit write their output to
+    ``LOG_DIR/NAME.log`` instead of this process's stdout/stderr.
+    """
+    child_env = {**os.environ, **env} if env else None
+
+    def log_path(name: str) -> str | None:
+        return os.path.join(log_dir, f"{name}.log") if log_dir else None
+
     write_all(config, workdir)
     children: list[Child] = []
     try:
@@ -57,18 +68,21 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
             wait_http_ok(health_url, 30, child)
         host, port = parse_hostport(config.services.extproc)
         extproc = start("extproc", sidecar_command(
-            "extproc", "--config", config_path, "--metrics-port", str(extproc_metrics_port)))
+            "extproc", "--config", config_path, "--metrics-port", str(extproc_metrics_port)),
+            env=child_env, log_path=log_path("extproc"))
         children.append(extproc)
         wait_tcp(_connect_host(host), port, 30, extproc)
         if config.rate_limits is not None:
             host, port = parse_hostport(config.services.ratelimit)
             ratelimit = start("ratelimit", sidecar_command(
                 "ratelimit", "--config", config_path,
-                "--metrics-port", str(ratelimit_metrics_port)))
+                "--metrics-port", str(ratelimit_metrics_port)),
+                env=child_env, log_path=log_path("ratelimit"))
             children.append(ratelimit)
             wait_tcp(_connect_host(host), port, 30, ratelimit)
         envoy = start("envoy", [envoy_binary(), "-c", os.path.join(workdir, "envoy.yaml"),
-                                "--log-level", "warn", "--disable-hot-restart"])
+                                "--log-level", "warn", "--disable-hot-restart"],
+                      log_path=log_path("envoy"))
         children.append(envoy)
         admin_host, admin_port = parse_hostport(config.envoy.admin)
         wait_http_ok(f"http://{_connect_host(admin_host)}:{admin_port}/ready", 30, envoy)

@@ -53,6 +53,16 @@ class Gateway:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def logs(self) -> str:
+        """Everything the processes logged so far (with ``capture_logs=True``)."""
+        parts = []
+        for name in sorted(os.listdir(self.workdir)):
+            if name.endswith(".log"):
+                with open(os.path.join(self.workdir, name), encoding="utf-8",
+                          errors="replace") as handle:
+                    parts.append(handle.read())
+        return "\n".join(parts)
+
 
 def default_doc() -> dict[str, Any]:
     """The example config's shape, every port free, every pool a simulator."""
@@ -80,8 +90,13 @@ def default_doc() -> dict[str, Any]:
 
 
 @contextmanager
-def running_gateway(doc: dict[str, Any], workdir: str) -> Iterator[Gateway]:
-    """Start the gateway for ``doc`` in ``workdir``; stop every process afterwards."""
+def running_gateway(doc: dict[str, Any], workdir: str, *, env: dict[str, str] | None = None,
+                    capture_logs: bool = False) -> Iterator[Gateway]:
+    """Start the gateway for ``doc`` in ``workdir``; stop every process afterwards.
+
+    ``env`` goes to extproc and ratelimit (e.g. ``LLM_SIDECAR_REDIS_URL``); with
+    ``capture_logs`` every process logs into ``workdir`` (read them with ``Gateway.logs()``).
+    """
     try:
         envoy_binary()
     except FileNotFoundError:
@@ -95,7 +110,8 @@ def running_gateway(doc: dict[str, Any], workdir: str) -> Iterator[Gateway]:
     config = load_config(path)
     extproc_metrics, ratelimit_metrics = free_port(), free_port()
     children = start_all(config, path, workdir, extproc_metrics_port=extproc_metrics,
-                         ratelimit_metrics_port=ratelimit_metrics)
+                         ratelimit_metrics_port=ratelimit_metrics, env=env,
+                         log_dir=workdir if capture_logs else None)
     try:
         sims = {name: f"http://{spec.endpoints[0]}" for name, spec in config.clusters.items()
                 if spec.simulator is not None}
