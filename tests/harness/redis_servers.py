@@ -90,12 +90,14 @@ def docker_answers(timeout_s: float = 1.5) -> bool:
         return False
 
 
-def wait_until_ready(host: str, port: int, timeout_s: float = START_TIMEOUT_S) -> None:
+def wait_until_ready(host: str, port: int, timeout_s: float = START_TIMEOUT_S,
+                     password: str | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            with redis.Redis(host=host, port=port, socket_timeout=0.5) as client:
+            with redis.Redis(host=host, port=port, socket_timeout=0.5,
+                             password=password) as client:
                 if client.ping():
                     return
         except (redis.RedisError, OSError) as exc:
@@ -110,13 +112,15 @@ class RedisServer(abc.ABC):
     host = "127.0.0.1"
     port = 0
     controllable = True
+    password: str | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def client(self, **kwargs: Any) -> redis.Redis:
-        return redis.Redis(host=self.host, port=self.port, **kwargs)
+        return redis.Redis(host=self.host, port=self.port, password=self.password, **kwargs)
 
     def flush(self) -> None:
         with self.client(socket_timeout=2) as client:
@@ -152,6 +156,8 @@ class ProcessRedis(RedisServer):
     extra_args: tuple[str, ...] = ()
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="redis-test-")))
     process: subprocess.Popen[bytes] | None = None
+    password: str | None = None
+    """With a password the server runs with ``requirepass`` and ``url`` carries it."""
 
     def start(self) -> ProcessRedis:
         args = [
@@ -162,13 +168,14 @@ class ProcessRedis(RedisServer):
             "--save", "",
             "--appendonly", "no",
             "--protected-mode", "no",
+            *(("--requirepass", self.password) if self.password else ()),
             *self.extra_args,
         ]  # fmt: skip
         log = (self.workdir / "redis.log").open("ab")
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         try:
-            wait_until_ready(self.host, self.port)
+            wait_until_ready(self.host, self.port, password=self.password)
         except RedisUnavailable:
             self.stop()
             raise
