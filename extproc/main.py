@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from extproc.service import install_stop_handlers, serve
 from llm_sidecar.config_holder import ConfigHolder
 from llm_sidecar.logs import get_logger
+from llm_sidecar.reload_metrics import ReloadMetrics
 from llm_sidecar.settings import Settings
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
@@ -33,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def main_async(args: argparse.Namespace, settings: Settings) -> int:
-    holder = ConfigHolder(args.config, load_snapshot)
+    registry = CollectorRegistry()
+    holder = ConfigHolder(args.config, load_snapshot, ReloadMetrics(registry, "extproc"))
     host, port = parse_hostport(holder.current().config.services.extproc)
     host = args.host or host
     port = args.port if args.port is not None else port
@@ -42,7 +44,7 @@ async def main_async(args: argparse.Namespace, settings: Settings) -> int:
     watcher = asyncio.create_task(holder.watch(settings.reload_interval_s, stop))
     try:
         await serve(holder.current, settings, host, port, host, args.metrics_port,
-                    CollectorRegistry(), stop)
+                    registry, stop)
     finally:
         stop.set()
         await watcher
