@@ -125,7 +125,7 @@ def main() -> int:
             ]
             for name, command, env in scenarios:
                 port = free_port()
-                cmd = command + [str(port)] if command else sidecar_command(
+                cmd = [*command, str(port)] if command else sidecar_command(
                     "ratelimit", "--config", config, "--port", str(port),
                     "--metrics-port", str(free_port()))
                 child = start(name, cmd, env={**os.environ, "LLM_SIDECAR_LOG_LEVEL": "error",
@@ -138,8 +138,8 @@ def main() -> int:
         finally:
             redis.stop()
     base = rows[0]
-    print(f"| scenario | decisions/s | p50 ms | p99 ms | added p50 ms | added p99 ms | "
-          f"server CPU µs/decision |\n|---|---|---|---|---|---|---|")
+    print("| scenario | decisions/s | p50 ms | p99 ms | added p50 ms | added p99 ms | "
+          "server CPU µs/decision |\n|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['scenario']} | {row['decisions_per_s']:.0f} | {row['p50_ms']:.2f} | "
               f"{row['p99_ms']:.2f} | {row['p50_ms'] - base['p50_ms']:.2f} | "
