@@ -17,8 +17,12 @@ class Problem:
         return f"{self.file}:{self.line}: {self.message}"
 
 
-class ConfigError(Exception):
-    """A config file that cannot be used; ``problems`` lists every mistake found."""
+class ConfigError(ValueError):
+    """A config file that cannot be used; ``problems`` lists every mistake found.
+
+    A ``ValueError`` (as ``json.JSONDecodeError`` is): code that guards a load with
+    ``except ValueError`` keeps its old config instead of crashing on a bad file.
+    """
 
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = problems
