@@ -1,5 +1,12 @@
-"""A circuit breaker on plain data: after a backend failure, skip the backend for a cooldown,
-then let one probe through (half-open); its outcome closes or reopens the breaker.
+"""A circuit breaker on plain data: after ``failures_to_open`` consecutive backend failures,
+skip the backend for a cooldown, then let one probe through (half-open); its outcome closes or
+reopens the breaker.
+
+Why more than one failure: a missed deadline is ambiguous. A frozen Redis misses every
+deadline, but so does a healthy one when this process's own event loop is starved of CPU for a
+moment; opening on one such miss turns a 50 ms hiccup into a whole cooldown without Redis
+(with ``on_backend_error: allow``, a second of unlimited admission). Requiring a few in a row
+keeps a real outage cheap (a few deadlines at most) and ignores lone misses.
 
 The clock reading is passed in, so the state machine is tested without sleeping. Shared by the
 rate limiter's bucket store and extproc's embedding cache: each Redis user keeps its own breaker.
@@ -22,9 +29,13 @@ class BreakerState(IntEnum):
 @dataclass
 class Breaker:
     cooldown_s: float
+    failures_to_open: int = 1
+    """Consecutive failures (no success between them) that open a closed breaker."""
     state: BreakerState = BreakerState.CLOSED
     opened_at: float = 0.0
     probe_started: float = 0.0
+    failures: int = 0
+    """Consecutive failures seen while closed."""
 
     def allow(self, now: float) -> bool:
         """May this caller use the backend now? In half-open only the probe may; a probe
@@ -44,7 +55,19 @@ class Breaker:
 
     def success(self) -> None:
         self.state = BreakerState.CLOSED
+        self.failures = 0
 
-    def failure(self, now: float) -> None:
+    def failure(self, now: float) -> bool:
+        """Count a failure; True when it opened the breaker (a closed breaker reaching
+        ``failures_to_open``, or a failed half-open probe)."""
+        if self.state is BreakerState.CLOSED:
+            self.failures += 1
+            if self.failures < self.failures_to_open:
+                return False
+        elif self.state is BreakerState.OPEN:
+            # A late reply of a call started before the breaker opened: keep the cooldown.
+            return False
         self.state = BreakerState.OPEN
         self.opened_at = now
+        self.failures = 0
+        return True

@@ -21,7 +21,12 @@ class Settings(BaseSettings):
     """Deadline for one Redis decision (rate limit or cache lookup), in milliseconds."""
 
     redis_breaker_cooldown_ms: int = 1000
-    """After a Redis failure, how long to skip Redis before trying it again."""
+    """After Redis failed (see ``redis_breaker_failures``), how long to skip it before trying
+    it again."""
+
+    redis_breaker_failures: int = 3
+    """Consecutive Redis failures that open the breaker. One missed deadline can be this
+    process's own CPU starvation rather than Redis; a frozen Redis misses them all."""
 
     log_level: str = "info"
     dev_mode: bool = False

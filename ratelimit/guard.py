@@ -1,5 +1,6 @@
-"""Deadline and circuit breaker around a bucket store: a dead or frozen Redis costs at most
-one deadline per cooldown, not one per request, and is tried again by itself."""
+"""Deadline and circuit breaker around a bucket store: a dead or frozen Redis costs a few
+deadlines per cooldown (``failures_to_open``), not one per request, and is tried again by
+itself."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ class GuardedStore:
         cooldown_s: float,
         metrics: RateLimitMetrics,
         clock: Callable[[], float] = time.monotonic,
+        failures_to_open: int = 1,
     ) -> None:
         self.inner = inner
         self._timeout_s = timeout_s
-        self._breaker = Breaker(cooldown_s)
+        self._breaker = Breaker(cooldown_s, failures_to_open=max(1, failures_to_open))
         self._metrics = metrics
         self._clock = clock
         metrics.set_breaker(self._breaker.state)
@@ -71,13 +73,13 @@ class GuardedStore:
 
     def _fail(self, reason: str, message: str) -> None:
         self._metrics.backend_errors.labels(reason).inc()
-        if self._breaker.state is BreakerState.CLOSED:  # once per outage, not per request
+        was_closed = self._breaker.state is BreakerState.CLOSED
+        if self._breaker.failure(self._clock()) and was_closed:  # once per outage
             log.warning(
                 "ratelimit_backend_failed",
                 error=message,
                 detail=f"skipping the backend for {self._breaker.cooldown_s:g} s at a time",
             )
-        self._breaker.failure(self._clock())
 
     async def aclose(self) -> None:
         await self.inner.aclose()

@@ -64,7 +64,8 @@ def make_store(settings: Settings, metrics: RateLimitMetrics) -> BucketStore:
     timeout_s = settings.redis_timeout_ms / 1000
     client = make_client(settings.redis_url.get_secret_value(), timeout_s)
     log.info("ratelimit_redis_store", redis=redis_url_for_logs(settings.redis_url))
-    return GuardedStore(RedisStore(client), timeout_s, settings.redis_breaker_cooldown_ms / 1000, metrics)
+    return GuardedStore(RedisStore(client), timeout_s, settings.redis_breaker_cooldown_ms / 1000, metrics,
+                        failures_to_open=settings.redis_breaker_failures)
 
 
 class RateLimitServer:

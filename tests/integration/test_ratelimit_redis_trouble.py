@@ -74,6 +74,7 @@ async def client(
     settings = Settings(
         redis_url=SecretStr(own_redis_server.url),
         redis_timeout_ms=int(DEADLINE_S * 1000),
+        redis_breaker_failures=1,  # these tests count deadlines: open on the first failure
     )
     server = RateLimitServer(str(path), "127.0.0.1", 0, 0, settings)
     await server.start()

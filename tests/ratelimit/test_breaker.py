@@ -30,3 +30,26 @@ def test_lost_probe_is_replaced_after_a_cooldown() -> None:
     assert breaker.allow(1.0)
     assert not breaker.allow(1.5)
     assert breaker.allow(2.0)
+
+
+def test_opens_only_after_consecutive_failures() -> None:
+    breaker = Breaker(cooldown_s=1.0, failures_to_open=3)
+    assert not breaker.failure(0.0)
+    assert not breaker.failure(0.1)
+    breaker.success()  # a success in between: the count starts again
+    assert not breaker.failure(0.2)
+    assert not breaker.failure(0.3)
+    assert state_of(breaker) is BreakerState.CLOSED
+    assert breaker.failure(1.0)
+    assert state_of(breaker) is BreakerState.OPEN
+    assert not breaker.allow(1.5)
+    assert breaker.allow(2.0)  # the probe
+    assert breaker.failure(2.1)  # one failed probe reopens: no second chance
+    assert state_of(breaker) is BreakerState.OPEN
+
+
+def test_late_failures_do_not_extend_the_cooldown() -> None:
+    breaker = Breaker(cooldown_s=1.0)
+    assert breaker.failure(0.0)
+    assert not breaker.failure(0.5)  # a call started before the breaker opened
+    assert breaker.allow(1.0)

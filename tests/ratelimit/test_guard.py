@@ -85,3 +85,21 @@ async def test_cancelled_probe_does_not_wedge_the_breaker() -> None:
     clock.advance(1.0)
     inner.mode = "ok"
     assert (await guard.decide([])).admitted
+
+
+async def test_a_lone_missed_deadline_does_not_open_the_breaker() -> None:
+    inner, clock, metrics = ScriptedStore(), FakeClock(), RateLimitMetrics()
+    guard = GuardedStore(inner, 0.02, 1.0, metrics, clock=clock, failures_to_open=3)
+    inner.mode = "hang"
+    with pytest.raises(BackendError, match="deadline"):
+        await guard.decide([])
+    inner.mode = "ok"
+    assert (await guard.decide([])).admitted
+    assert breaker_of(guard) is BreakerState.CLOSED
+    inner.mode = "hang"
+    for _ in range(3):  # three in a row: a real outage
+        with pytest.raises(BackendError, match="deadline"):
+            await guard.decide([])
+    assert breaker_of(guard) is BreakerState.OPEN
+    with pytest.raises(BackendError, match="breaker"):
+        await guard.decide([])
