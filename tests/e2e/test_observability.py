@@ -46,7 +46,9 @@ def redis_with_password() -> Iterator[ProcessRedis]:
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory,
        redis_with_password: ProcessRedis) -> Iterator[Gateway]:
-    env = {"LLM_SIDECAR_REDIS_URL": redis_with_password.url}
+    # A generous Redis deadline: this test counts decisions exactly, and a loaded CI machine
+    # must not turn a slow Redis answer into an on_backend_error admit.
+    env = {"LLM_SIDECAR_REDIS_URL": redis_with_password.url, "LLM_SIDECAR_REDIS_TIMEOUT_MS": "2000"}
     with running_gateway(doc(), str(tmp_path_factory.mktemp("gw-obs")), env=env,
                          capture_logs=True) as gateway:
         yield gateway
