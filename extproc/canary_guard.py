@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Gauge
 
-from extproc.telemetry import RequestRecord, Telemetry
+from extproc.telemetry import ForwardingTelemetry, RequestRecord, Telemetry
 from llm_sidecar.logs import get_logger
 from routing.compiled import Canary, ModelRoute, Snapshot
 from routing.schema import GuardSpec
@@ -109,12 +109,12 @@ class CanaryGuards:
         return reason
 
 
-class GuardedTelemetry:
+class GuardedTelemetry(ForwardingTelemetry):
     """Feeds finished requests to the guards, then hands every event to ``inner``."""
 
     def __init__(self, inner: Telemetry, guards: CanaryGuards,
                  snapshot: Callable[[], Snapshot], tripped_gauge: Gauge | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.guards = guards
         self.snapshot = snapshot
         self.tripped_gauge = tripped_gauge
@@ -123,12 +123,3 @@ class GuardedTelemetry:
         if self.guards.observe(self.snapshot(), record) and self.tripped_gauge is not None:
             self.tripped_gauge.labels(record.model).set(1)
         self.inner.request_done(record)
-
-    def rejected(self, status: int, code: str) -> None:
-        self.inner.rejected(status, code)
-
-    def routed(self, model: str, cluster: str, variant: str) -> None:
-        self.inner.routed(model, cluster, variant)
-
-    def phase(self, phase: str, seconds: float) -> None:
-        self.inner.phase(phase, seconds)

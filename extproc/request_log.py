@@ -6,17 +6,14 @@ rate limiter's lines. It never carries the API key: only the key id and tenant.
 
 from __future__ import annotations
 
-from extproc.telemetry import RequestRecord, Telemetry
+from extproc.telemetry import ForwardingTelemetry, RequestRecord
 from llm_sidecar.logs import get_logger
 
 log = get_logger("extproc.request")
 
 
-class LoggedTelemetry:
+class LoggedTelemetry(ForwardingTelemetry):
     """Logs each finished request, then hands every event to ``inner``."""
-
-    def __init__(self, inner: Telemetry) -> None:
-        self.inner = inner
 
     def request_done(self, record: RequestRecord) -> None:
         log.info(
@@ -29,12 +26,3 @@ class LoggedTelemetry:
             charged_tokens=record.charged_tokens,
         )
         self.inner.request_done(record)
-
-    def rejected(self, status: int, code: str) -> None:
-        self.inner.rejected(status, code)
-
-    def routed(self, model: str, cluster: str, variant: str) -> None:
-        self.inner.routed(model, cluster, variant)
-
-    def phase(self, phase: str, seconds: float) -> None:
-        self.inner.phase(phase, seconds)

@@ -55,3 +55,22 @@ class NullTelemetry:
 
 
 NULL_TELEMETRY = NullTelemetry()
+
+
+class ForwardingTelemetry:
+    """Hands every event to ``inner``; decorators override what they add to."""
+
+    def __init__(self, inner: Telemetry) -> None:
+        self.inner = inner
+
+    def request_done(self, record: RequestRecord) -> None:
+        self.inner.request_done(record)
+
+    def rejected(self, status: int, code: str) -> None:
+        self.inner.rejected(status, code)
+
+    def routed(self, model: str, cluster: str, variant: str) -> None:
+        self.inner.routed(model, cluster, variant)
+
+    def phase(self, phase: str, seconds: float) -> None:
+        self.inner.phase(phase, seconds)
