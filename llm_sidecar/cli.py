@@ -35,14 +35,22 @@ def _parser() -> argparse.ArgumentParser:
     else:
         ratelimit_args(rl)
 
-    render = sub.add_parser("render", help="write envoy.yaml, ratelimit.yaml and "
-                                           "envoyfilter.yaml for a routing YAML")
-    render.add_argument("--config", required=True)
+    render = sub.add_parser(
+        "render", help="write envoy.yaml (Envoy bootstrap), ratelimit.yaml (descriptors) and "
+                       "envoyfilter.yaml (Istio) for a routing YAML",
+        description="Checks the routing YAML (as `check` does), then writes DIR/envoy.yaml, "
+                    "DIR/ratelimit.yaml and DIR/envoyfilter.yaml. Envoy reads its bootstrap once: "
+                    "after changing clusters or services, render again and restart Envoy; models, "
+                    "keys, limits and canary changes reach extproc and ratelimit live.")
+    render.add_argument("--config", required=True, help="routing YAML")
     render.add_argument("--out", required=True, help="output directory")
 
     check = sub.add_parser("check", help="validate a routing YAML: exit 0, or 1 with one "
                                          "FILE:LINE: message per problem")
     check.add_argument("--config", required=True)
+
+    sub.add_parser("schema", help="print the routing YAML's JSON Schema (for editors: "
+                                  "# yaml-language-server: $schema=FILE)")
 
     canary = sub.add_parser("canary", help="canary vs stable side by side, from extproc's "
                                            "/metrics, with a verdict per measure")
@@ -75,6 +83,10 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "check":
         from routing.loader import load_config
         load_config(args.config)
+        return 0
+    if args.command == "schema":
+        from routing.jsonschema import schema_text
+        sys.stdout.write(schema_text())
         return 0
     if args.command == "render":
         from routing.loader import load_config

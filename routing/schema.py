@@ -18,7 +18,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Attribute docstrings become descriptions in the JSON Schema (editor hovers).
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 def _is_loopback(host: str) -> bool:
@@ -36,10 +37,13 @@ def _check_name(value: str) -> str:
 
 class EnvoySection(Strict):
     listen: str = "0.0.0.0:10000"
+    """host:port of Envoy's listener for clients (OpenAI API, and GET /healthz for probes)."""
     admin: str = "127.0.0.1:9901"
+    """host:port of Envoy's admin interface: loopback only."""
     request_timeout: str = "10m"
-    """Longest a whole request may take (long generations); streams are also cut when idle."""
+    """Longest time to receive a whole request; responses are never cut by a total timeout."""
     stream_idle_timeout: str = "5m"
+    """A stream (an SSE generation included) with no bytes for this long is ended."""
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     """Bodies above this get a 413 from Envoy (buffered for ext_proc)."""
 
@@ -68,7 +72,9 @@ class EnvoySection(Strict):
 
 class ServicesSection(Strict):
     extproc: str = "127.0.0.1:50051"
+    """host:port where Envoy reaches the ext_proc gRPC service."""
     ratelimit: str = "127.0.0.1:50052"
+    """host:port where Envoy reaches the rate-limit gRPC service."""
     failure_mode_allow: bool = False
     """When extproc cannot be reached: false answers 503 JSON (fail closed), true passes through."""
     ratelimit_failure_mode_deny: bool = False
@@ -92,7 +98,9 @@ class SimulateSpec(Strict):
 
 class ClusterSpec(Strict):
     endpoints: Annotated[list[str], Field(min_length=1)]
+    """host:port of each vLLM server of the pool (IPs, or DNS names such as a headless Service)."""
     max_context: int = Field(gt=0, le=10_000_000)
+    """The longest context (prompt + output) the pool serves: its vLLM --max-model-len."""
     simulate: bool | SimulateSpec = False
     """true (or simulator settings): ``llm-sidecar up`` runs a vLLM simulator on each endpoint."""
 
@@ -123,9 +131,13 @@ class GuardSpec(Strict):
 
 class CanarySpec(Strict):
     model: str
+    """The model name the canary serves; the request body's model is rewritten to it."""
     cluster: str
+    """The pool the canary runs on."""
     percent: float = Field(ge=0, le=100)
+    """Share of sticky keys sent to the canary, 0 to 100."""
     sticky: Literal["api_key", "tenant", "request"] = "api_key"
+    """What keeps a client on one variant: its API key, its tenant, or nothing (per request)."""
     guard: GuardSpec | None = None
 
 
@@ -147,8 +159,11 @@ class CacheSpec(Strict):
 class ModelSpec(Strict):
     kind: Literal["chat", "embedding"] = "chat"
     clusters: Annotated[list[str], Field(min_length=1)]
+    """Pools serving the model; the one with the smallest max_context that fits wins."""
     default_max_tokens: int = Field(default=256, ge=0, le=10_000_000)
+    """Output budget assumed when a request sets no max_tokens."""
     tokenizer: str | None = None
+    """Path to a Hugging Face tokenizer.json; without it prompts are estimated (high)."""
     canary: CanarySpec | None = None
     cache: CacheSpec | None = None
 
@@ -186,8 +201,11 @@ class ApiKey(Strict):
 
 class Limit(Strict):
     requests: str | None = None
+    """Requests per window: 10/s, 600/min, 1k/h, 50/5m."""
     burst: int | None = Field(default=None, gt=0)
+    """Capacity of the requests bucket (default: the rate's N)."""
     tokens: str | None = None
+    """LLM tokens (prompt + completion) per window: 100k/min, 2M/h."""
 
     @field_validator("requests", "tokens")
     @classmethod
@@ -215,6 +233,31 @@ class PrioritySection(Strict):
     inject: bool = False
 
 
+class IstioSection(Strict):
+    """What ``render`` writes to ``envoyfilter.yaml`` (an Istio EnvoyFilter)."""
+
+    context: Literal["SIDECAR_INBOUND", "GATEWAY"] = "SIDECAR_INBOUND"
+    """SIDECAR_INBOUND: the filters run in the sidecar of the selected workload, for traffic it
+    receives; GATEWAY: in an Istio ingress gateway, before its VirtualService routing."""
+    namespace: str | None = None
+    """metadata.namespace of the EnvoyFilter (istio-system for the default ingress gateway);
+    unset: the namespace it is applied in."""
+    workload_selector: dict[str, str] | None = None
+    """Labels of the pods whose proxies get the filters (default: app: llm-gateway for
+    SIDECAR_INBOUND, istio: ingressgateway for GATEWAY)."""
+    port: int | None = Field(default=None, gt=0, lt=65536)
+    """Patch only the listener of this port (the workload's service port, or the gateway
+    server port); unset: every HTTP listener of the context."""
+
+    @property
+    def selector(self) -> dict[str, str]:
+        if self.workload_selector is not None:
+            return self.workload_selector
+        if self.context == "GATEWAY":
+            return {"istio": "ingressgateway"}
+        return {"app": "llm-gateway"}
+
+
 class RoutingConfig(Strict):
     version: Literal[1]
     envoy: EnvoySection = Field(default_factory=EnvoySection)
@@ -225,6 +268,7 @@ class RoutingConfig(Strict):
     api_keys: list[ApiKey] = Field(default_factory=list)
     rate_limits: RateLimits | None = None
     priority: PrioritySection = Field(default_factory=PrioritySection)
+    istio: IstioSection = Field(default_factory=IstioSection)
 
     @field_validator("clusters", "models")
     @classmethod

@@ -9,8 +9,12 @@ import re
 from dataclasses import dataclass
 
 _UNIT_SECONDS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
-_DURATION = re.compile(r"^(\d+)(s|m|h|d)$")
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)([kM]?)/(\d*)(s|min|m|h|d)$")
+DURATION_PATTERN = r"^(\d+)(s|m|h|d)$"
+RATE_PATTERN = r"^(\d+(?:\.\d+)?)([kM]?)/(\d*)(s|min|m|h|d)$"
+HOSTPORT_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):[0-9]{1,5}$"
+"""The shapes of the values above, for the JSON Schema (editors); the parsers decide."""
+_DURATION = re.compile(DURATION_PATTERN)
+_RATE = re.compile(RATE_PATTERN)
 _SUFFIX = {"": 1, "k": 1_000, "M": 1_000_000}
 
 

@@ -1,9 +1,10 @@
-"""Every config ``render`` writes must pass ``envoy --mode validate``."""
+"""Every config ``render`` writes must pass ``envoy --mode validate``, and say what production needs."""
 
 from __future__ import annotations
 
 import pathlib
 import subprocess
+from typing import Any
 
 import pytest
 import yaml
@@ -12,6 +13,7 @@ from llm_sidecar.procs import envoy_binary
 from llm_sidecar.up import example_config_path
 from routing.loader import load_config
 from routing.render import write_all
+from tests.harness import istio_patch
 from tests.harness.ci import unavailable
 from tests.harness.gateway import default_doc
 
@@ -26,27 +28,77 @@ def validate(path: pathlib.Path) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
 
-def variants() -> dict[str, dict[str, object]]:
-    docs: dict[str, dict[str, object]] = {}
+def variants() -> dict[str, dict[str, Any]]:
+    docs: dict[str, dict[str, Any]] = {}
     docs["test-default"] = default_doc()
     dns = default_doc()
-    dns["clusters"]["vllm-long"]["endpoints"] = ["vllm-long.llm.svc:8000",  # type: ignore[index]
+    dns["clusters"]["vllm-long"]["endpoints"] = ["vllm-long.llm.svc:8000",
                                                  "vllm-long-2.llm.svc:8000"]
     dns["services"] = {"extproc": "extproc.llm.svc:50051", "ratelimit": "[::1]:50052",
                        "failure_mode_allow": True}
-    docs["dns-and-fail-open"] = dns
+    dns["rate_limits"] = {"api_key": {"default": {"requests": "10/s", "tokens": "100k/min"}}}
+    dns["istio"] = {"context": "GATEWAY", "port": 8080}
+    docs["dns-limits-gateway"] = dns
     return docs
 
 
-@pytest.mark.parametrize("name", ["example", *variants()])
-def test_rendered_envoy_config_validates(name: str, tmp_path: pathlib.Path) -> None:
+def render(name: str, tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
     if name == "example":
         config = load_config(example_config_path())
     else:
         source = tmp_path / "routing.yaml"
         source.write_text(yaml.safe_dump(variants()[name]))
         config = load_config(str(source))
-    written = write_all(config, str(tmp_path / "out"))
-    for path in written:
-        if path.endswith("envoy.yaml"):
-            validate(pathlib.Path(path))
+    return {pathlib.Path(p).name: pathlib.Path(p) for p in write_all(config, str(tmp_path / "out"))}
+
+
+@pytest.mark.parametrize("name", ["example", *variants()])
+def test_rendered_envoy_config_validates(name: str, tmp_path: pathlib.Path) -> None:
+    written = render(name, tmp_path)
+    assert sorted(written) == ["envoy.yaml", "envoyfilter.yaml", "ratelimit.yaml"]
+    validate(written["envoy.yaml"])
+    resource = yaml.safe_load(written["envoyfilter.yaml"].read_text())
+    context = resource["spec"]["configPatches"][0]["match"]["context"]
+    if context == "GATEWAY":
+        bootstrap, contexts = istio_patch.gateway_bootstrap(8080)
+        patched, applied = istio_patch.apply(bootstrap, contexts, "gateway", resource)
+    else:
+        bootstrap, contexts = istio_patch.sidecar_bootstrap()
+        patched, applied = istio_patch.apply(bootstrap, contexts, "sidecar", resource)
+    assert all(applied), applied
+    path = tmp_path / "istio-patched.yaml"
+    path.write_text(yaml.safe_dump(patched))
+    validate(path)
+
+
+def hcm_of(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    listener = bootstrap["static_resources"]["listeners"][0]
+    typed: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return typed
+
+
+def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
+    bootstrap = yaml.safe_load(render("dns-limits-gateway", tmp_path)["envoy.yaml"].read_text())
+    assert bootstrap["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    hcm = hcm_of(bootstrap)
+    assert [f["name"] for f in hcm["http_filters"]] == [
+        "envoy.filters.http.health_check", "envoy.filters.http.ext_proc",
+        "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
+    assert hcm["stream_idle_timeout"] == "300s"
+    routed = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    assert routed["route"]["timeout"] == "0s"  # no total timeout may cut a stream
+    assert routed["route"]["idle_timeout"] == "300s"
+    assert routed["route"]["retry_policy"]["retry_on"] == "connect-failure,reset-before-request"
+    log = hcm["access_log"][0]["typed_config"]["log_format"]["json_format"]
+    assert {"request_id", "cluster", "status", "bytes_in", "bytes_out", "duration_ms"} <= set(log)
+    listener = bootstrap["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] >= 32_768 * 4  # a 32K-token prompt
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    pool = clusters["vllm-long"]
+    assert pool["type"] == "STRICT_DNS" and pool["lb_policy"] == "LEAST_REQUEST"
+    assert pool["health_checks"][0]["http_health_check"]["path"] == "/health"
+    assert pool["outlier_detection"]["consecutive_5xx"] == 5
+    assert pool["circuit_breakers"]["thresholds"][0]["max_requests"] >= 1024
+    for grpc in ("llm-sidecar-extproc", "llm-sidecar-ratelimit"):
+        assert "grpc_health_check" in clusters[grpc]["health_checks"][0]
+        assert clusters[grpc]["circuit_breakers"]["thresholds"][0]["max_requests"] >= 10_000
