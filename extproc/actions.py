@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,6 +22,14 @@ class ModeOverride:
 
 
 @dataclass(frozen=True)
+class CacheWrite:
+    """Embedding vectors to store once the answer carrying this is sent (it never waits for it)."""
+
+    entries: tuple[tuple[str, bytes], ...]
+    ttl_s: int
+
+
+@dataclass(frozen=True)
 class Continue:
     """Let the message through, with optional header and body changes."""
 
@@ -31,6 +40,7 @@ class Continue:
     mode: ModeOverride | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     """Dynamic metadata to hand Envoy (for example LLM tokens to charge at stream end)."""
+    store: CacheWrite | None = None
 
 
 @dataclass(frozen=True)
@@ -44,5 +54,25 @@ class Reply:
 
 
 Action = Continue | Reply
+
+Found = tuple[bytes | None, ...] | None
+"""A lookup's values in key order (None where absent); None as a whole: the store could not
+answer in time, and the request bypasses the cache."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Not an answer yet: the stream needs the cached values of ``keys`` first.
+
+    The service fetches them (the only I/O a stream asks for) and hands them to
+    :meth:`extproc.stream.StreamState.resume`, which calls ``resume`` for the real answer.
+    """
+
+    keys: tuple[str, ...]
+    resume: Callable[[Found], Action]
+
+
+Step = Action | Lookup
+"""What a stream returns for a message: an answer, or a lookup to do before answering."""
 
 PASS = Continue()

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import orjson
 
-from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply
+from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply, Step
 from extproc.bodies import Api, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, decide, parse_context_hint
@@ -27,7 +27,7 @@ class Processor(Protocol):
     """The four ext_proc request/response phases for one API kind."""
 
     def on_request_headers(self, end_of_stream: bool) -> Action: ...
-    def on_request_body(self, body: bytes) -> Action: ...
+    def on_request_body(self, body: bytes) -> Step: ...
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action: ...
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action: ...
 
@@ -39,7 +39,7 @@ class BaseProcessor:
     def on_request_headers(self, end_of_stream: bool) -> Action:
         return PASS
 
-    def on_request_body(self, body: bytes) -> Action:
+    def on_request_body(self, body: bytes) -> Step:
         return PASS
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:

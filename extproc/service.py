@@ -18,6 +18,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc import wire
+from extproc.actions import Continue, Lookup
+from extproc.cache_guard import VectorCache, open_vector_cache
+from extproc.cache_metrics import CacheMetrics
+from extproc.cache_store import MemoryVectorStore
 from extproc.canary_guard import CanaryGuards, GuardedTelemetry
 from extproc.canary_report import MIN_SAMPLES, render_all
 from extproc.metrics import ExtprocMetrics
@@ -38,11 +42,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
 
     def __init__(self, snapshot: Callable[[], Snapshot], settings: Settings,
                  telemetry: Telemetry = NULL_TELEMETRY,
-                 guards: CanaryGuards | None = None) -> None:
+                 guards: CanaryGuards | None = None,
+                 cache: VectorCache | None = None) -> None:
         self._snapshot = snapshot
         self._secret = settings.key_id_secret.get_secret_value().encode()
         self._telemetry = telemetry
         self._guards = guards
+        self._cache = cache if cache is not None else VectorCache(
+            MemoryVectorStore(settings.cache_memory_bytes), settings.redis_timeout_ms / 1000,
+            settings.cache_store_timeout_ms / 1000, settings.redis_breaker_cooldown_ms / 1000,
+            CacheMetrics(CollectorRegistry()))
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -56,8 +65,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             phase, headers, body, end = wire.read(request)
             if phase is None:
                 continue  # trailers: not requested by our processing mode
-            response = wire.build(phase, state.handle(phase, headers, body, end))
+            step = state.handle(phase, headers, body, end)
+            if isinstance(step, Lookup):
+                step = state.resume(step, await self._cache.lookup(step.keys))
+            response = wire.build(phase, step)
             telemetry.phase(phase, clock() - started)
+            if isinstance(step, Continue) and step.store is not None:
+                # Scheduled before the yield: code after it does not run if the stream ends here.
+                self._cache.store_later(step.store)
             yield response
 
 
@@ -73,7 +88,8 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     metrics = ExtprocMetrics(registry, lambda: snapshot().known_tenants)
     guards = CanaryGuards()
     telemetry = GuardedTelemetry(LoggedTelemetry(metrics), guards, snapshot, metrics.canary_tripped)
-    servicer = ExternalProcessor(snapshot, settings, telemetry, guards)
+    cache = open_vector_cache(settings, CacheMetrics(registry))
+    servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -92,6 +108,7 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=5)
+        await cache.aclose()
         await runner.cleanup()
         log.info("extproc_stopped")
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from extproc.actions import PASS, Action, Continue, Phase, Reply
+from extproc.actions import PASS, Action, Continue, Found, Lookup, Phase, Reply, Step
 from extproc.canary_guard import CanaryGuards
 from extproc.context import RequestContext, spoofed_headers
 from extproc.embeddings import EmbeddingsProcessor
@@ -65,22 +65,32 @@ class StreamState:
         self.ctx: RequestContext | None = None
 
     def handle(self, phase: Phase, headers: Mapping[str, str] | None, body: bytes,
-               end_of_stream: bool) -> Action:
-        """The answer to one message; never raises."""
+               end_of_stream: bool) -> Step:
+        """The answer to one message (or a :class:`Lookup` to do first); never raises."""
         try:
             return self._dispatch(phase, headers, body, end_of_stream)
-        except ClientError as err:
-            self.telemetry.rejected(err.status, err.code)
-            return Reply(err.status, err.body(), details=err.code)
-        except Exception:
-            log.exception("extproc_internal_error", phase=phase,
-                          request_id=self.ctx.request_id if self.ctx else None)
-            return Reply(500, error_body("The gateway failed to process the request.",
-                                         "server_error", "internal_error"),
-                         details="internal_error")
+        except Exception as exc:
+            return self._failed(exc, phase)
+
+    def resume(self, lookup: Lookup, found: Found) -> Action:
+        """The answer to the message that asked for ``lookup``, given what it found."""
+        try:
+            return lookup.resume(found)
+        except Exception as exc:
+            return self._failed(exc, "request_body")
+
+    def _failed(self, exc: Exception, phase: Phase) -> Reply:
+        if isinstance(exc, ClientError):
+            self.telemetry.rejected(exc.status, exc.code)
+            return Reply(exc.status, exc.body(), details=exc.code)
+        log.exception("extproc_internal_error", phase=phase,  # called inside an except block
+                      request_id=self.ctx.request_id if self.ctx else None)
+        return Reply(500, error_body("The gateway failed to process the request.",
+                                     "server_error", "internal_error"),
+                     details="internal_error")
 
     def _dispatch(self, phase: Phase, headers: Mapping[str, str] | None, body: bytes,
-                  end_of_stream: bool) -> Action:
+                  end_of_stream: bool) -> Step:
         if phase == "request_headers":
             return self._start(headers or {}, end_of_stream)
         processor = self.processor

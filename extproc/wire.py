@@ -93,7 +93,10 @@ def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
     if action.set_headers or action.remove_headers:
         _header_mutation(common.header_mutation, action.set_headers, action.remove_headers)
     if action.body is not None:
-        common.body_mutation.body = action.body
+        if action.body:
+            common.body_mutation.body = action.body
+        else:  # an empty replacement: clear_body says so explicitly (a held-back chunk)
+            common.body_mutation.clear_body = True
     if action.clear_route_cache:
         common.clear_route_cache = True
     if action.mode is not None:

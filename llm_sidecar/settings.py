@@ -28,6 +28,12 @@ class Settings(BaseSettings):
     """Consecutive Redis failures that open the breaker. One missed deadline can be this
     process's own CPU starvation rather than Redis; a frozen Redis misses them all."""
 
+    cache_store_timeout_ms: int = 1000
+    """Deadline for storing embedding vectors (after the answer is sent, so it may be longer)."""
+
+    cache_memory_bytes: int = 256 * 1024 * 1024
+    """Bound of the in-process embedding cache used when no Redis URL is set (LRU)."""
+
     log_level: str = "info"
     dev_mode: bool = False
     """Quiets production-only warnings (for example a Redis without a password)."""

@@ -57,3 +57,12 @@ def test_reply_is_an_immediate_response() -> None:
     immediate = response.immediate_response
     assert immediate.status.code == 413 and immediate.body == b'{"error": {}}'
     assert immediate.headers.set_headers[0].header.key == "content-type"
+
+
+def test_an_empty_body_replacement_clears_the_chunk() -> None:
+    held = wire.build("response_body", Continue(body=b"")).response_body.response.body_mutation
+    assert held.WhichOneof("mutation") == "clear_body" and held.clear_body
+    replaced = wire.build("response_body", Continue(body=b"{}")).response_body.response
+    assert replaced.body_mutation.body == b"{}"
+    untouched = wire.build("response_body", Continue()).response_body.response
+    assert not untouched.HasField("body_mutation")
