@@ -92,5 +92,5 @@ def test_the_ratelimit_patch_carries_the_rate_limits_actions() -> None:
 def test_the_context_is_checked() -> None:
     doc = default_doc()
     doc["istio"] = {"context": "SIDECAR_OUTBOUND"}
-    with pytest.raises(ValueError, match="istio.context"):
+    with pytest.raises(ValueError, match=r"istio\.context"):
         validate_config(Located("t.yaml", doc, {}))
