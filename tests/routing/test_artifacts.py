@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import textwrap
 from typing import Any
 
 import jsonschema
 import pytest
 import yaml
 
+from llm_sidecar.procs import sidecar_command
 from routing.artifacts import COMMAND, ROOT, artifacts, stale
 from routing.jsonschema import json_schema
 from routing.loader import load_config
@@ -74,3 +77,24 @@ def test_the_schema_accepts_the_examples_and_rejects_mistakes() -> None:
 def test_every_generated_yaml_parses(path: str) -> None:
     docs = list(yaml.safe_load_all((REPO / path).read_text()))
     assert docs and all(isinstance(d, dict) for d in docs)
+
+
+def test_the_readme_istio_resources_parse_and_name_example_pools() -> None:
+    readme = (REPO / "README.md").read_text()
+    istio = readme[readme.index("### Istio"):readme.index("### Containers and Kubernetes")]
+    blocks = [b.split("```", 1)[0] for b in istio.split("```yaml")[1:]]
+    docs = [yaml.safe_load(textwrap.dedent(b)) for b in blocks]
+    assert sorted(d["kind"] for d in docs) == ["DestinationRule", "ServiceEntry", "VirtualService"]
+    clusters = set(load_config(str(REPO / "llm_sidecar" / "example.yaml")).clusters)
+    service = next(d for d in docs if d["kind"] == "VirtualService")
+    routed = [m["headers"]["x-llm-cluster"]["exact"]
+              for rule in service["spec"]["http"] for m in rule["match"]]
+    assert set(routed) <= clusters
+    for doc in docs:
+        assert doc["apiVersion"] == "networking.istio.io/v1"
+
+
+def test_the_schema_command_prints_the_schema() -> None:
+    result = subprocess.run(sidecar_command("schema"), capture_output=True, text=True, timeout=60,
+                            check=True)
+    assert json.loads(result.stdout) == json_schema()
