@@ -120,7 +120,7 @@ def compose(config: RoutingConfig, routing_file: str) -> dict[str, Any]:
     for name in sims:
         services[name] = {"build": ".", "image": IMAGE, "command": sim_command(name, config),
                           "healthcheck": health(f"http://127.0.0.1:{SIM_PORT}/health")}
-    return {"name": "llm-sidecar", "services": services}
+    return {"services": services}
 
 
 # --- Kubernetes -------------------------------------------------------------------------------

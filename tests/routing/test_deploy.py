@@ -1,6 +1,6 @@
 """docker-compose.yml and deploy/k8s/: they parse, and every name they use exists.
 
-``docker compose config`` checks the compose file where the docker CLI has the compose plugin;
+``docker compose config`` (or ``docker-compose config``) checks the compose file where either exists;
 ``kubectl kustomize`` builds the manifests where kubectl exists (both need no cluster/engine).
 """
 
@@ -35,13 +35,22 @@ def hosts_of_routing(path: pathlib.Path) -> list[tuple[str, int]]:
     return [parse_hostport(a) for a in addresses]
 
 
-def test_docker_compose_config_accepts_the_file() -> None:
+def compose_cli() -> list[str] | None:
+    """``docker compose`` (the plugin), else the standalone ``docker-compose``; None if neither."""
     docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True,
-                                        timeout=30, check=False).returncode != 0:
-        pytest.skip("no docker CLI with the compose plugin here")
-    result = subprocess.run([docker, "compose", "-f", str(REPO / "docker-compose.yml"), "config",
-                             "--quiet"], capture_output=True, text=True, timeout=60, check=False)
+    if docker is not None and subprocess.run([docker, "compose", "version"], capture_output=True,
+                                             timeout=30, check=False).returncode == 0:
+        return [docker, "compose"]
+    standalone = shutil.which("docker-compose")
+    return [standalone] if standalone is not None else None
+
+
+def test_docker_compose_config_accepts_the_file() -> None:
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("no docker compose here (neither the CLI plugin nor docker-compose)")
+    result = subprocess.run([*cli, "-f", str(REPO / "docker-compose.yml"), "config", "--quiet"],
+                            capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
 
 
