@@ -65,6 +65,9 @@ CASES = {
     "negative_percent": (GOOD + "    canary: {model: v2, cluster: vllm-long, percent: -1}\n",
                          ["8: models.llama-2-13b.canary.percent: -1 is not a percentage: use 0 to "
                           "100 (5 sends 5% of the sticky keys to the canary)"]),
+    "percent_with_sign": (GOOD + "    canary: {model: v2, cluster: vllm-long, percent: 5%}\n",
+                          ["8: models.llama-2-13b.canary.percent: '5%' is not a percentage: use 0 "
+                           "to 100 (5 sends 5% of the sticky keys to the canary)"]),
     "canary_unknown_cluster": (GOOD + "    canary: {model: v2, cluster: canary, percent: 5}\n",
                                ["8: canary of 'llama-2-13b' names unknown cluster 'canary' "
                                 "(known clusters: vllm-short, vllm-long)"]),
