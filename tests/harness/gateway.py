@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from llm_sidecar.procs import Child, envoy_binary, free_port
+from llm_sidecar.procs import Child, envoy_binary, free_port, start
 from llm_sidecar.up import start_all, stop_all
 from routing.loader import load_config
 from tests.harness.ci import unavailable
@@ -34,6 +34,9 @@ class Gateway:
     extproc_metrics: str
     ratelimit_metrics: str
     children: list[Child]
+    env: dict[str, str] | None = None
+    """What extproc and ratelimit were started with (a restart uses it again)."""
+    capture_logs: bool = False
 
     @property
     def openai_base(self) -> str:
@@ -52,6 +55,19 @@ class Gateway:
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
+
+    def restart(self, name: str) -> Child:
+        """Start ``name`` (``extproc`` or ``ratelimit``) again with the same command line and
+        environment, after stopping it if it still runs; the caller waits for it to be ready."""
+        old = self.child(name)
+        old.stop()
+        env = {**os.environ, **self.env} if self.env else None
+        log_path = os.path.join(self.workdir, f"{name}.log") if self.capture_logs else None
+        args = old.process.args
+        assert isinstance(args, list)
+        new = start(name, [str(arg) for arg in args], env=env, log_path=log_path)
+        self.children[self.children.index(old)] = new
+        return new
 
     def logs(self) -> str:
         """Everything the processes logged so far (with ``capture_logs=True``)."""
@@ -124,6 +140,8 @@ def running_gateway(doc: dict[str, Any], workdir: str, *, env: dict[str, str] | 
             extproc_metrics=f"http://127.0.0.1:{extproc_metrics}",
             ratelimit_metrics=f"http://127.0.0.1:{ratelimit_metrics}",
             children=children,
+            env=env,
+            capture_logs=capture_logs,
         )
     finally:
         stop_all(children)
