@@ -1,0 +1,82 @@
+"""What render puts in Envoy, seen working: pool health checks, /healthz and draining, request ids."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from llm_sidecar.procs import free_port
+from tests.harness.gateway import Gateway, default_doc, running_gateway
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    doc = default_doc()
+    live = doc["clusters"]["vllm-long"]["endpoints"][0]
+    # A pool of two pods, one of them down: the simulator of vllm-long, and a port nobody serves.
+    doc["clusters"]["vllm-short"] = {"endpoints": [live, f"127.0.0.1:{free_port()}"],
+                                     "max_context": 2048}
+    with running_gateway(doc, str(tmp_path_factory.mktemp("gw-render"))) as gateway:
+        yield gateway
+
+
+def get(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, data=body, method=method,
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
+
+
+def chat() -> bytes:
+    return json.dumps({"model": "llama-2-13b", "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def hosts(gw: Gateway, cluster: str) -> list[dict[str, Any]]:
+    _, _, body = get(f"{gw.admin_url}/clusters?format=json")
+    status = next(c for c in json.loads(body)["cluster_statuses"] if c["name"] == cluster)
+    found: list[dict[str, Any]] = status["host_statuses"]
+    return found
+
+
+def test_active_health_checks_keep_requests_off_a_dead_pod(gw: Gateway) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        health = {h["address"]["socket_address"]["port_value"]: h["health_status"]
+                  for h in hosts(gw, "vllm-short")}
+        failed = [p for p, s in health.items() if s.get("failed_active_health_check")]
+        if failed:
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
+    assert len(failed) == 1 and len(health) == 2
+    for _ in range(20):
+        status, _, body = get(f"{gw.openai_base}/chat/completions", "POST", chat())
+        assert status == 200, body
+
+
+def test_healthz_is_answered_by_envoy_and_fails_while_draining(gw: Gateway) -> None:
+    assert get(f"{gw.url}/healthz")[0] == 200
+    assert get(f"{gw.admin_url}/healthcheck/fail", "POST")[0] == 200
+    try:
+        assert get(f"{gw.url}/healthz")[0] == 503
+        status, _, _ = get(f"{gw.openai_base}/chat/completions", "POST", chat())
+        assert status == 200  # requests in flight or still arriving are served while draining
+    finally:
+        assert get(f"{gw.admin_url}/healthcheck/ok", "POST")[0] == 200
+    assert get(f"{gw.url}/healthz")[0] == 200
+
+
+def test_the_request_id_is_returned_to_the_client(gw: Gateway) -> None:
+    status, headers, _ = get(f"{gw.openai_base}/chat/completions", "POST", chat())
+    assert status == 200
+    assert len(headers["x-request-id"]) >= 32
