@@ -1,0 +1,1 @@
+"""Benchmarks of the gateway: ``python -m bench`` (see bench/README.md)."""

@@ -1,0 +1,150 @@
+"""Load from a separate process: wrk (C, LuaJIT) when installed, else :mod:`bench.pyload`.
+
+Two shapes of run, both over HTTP/1.1 keep-alive connections:
+
+- fixed offered load: arrivals are due every ``1 / rate`` s on one schedule (open loop: a slow
+  answer does not push later arrivals back), each sent on whichever of ``connections`` is
+  free; a request is timed from when it is written. Connections are sized so one is nearly
+  always free; when none is, the arrival waits, and the achieved rate shows it;
+- saturation (``rate`` None): every connection sends its next request as soon as the last one is
+  answered, for ``duration_s``.
+
+wrk has no fixed-rate mode of its own: the Lua script below keeps the schedule with a monotonic
+clock (LuaJIT FFI) in wrk's ``delay()`` hook. Both tools print one JSON summary line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Tool = Literal["wrk", "python"]
+
+
+@dataclass(frozen=True)
+class Load:
+    url: str
+    body_path: str
+    headers: tuple[tuple[str, str], ...]
+    rate: int | None
+    duration_s: float
+    connections: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    requests: int
+    ok: int
+    errors: int
+    elapsed_s: float
+    percentiles_ms: dict[str, float | None]
+    """Keys ``p50``, ``p90``, ``p99``, ``p999``, ``max``."""
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def pick_tool(wanted: str) -> Tool:
+    if wanted == "python":
+        return "python"
+    if shutil.which("wrk"):
+        return "wrk"
+    if wanted == "wrk":
+        raise RuntimeError("wrk is not installed: apt-get install -y wrk")
+    return "python"
+
+
+def connections_for(rate: int | None, saturation_connections: int) -> int:
+    """Fixed loads: one connection per 25 req/s, 4 to 64; saturation: as given."""
+    if rate is None:
+        return saturation_connections
+    return max(4, min(64, rate // 25))
+
+
+_LUA = r"""
+local ffi = require("ffi")
+ffi.cdef[[
+typedef struct { long tv_sec; long tv_nsec; } bench_timespec;
+int clock_gettime(int clk_id, bench_timespec *tp);
+]]
+local ts = ffi.new("bench_timespec")
+local function now_ms()
+  ffi.C.clock_gettime(1, ts)
+  return tonumber(ts.tv_sec) * 1000 + tonumber(ts.tv_nsec) / 1e6
+end
+
+local file = io.open(BODY_PATH, "rb")
+wrk.method = "POST"
+wrk.body = file:read("*a")
+file:close()
+HEADERS
+
+local interval = RATE > 0 and 1000 / RATE or 0
+local next_due = nil
+
+if RATE > 0 then
+  function delay()
+    local now = now_ms()
+    if next_due == nil then next_due = now end
+    local wait = next_due - now
+    next_due = next_due + interval
+    if wait <= 0 then return 0 end
+    return wait
+  end
+end
+
+function done(summary, latency, requests)
+  local e = summary.errors
+  local failed = e.connect + e.read + e.write + e.timeout + e.status
+  local p = function(q) return latency:percentile(q) / 1000 end
+  io.write(string.format(
+    '{"requests": %d, "errors": %d, "elapsed_s": %.6f, "p50": %.3f, "p90": %.3f, ' ..
+    '"p99": %.3f, "p999": %.3f, "max": %.3f}\n',
+    summary.requests, failed, summary.duration / 1e6, p(50), p(90), p(99), p(99.9),
+    latency.max / 1000))
+end
+"""
+
+
+def wrk_script(load: Load) -> str:
+    headers = "\n".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in load.headers)
+    return (_LUA.replace("BODY_PATH", json.dumps(load.body_path))
+            .replace("HEADERS", headers)
+            .replace("RATE", str(load.rate or 0)))
+
+
+def command(tool: Tool, load: Load, workdir: str, tag: str) -> list[str]:
+    if tool == "wrk":
+        script = os.path.join(workdir, f"load-{tag}.lua")
+        with open(script, "w", encoding="utf-8") as handle:
+            handle.write(wrk_script(load))
+        return ["wrk", "-t", "1", "-c", str(load.connections), "-d", f"{load.duration_s:g}s",
+                "--timeout", "10s", "-s", script, load.url]
+    cmd = [sys.executable, "-m", "bench.pyload", "--url", load.url, "--body", load.body_path,
+           "--duration", f"{load.duration_s:g}", "--connections", str(load.connections)]
+    for name, value in load.headers:
+        cmd += ["--header", f"{name}: {value}"]
+    if load.rate is not None:
+        cmd += ["--rate", str(load.rate)]
+    return cmd
+
+
+def run(tool: Tool, load: Load, workdir: str, tag: str) -> Outcome:
+    argv = command(tool, load, workdir, tag)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=load.duration_s * 3 + 60,
+                          check=False)
+    summary = next((line for line in reversed(done.stdout.splitlines())
+                    if line.startswith("{")), None)
+    if done.returncode != 0 or summary is None:
+        raise RuntimeError(f"{argv[0]} failed ({done.returncode}): "
+                           f"{(done.stderr or done.stdout)[-2000:]}")
+    doc: dict[str, Any] = json.loads(summary)
+    requests, errors = int(doc["requests"]), int(doc["errors"])
+    return Outcome(requests, max(0, requests - errors), errors, float(doc["elapsed_s"]),
+                   {k: doc.get(k) for k in ("p50", "p90", "p99", "p999", "max")})

@@ -1,0 +1,40 @@
+"""The benchmark harness runs end to end (tiny: one scenario, one second, Python load).
+
+Nothing here is about speed: it checks that ``python -m bench`` starts the stack, sends load,
+accounts CPU and writes its JSON and markdown, so the harness cannot rot between real runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llm_sidecar.procs import envoy_binary
+from tests.harness.ci import unavailable
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_runs_one_tiny_scenario(tmp_path: Path) -> None:
+    try:
+        envoy_binary()
+    except FileNotFoundError:
+        unavailable("envoy")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--only", "full-memory/chat", "--rates", "20",
+         "--duration", "1", "--repeats", "1", "--no-saturation", "--loadgen", "python",
+         "--quiet-wait", "0", "--no-results-md", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [results] = list(tmp_path.glob("*/results.json"))
+    doc = json.loads(results.read_text(encoding="utf-8"))
+    cell = doc["scenarios"]["full-memory/chat"]["rates"]["20"]
+    assert cell["requests"] > 0
+    assert cell["errors"] == 0
+    assert set(cell["cpu_us_per_request"]) == {"envoy", "extproc", "ratelimit"}
+    assert "| full-memory/chat |" in (results.parent / "results.md").read_text(encoding="utf-8")
