@@ -12,27 +12,27 @@ BACKEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 class CacheMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.lookups = Counter(
-            "llm_sidecar_embedding_cache_lookups",
+            "llm_sidecar_cache_lookups",
             "Cached-model embedding requests by lookup result (hit|partial|miss|bypass).",
             ["result"], registry=registry)
         self.inputs = Counter(
-            "llm_sidecar_embedding_cache_inputs",
+            "llm_sidecar_cache_inputs",
             "Distinct inputs looked up, by result (hit|miss|bypass).",
             ["result"], registry=registry)
         self.stored = Counter(
-            "llm_sidecar_embedding_cache_stored_vectors",
+            "llm_sidecar_cache_stored_vectors",
             "Vectors written to the cache.", registry=registry)
         self.backend_errors = Counter(
-            "llm_sidecar_embedding_cache_backend_errors",
+            "llm_sidecar_cache_backend_errors",
             "Cache store failures by operation (lookup|store) and reason "
             "(timeout|error|breaker_open|backlog).",
             ["op", "reason"], registry=registry)
         self.backend_latency = Histogram(
-            "llm_sidecar_embedding_cache_backend_seconds",
+            "llm_sidecar_cache_backend_seconds",
             "Time of one cache store round trip, by operation (lookup|store).",
             ["op"], buckets=BACKEND_BUCKETS, registry=registry)
         self.breaker_state = Gauge(
-            "llm_sidecar_embedding_cache_breaker_state",
+            "llm_sidecar_cache_breaker_state",
             "Cache store circuit breaker: 0 closed, 1 open, 2 half-open.", registry=registry)
         for result in ("hit", "partial", "miss", "bypass"):
             self.lookups.labels(result)

@@ -272,7 +272,7 @@ def test_metrics_count_lookups_by_result(gw: Gateway, fresh: RedisServer) -> Non
     def count(result: str) -> float:
         with urllib.request.urlopen(f"{gw.extproc_metrics}/metrics", timeout=5) as resp:
             text = resp.read().decode()
-        line = f'llm_sidecar_embedding_cache_lookups_total{{result="{result}"}} '
+        line = f'llm_sidecar_cache_lookups_total{{result="{result}"}} '
         return float(next(x for x in text.splitlines() if x.startswith(line)).split()[-1])
 
     before = {r: count(r) for r in ("hit", "partial", "miss")}
@@ -323,7 +323,7 @@ def test_redis_killed_mid_run_is_a_bypass_never_an_error(
         with urllib.request.urlopen(f"{gw.extproc_metrics}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         bypass = next(x for x in text.splitlines()
-                      if x.startswith('llm_sidecar_embedding_cache_lookups_total{result="bypass"}'))
+                      if x.startswith('llm_sidecar_cache_lookups_total{result="bypass"}'))
         assert float(bypass.split()[-1]) >= 10
 
 

@@ -66,12 +66,12 @@ async def test_lookups_count_hits_partials_and_misses() -> None:
     assert await cache.lookup(["a"]) == (b"fA",)
     assert await cache.lookup(["a", "b"]) == (b"fA", None)
     assert await cache.lookup(["b"]) == (None,)
-    lookups = "llm_sidecar_embedding_cache_lookups_total"
+    lookups = "llm_sidecar_cache_lookups_total"
     assert [sample(registry, lookups, result=r) for r in ("hit", "partial", "miss", "bypass")] \
         == [1, 1, 1, 0]
-    inputs = "llm_sidecar_embedding_cache_inputs_total"
+    inputs = "llm_sidecar_cache_inputs_total"
     assert sample(registry, inputs, result="hit") == 2 and sample(registry, inputs, result="miss") == 2
-    assert sample(registry, "llm_sidecar_embedding_cache_stored_vectors_total") == 1
+    assert sample(registry, "llm_sidecar_cache_stored_vectors_total") == 1
 
 
 async def test_a_frozen_store_costs_one_deadline_then_the_breaker_skips_it() -> None:
@@ -85,12 +85,12 @@ async def test_a_frozen_store_costs_one_deadline_then_the_breaker_skips_it() -> 
     for _ in range(5):
         assert await cache.lookup(["a", "b"]) is None
     assert store.calls == 1  # skipped while open
-    errors = "llm_sidecar_embedding_cache_backend_errors_total"
+    errors = "llm_sidecar_cache_backend_errors_total"
     assert sample(registry, errors, op="lookup", reason="timeout") == 1
     assert sample(registry, errors, op="lookup", reason="breaker_open") == 5
-    assert sample(registry, "llm_sidecar_embedding_cache_lookups_total", result="bypass") == 6
-    assert sample(registry, "llm_sidecar_embedding_cache_inputs_total", result="bypass") == 11
-    assert sample(registry, "llm_sidecar_embedding_cache_breaker_state") == 1
+    assert sample(registry, "llm_sidecar_cache_lookups_total", result="bypass") == 6
+    assert sample(registry, "llm_sidecar_cache_inputs_total", result="bypass") == 11
+    assert sample(registry, "llm_sidecar_cache_breaker_state") == 1
     # Writes are not piled onto a store the breaker has given up on, and say so.
     assert not await cache.store_now(CacheWrite((("a", b"fA"),), 60))
     assert sample(registry, errors, op="store", reason="breaker_open") == 1
@@ -99,7 +99,7 @@ async def test_a_frozen_store_costs_one_deadline_then_the_breaker_skips_it() -> 
     clock.now += 1.0
     assert await cache.lookup(["a"]) == (None,)
     assert cache.breaker_state is BreakerState.CLOSED
-    assert sample(registry, "llm_sidecar_embedding_cache_breaker_state") == 0
+    assert sample(registry, "llm_sidecar_cache_breaker_state") == 0
 
 
 async def test_a_failing_store_is_a_bypass_never_an_exception() -> None:
@@ -107,7 +107,7 @@ async def test_a_failing_store_is_a_bypass_never_an_exception() -> None:
     cache, _, registry = made(store, clock)
     store.mode = "fail"
     assert await cache.lookup(["a"]) is None
-    assert sample(registry, "llm_sidecar_embedding_cache_backend_errors_total",
+    assert sample(registry, "llm_sidecar_cache_backend_errors_total",
                   op="lookup", reason="error") == 1
 
 
@@ -117,7 +117,7 @@ async def test_failed_background_stores_are_counted_and_open_the_breaker() -> No
     store.mode = "fail"
     cache.store_later(CacheWrite((("a", b"fA"),), 60))
     await cache.aclose()  # drains the background store
-    assert sample(registry, "llm_sidecar_embedding_cache_backend_errors_total",
+    assert sample(registry, "llm_sidecar_cache_backend_errors_total",
                   op="store", reason="error") == 1
     assert cache.breaker_state is BreakerState.OPEN
 
@@ -127,7 +127,7 @@ async def test_a_slow_store_write_times_out_on_its_own_deadline() -> None:
     cache, _, registry = made(store, clock)
     store.mode = "hang"
     assert not await cache.store_now(CacheWrite((("a", b"fA"),), 60))
-    assert sample(registry, "llm_sidecar_embedding_cache_backend_errors_total",
+    assert sample(registry, "llm_sidecar_cache_backend_errors_total",
                   op="store", reason="timeout") == 1
 
 
@@ -138,10 +138,10 @@ async def test_stores_beyond_the_backlog_are_dropped_and_counted() -> None:
     store.mode = "hang"
     for n in range(4):
         cache.store_later(CacheWrite(((f"k{n}", b"f"),), 60))
-    assert sample(registry, "llm_sidecar_embedding_cache_backend_errors_total",
+    assert sample(registry, "llm_sidecar_cache_backend_errors_total",
                   op="store", reason="backlog") == 2
     await cache.aclose(drain_s=0.01)  # the two hanging ones are abandoned, and counted
-    assert sample(registry, "llm_sidecar_embedding_cache_backend_errors_total",
+    assert sample(registry, "llm_sidecar_cache_backend_errors_total",
                   op="store", reason="timeout") == 2
 
 

@@ -106,7 +106,7 @@ async def test_killed_redis_is_a_bypass_then_the_cache_comes_back(
             assert time.monotonic() < deadline, "the cache never came back"
             await asyncio.sleep(0.05)
         assert found == (None,) * 4 and cache.breaker_state is BreakerState.CLOSED
-        assert (registry.get_sample_value("llm_sidecar_embedding_cache_lookups_total",
+        assert (registry.get_sample_value("llm_sidecar_cache_lookups_total",
                                           {"result": "bypass"}) or 0) >= 2
     finally:
         await cache.aclose()
@@ -128,7 +128,7 @@ async def test_frozen_redis_costs_one_deadline(own_redis_server: RedisServer) ->
             assert time.monotonic() - started < DEADLINE_S  # the breaker answers at once
         finally:
             own_redis_server.resume()
-        assert registry.get_sample_value("llm_sidecar_embedding_cache_backend_errors_total",
+        assert registry.get_sample_value("llm_sidecar_cache_backend_errors_total",
                                          {"op": "lookup", "reason": "timeout"}) == 1
     finally:
         await cache.aclose()
