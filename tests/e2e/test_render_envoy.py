@@ -80,3 +80,17 @@ def test_the_request_id_is_returned_to_the_client(gw: Gateway) -> None:
     status, headers, _ = get(f"{gw.openai_base}/chat/completions", "POST", chat())
     assert status == 200
     assert len(headers["x-request-id"]) >= 32
+
+
+def test_a_32k_token_prompt_passes_envoys_buffers(gw: Gateway) -> None:
+    def send(words: int) -> tuple[int, dict[str, str], bytes]:
+        body = json.dumps({"model": "llama-2-13b", "max_tokens": 4, "messages": [
+            {"role": "user", "content": "abcdefgh " * words}]}).encode()
+        return get(f"{gw.openai_base}/chat/completions", "POST", body)
+
+    status, headers, body = send(10_000)  # 90 KB: ~30K tokens by extproc's (high) estimate
+    assert status == 200, body[:300]
+    assert headers["x-sim-name"] == "vllm-long"
+    status, _, body = send(15_000)  # 135 KB: reaches extproc whole, which finds it too long
+    assert status == 413
+    assert json.loads(body)["error"]["code"] == "context_length_exceeded"
