@@ -1,8 +1,9 @@
 """Routing YAML → Envoy bootstrap (``envoy.yaml``), as plain dicts dumped to YAML.
 
 Cold path, built without ``envoy-data-plane``: every config rendered here is checked by
-``envoy --mode validate`` in the tests. The filter chain is ext_proc → ratelimit → router; the
-router picks the cluster named by ``x-llm-cluster``, which only extproc sets.
+``envoy --mode validate`` in the tests. The filter chain is health_check (``/healthz``) →
+ext_proc → ratelimit → router; the router picks the cluster named by ``x-llm-cluster``, which
+only extproc sets. Clusters are built in :mod:`routing.render_clusters`.
 """
 
 from __future__ import annotations
