@@ -336,3 +336,26 @@ def test_without_redis_the_memory_backend_caches(tmp_path_factory: pytest.TempPa
         while (cache := embeddings(gw, "bge-m3", ["mem"])[0]) != "hit":
             assert cache == "miss" and time.monotonic() < deadline
             time.sleep(0.02)
+
+
+def test_an_upstream_error_passes_through_and_its_body_skips_extproc(
+        gw: Gateway, fresh: RedisServer) -> None:
+    def response_bodies_seen() -> float:
+        with urllib.request.urlopen(f"{gw.extproc_metrics}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        prefix = 'llm_sidecar_extproc_message_seconds_count{phase="response_body"} '
+        return float(next((x for x in text.splitlines() if x.startswith(prefix)), "0 0").split()[-1])
+
+    before = response_bodies_seen()
+    embeddings(gw, "bge-m3", ["ok"])
+    assert response_bodies_seen() > before  # a 200's body does come through extproc
+    wait_stored(fresh, 1)
+    before = response_bodies_seen()
+    status, headers, body = post(gw, {"model": "bge-m3", "input": ["e"], "dimensions": 100000})
+    assert status == 400 and headers["x-llm-cache"] == "miss"
+    assert "dimensions" in body["error"]["message"]  # the simulator's own error, untouched
+    # Envoy honoured the mode override sent with the response headers: no body message came.
+    assert response_bodies_seen() == before
+    time.sleep(0.2)
+    with fresh.client() as client:
+        assert len(client.keys("llm-sidecar:emb:v1:*")) == 1  # nothing stored for the error
