@@ -30,6 +30,7 @@ from extproc.stream import StreamState
 from extproc.telemetry import NULL_TELEMETRY, Telemetry
 from llm_sidecar.logs import get_logger
 from llm_sidecar.ops_http import start_ops_server
+from llm_sidecar.redis_audit import audit_redis
 from llm_sidecar.settings import Settings
 from routing.compiled import Snapshot
 
@@ -88,6 +89,7 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     metrics = ExtprocMetrics(registry, lambda: snapshot().known_tenants)
     guards = CanaryGuards()
     telemetry = GuardedTelemetry(LoggedTelemetry(metrics), guards, snapshot, metrics.canary_tripped)
+    audit_redis(settings.redis_url, settings.dev_mode, registry, "extproc")
     cache = open_vector_cache(settings, CacheMetrics(registry))
     servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)

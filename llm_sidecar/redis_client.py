@@ -2,12 +2,23 @@
 
 Only store modules (the rate limiter's bucket store, extproc's vector store) and this module
 import ``redis``.
+
+TLS: ``rediss://`` (or ``rediss+cluster://``) verifies the server against the system CAs, or
+against ``?ssl_ca_certs=/path/ca.pem``; a client certificate is ``&ssl_certfile=...&ssl_keyfile=...``
+(redis-py's own URL parameters). AUTH: ``rediss://:PASSWORD@host`` or ``rediss://USER:PASSWORD@host``
+(Redis 6 ACL users).
 """
 
 from __future__ import annotations
 
+import os
+import ssl
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -15,6 +26,61 @@ Client = Redis | RedisCluster
 CLUSTER_MAX_CONNECTIONS = 128
 """Per cluster node. redis-py's cluster client raises instead of waiting when a node's pool
 is exhausted, so a store never has more commands in flight than this (see its semaphore)."""
+SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+TLS_FILE_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def check_url(url: str) -> None:
+    """Raise ``ValueError`` (naming no secret) for a URL no request could ever use: an unknown
+    scheme, or a TLS file that does not exist. Checked at start-up, because at request time a
+    broken TLS setup would only look like a Redis outage, forever."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"Redis URL scheme {parts.scheme!r} is not one of {', '.join(SCHEMES)}")
+    query = parse_qs(parts.query)
+    for name in TLS_FILE_PARAMS:
+        for path in query.get(name, []):
+            if not os.path.isfile(path):
+                raise ValueError(f"Redis URL parameter {name}: no such file {path!r}")
+
+
+def _shared_context_connection() -> type[SSLConnection]:
+    """An ``SSLConnection`` whose TLS context is made once per client, not once per connection.
+
+    redis-py builds a context for every new connection, and ``ssl.create_default_context()``
+    loads the system CA store: about 40 ms of CPU that blocks the event loop, on every
+    connection the pool opens. That is most of a 50 ms Redis deadline, so under load new TLS
+    connections missed it, were cancelled half-made, and the next request started over.
+    """
+    shared: list[ssl.SSLContext] = []
+
+    class SharedContextSSLConnection(SSLConnection):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            if not shared:
+                shared.append(self.ssl_context.get())
+            self.ssl_context.context = shared[0]
+
+    return SharedContextSSLConnection
+
+
+def _share_tls_context(client: Client) -> None:
+    """Install :func:`_shared_context_connection` on a TLS client and build its context now,
+    at start-up, rather than inside the first request's deadline."""
+    if isinstance(client, RedisCluster):
+        kwargs = client.nodes_manager.connection_kwargs
+        if kwargs.get("connection_class") is not SSLConnection:
+            return
+        cls = _shared_context_connection()
+        kwargs["connection_class"] = cls
+        for node in client.nodes_manager.startup_nodes.values():
+            node.connection_class = cls
+            cls(**node.connection_kwargs)  # the first one builds the shared context
+        return
+    pool = client.connection_pool
+    if pool.connection_class is SSLConnection:
+        pool.connection_class = _shared_context_connection()
+        pool.connection_class(**pool.connection_kwargs)
 
 
 def make_client(url: str, timeout_s: float) -> Client:
@@ -23,18 +89,23 @@ def make_client(url: str, timeout_s: float) -> Client:
     No client-side retries: a retry would spend the caller's deadline twice (and a rate-limit
     script whose reply was lost must not run twice).
     """
+    check_url(url)
     socket_timeout = max(timeout_s, 0.25)
+    client: Client
     if "+cluster://" in url:
-        return RedisCluster.from_url(
+        client = RedisCluster.from_url(
             url.replace("+cluster://", "://", 1),
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_timeout,
             retry=Retry(NoBackoff(), 0),
             max_connections=CLUSTER_MAX_CONNECTIONS,
         )
-    return Redis.from_url(
-        url,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=socket_timeout,
-        retry=Retry(NoBackoff(), 0),
-    )
+    else:
+        client = Redis.from_url(
+            url,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+    _share_tls_context(client)
+    return client

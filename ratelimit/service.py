@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from llm_sidecar.logs import get_logger
+from llm_sidecar.redis_audit import audit_redis
 from llm_sidecar.redis_client import make_client
 from llm_sidecar.settings import Settings, redis_url_for_logs
 from ratelimit.admin import start_admin
@@ -54,6 +55,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
 
 def make_store(settings: Settings, metrics: RateLimitMetrics) -> BucketStore:
     """Redis behind a deadline and a breaker when a URL is set, else process memory."""
+    audit_redis(settings.redis_url, settings.dev_mode, metrics.registry, "ratelimit")
     if settings.redis_url is None:
         log.warning(
             "ratelimit_memory_store",
@@ -62,7 +64,10 @@ def make_store(settings: Settings, metrics: RateLimitMetrics) -> BucketStore:
         )
         return MemoryStore()
     timeout_s = settings.redis_timeout_ms / 1000
-    client = make_client(settings.redis_url.get_secret_value(), timeout_s)
+    try:
+        client = make_client(settings.redis_url.get_secret_value(), timeout_s)
+    except ValueError as exc:
+        raise ConfigError("LLM_SIDECAR_REDIS_URL", 0, str(exc)) from None
     log.info("ratelimit_redis_store", redis=redis_url_for_logs(settings.redis_url))
     return GuardedStore(RedisStore(client), timeout_s, settings.redis_breaker_cooldown_ms / 1000, metrics,
                         failures_to_open=settings.redis_breaker_failures)
