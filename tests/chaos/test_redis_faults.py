@@ -252,7 +252,7 @@ def test_backend_calls_kept_their_deadline(rig: Rig) -> None:
     within = metric(gw.ratelimit_metrics, "ratelimit_backend_seconds_bucket",
                     le=str(ENVOY_RLS_TIMEOUT_S))
     assert total > 0 and within == total, "ratelimit waited on Redis past Envoy's RLS timeout"
-    name = "llm_sidecar_embedding_cache_backend_seconds"
+    name = "llm_sidecar_cache_backend_seconds"
     lookups = metric(gw.extproc_metrics, f"{name}_count", op="lookup")
     quick = metric(gw.extproc_metrics, f"{name}_bucket", op="lookup", le="0.25")
     assert lookups > 0 and quick == lookups, "a cache lookup waited on Redis past 250 ms"

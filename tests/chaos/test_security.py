@@ -1,0 +1,242 @@
+"""Redis AUTH and TLS for the rate-limit buckets and the embedding cache, the warning about a
+Redis without a password, and no password in logs, metrics, Redis keys or error bodies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llm_sidecar.procs import free_port, wait_http_ok
+from llm_sidecar.redis_audit import exposure
+from tests.chaos.support import (
+    LOAD_KEY,
+    cache_probe,
+    chaos_doc,
+    metric,
+    rate_limit_probe,
+    wait_until,
+)
+from tests.harness.ci import unavailable
+from tests.harness.gateway import Gateway, running_gateway
+from tests.harness.redis_servers import ProcessRedis, RedisUnavailable, redis_binary
+from tests.harness.redis_tls import TlsRedis, start_tls_redis
+from tests.harness.tls import TlsFiles, TlsUnavailable, make_tls_files
+
+pytestmark = [pytest.mark.redis, pytest.mark.e2e]
+
+ROOT = Path(__file__).resolve().parents[2]
+PASSWORD = "tls-redis-pass-Kq7wZ2"
+UNAUTH_EVENT = "redis_without_password"
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    try:
+        return make_tls_files(tmp_path_factory.mktemp("tls"))
+    except TlsUnavailable:
+        unavailable("openssl")
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tls_files: TlsFiles) -> Iterator[TlsRedis]:
+    try:
+        server = start_tls_redis(tls_files, PASSWORD)
+    except RedisUnavailable:
+        unavailable("redis")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_gw(tmp_path_factory: pytest.TempPathFactory, tls_redis: TlsRedis) -> Iterator[Gateway]:
+    env = {"LLM_SIDECAR_REDIS_URL": tls_redis.url}
+    with running_gateway(chaos_doc(), str(tmp_path_factory.mktemp("gw-tls")), env=env,
+                         capture_logs=True) as gw:
+        yield gw
+
+
+def test_buckets_and_cache_over_tls_with_a_password(tls_gw: Gateway, tls_redis: TlsRedis) -> None:
+    print(f"\n[chaos] TLS Redis: {tls_redis.mode}")
+    verdict = rate_limit_probe(tls_gw.url)
+    assert verdict == "enforced", tls_gw.logs()[-3000:]
+    first = cache_probe(tls_gw.url)
+    assert first in ("miss", "hit")
+    wait_until(lambda: cache_probe(tls_gw.url) == "hit", 5, 0.05)
+    with tls_redis.client(socket_timeout=2) as client:
+        keys = [key.decode() for key in client.keys("*")]
+    assert keys, "nothing was written to the TLS Redis"
+    for url in (tls_gw.extproc_metrics, tls_gw.ratelimit_metrics):
+        assert metric(url, "llm_sidecar_redis_unauthenticated") == 0
+    assert UNAUTH_EVENT not in tls_gw.logs()
+
+
+def test_no_password_in_logs_metrics_keys_or_error_bodies(tls_gw: Gateway,
+                                                          tls_redis: TlsRedis) -> None:
+    texts = {"logs": tls_gw.logs()}
+    for name, url in (("extproc metrics", tls_gw.extproc_metrics),
+                      ("ratelimit metrics", tls_gw.ratelimit_metrics)):
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            texts[name] = resp.read().decode()
+    with tls_redis.client(socket_timeout=2) as client:
+        texts["redis keys"] = "\n".join(key.decode() for key in client.keys("*"))
+    request = urllib.request.Request(
+        f"{tls_gw.url}/v1/chat/completions", method="POST",
+        data=json.dumps({"model": "nope", "messages": []}).encode(),
+        headers={"authorization": f"Bearer {LOAD_KEY}", "content-type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=5)
+    except urllib.error.HTTPError as err:
+        texts["error body"] = err.read().decode()
+    assert "error body" in texts
+    for where, text in texts.items():
+        for secret in (PASSWORD, LOAD_KEY):
+            assert secret not in text, f"{secret[:6]}... leaked into {where}"
+    assert ":***@" in texts["logs"], "the Redis URL should be logged with its password masked"
+
+
+def run_service(kind: str, config: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
+    metrics_port = free_port()
+    args = [sys.executable, "-m", "llm_sidecar", kind, "--config", str(config),
+            "--port", str(free_port()), "--metrics-port", str(metrics_port)]
+    process = subprocess.Popen(args, env={**os.environ, **env}, cwd=ROOT,
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    return process, metrics_port
+
+
+def stop(process: subprocess.Popen[bytes]) -> str:
+    process.terminate()
+    try:
+        _, err = process.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+    return err.decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def plain_redis() -> Iterator[ProcessRedis]:
+    binary = redis_binary()
+    if binary is None:
+        unavailable("redis")
+    try:
+        server = ProcessRedis(binary=binary).start()
+    except RedisUnavailable:
+        unavailable("redis")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("dev_mode", [False, True])
+def test_a_redis_without_password_is_loud_outside_dev_mode(
+        tmp_path: Path, plain_redis: ProcessRedis, dev_mode: bool) -> None:
+    import yaml
+
+    config = tmp_path / "routing.yaml"
+    config.write_text(yaml.safe_dump(chaos_doc()))
+    env = {"LLM_SIDECAR_REDIS_URL": plain_redis.url,
+           "LLM_SIDECAR_DEV_MODE": "true" if dev_mode else "false"}
+    for kind in ("extproc", "ratelimit"):
+        process, metrics_port = run_service(kind, config, env)
+        try:
+            wait_http_ok(f"http://127.0.0.1:{metrics_port}/healthz", 30)
+            gauge = metric(f"http://127.0.0.1:{metrics_port}", "llm_sidecar_redis_unauthenticated")
+        finally:
+            stderr = stop(process)
+        assert gauge == 1, kind  # a fact, dev mode or not: alerts can watch it
+        warned = [json.loads(line) for line in stderr.splitlines()
+                  if UNAUTH_EVENT in line and line.startswith("{")]
+        if dev_mode:
+            assert not warned, kind
+        else:
+            assert len(warned) == 1, (kind, stderr[-2000:])
+            assert warned[0]["level"] == "warning" and warned[0]["service"].endswith(kind)
+
+
+def test_a_missing_ca_file_stops_the_service_at_startup(tmp_path: Path,
+                                                        tls_redis: TlsRedis) -> None:
+    """A TLS setup that can never work must not look like a Redis outage forever (and, with
+    ``allow``, silently admit everything): the service refuses to start and says why."""
+    config = tmp_path / "ratelimit.yaml"
+    config.write_text("domain: llm\ndescriptors:\n  - key: api_key\n"
+                      "    rate_limit: {unit: hour, requests_per_unit: 1}\n")
+    url = tls_redis.url.replace(str(tls_redis.files.ca_cert), str(tmp_path / "missing-ca.pem"))
+    for kind in ("ratelimit", "extproc"):
+        cfg = config if kind == "ratelimit" else tmp_path / "routing.yaml"
+        if kind == "extproc":
+            import yaml
+
+            cfg.write_text(yaml.safe_dump(chaos_doc()))
+        process, _ = run_service(kind, cfg, {"LLM_SIDECAR_REDIS_URL": url})
+        try:
+            code = process.wait(30)
+        finally:
+            stderr = stop(process) if process.poll() is None else \
+                (process.stderr.read().decode() if process.stderr else "")
+        assert code != 0, kind
+        assert "ssl_ca_certs" in stderr and "missing-ca.pem" in stderr, (kind, stderr[-1500:])
+        assert PASSWORD not in stderr, kind
+
+
+async def test_a_certificate_from_another_ca_is_refused(tmp_path: Path, tls_redis: TlsRedis) -> None:
+    """Verification is on: a server the configured CA did not sign is an error (and the
+    services then apply their Redis-down policy), never a silent plaintext fallback."""
+    from llm_sidecar.redis_client import make_client
+
+    other = make_tls_files(tmp_path / "other-ca")
+    url = tls_redis.url.replace(str(tls_redis.files.ca_cert), str(other.ca_cert))
+    client = make_client(url, 1.0)
+    try:
+        with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED") as caught:
+            await client.ping()
+        assert PASSWORD not in str(caught.value)
+    finally:
+        await client.aclose()
+    good = make_client(tls_redis.url, 1.0)
+    try:
+        assert await good.ping()
+    finally:
+        await good.aclose()
+
+
+def test_exposure_reads_only_the_url() -> None:
+    assert exposure("redis://10.0.0.5:6379/0").password is False
+    assert exposure("redis://default@10.0.0.5:6379/0").password is False
+    found = exposure("rediss://:pw@redis.llm.svc:6380/0?ssl_ca_certs=/etc/ca.pem")
+    assert (found.password, found.tls, found.loopback) == (True, True, False)
+    assert exposure("redis+cluster://127.0.0.1:7000").loopback
+
+
+@pytest.mark.parametrize("scheme", ["rediss", "rediss+cluster"])
+async def test_tls_context_is_made_once_per_client(tls_files: TlsFiles, scheme: str) -> None:
+    """redis-py makes a TLS context per connection (≈40 ms of CPU loading the system CA
+    store, longer than the whole Redis deadline); a client shares one, made at start-up."""
+    from redis.asyncio.cluster import RedisCluster
+
+    from llm_sidecar.redis_client import make_client
+
+    client = make_client(f"{scheme}://:pw@127.0.0.1:1/0?ssl_ca_certs={tls_files.ca_cert}", 0.05)
+    try:
+        if isinstance(client, RedisCluster):
+            node = next(iter(client.nodes_manager.startup_nodes.values()))
+            cls, kwargs = node.connection_class, node.connection_kwargs
+        else:
+            cls, kwargs = client.connection_pool.connection_class, \
+                client.connection_pool.connection_kwargs
+        first, second = cls(**kwargs), cls(**kwargs)
+        started = time.perf_counter()
+        assert first.ssl_context.get() is second.ssl_context.get()
+        assert time.perf_counter() - started < 0.005
+    finally:
+        await client.aclose()
