@@ -27,6 +27,7 @@ from llm_sidecar.settings import Settings, redis_url_for_logs
 
 log = get_logger("extproc.cache")
 
+WARM_UP_KEY = "llm-sidecar:emb:v1:warm-up"
 MAX_PENDING_STORES = 512
 """Background stores in flight at most; beyond it a store is dropped (and counted) rather than
 letting a slow Redis grow memory without bound."""
@@ -78,6 +79,17 @@ class VectorCache:
         self._metrics.inputs.labels("hit").inc(hits)
         self._metrics.inputs.labels("miss").inc(len(found) - hits)
         return found
+
+    async def connect(self) -> bool:
+        """Open a connection (TCP, TLS, AUTH; on Cluster, the slot map) before the first request
+        needs one, so the first lookup's deadline does not pay for it. A store that is down is
+        not an error here: lookups bypass it until it answers."""
+        try:
+            await asyncio.wait_for(self.store.get_many([WARM_UP_KEY]), self._store_timeout_s)
+        except (TimeoutError, BackendError) as exc:
+            log.warning("embedding_cache_backend_unreachable_at_start", error=str(exc) or "timeout")
+            return False
+        return True
 
     def store_later(self, write: CacheWrite) -> None:
         """Store in the background; the caller (about to answer Envoy) does not wait."""

@@ -91,6 +91,7 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     telemetry = GuardedTelemetry(LoggedTelemetry(metrics), guards, snapshot, metrics.canary_tripped)
     audit_redis(settings.redis_url, settings.dev_mode, registry, "extproc")
     cache = open_vector_cache(settings, CacheMetrics(registry))
+    await cache.connect()
     servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

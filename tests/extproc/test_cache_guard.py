@@ -151,3 +151,14 @@ async def test_empty_writes_are_not_sent() -> None:
     cache.store_later(CacheWrite((), 60))
     await cache.aclose()
     assert store.calls == 0
+
+
+async def test_connect_warms_the_store_and_tolerates_a_dead_one() -> None:
+    store, clock = FlakyStore(), Clock()
+    cache, _, registry = made(store, clock)
+    assert await cache.connect() and store.calls == 1
+    store.mode = "fail"
+    assert not await cache.connect()
+    # Not a lookup: no lookup metric, and the breaker is left to real traffic.
+    assert sample(registry, "llm_sidecar_cache_lookups_total", result="bypass") == 0
+    assert cache.breaker_state is BreakerState.CLOSED
