@@ -8,13 +8,17 @@ are the bytes of :mod:`extproc.cache_codec`, with no client-side encoding.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from extproc.errors import BackendError
 from llm_sidecar.redis_client import CLUSTER_MAX_CONNECTIONS, Client
+
+T = TypeVar("T")
 
 
 class RedisVectorStore:
@@ -28,31 +32,44 @@ class RedisVectorStore:
     def client(self) -> Client:
         return self._client
 
+    async def _run(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call`` once more if its connection turned out dead (Redis restarted since it was
+        pooled): both commands are idempotent, the caller's deadline bounds the pair, and a
+        Redis that is really down refuses the new connection at once. Without this, the
+        breaker's first probe after an outage would fail on a stale connection and keep the
+        cache bypassed for another cooldown."""
+        try:
+            async with self._slots:
+                try:
+                    return await call()
+                except RedisConnectionError:
+                    return await call()
+        except (RedisError, OSError) as exc:
+            raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
+
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        try:
-            async with self._slots:
-                if isinstance(self._client, RedisCluster):
-                    values = await self._client.mget_nonatomic(list(keys))
-                else:
-                    values = await self._client.mget(list(keys))
-        except (RedisError, OSError) as exc:
-            raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
+        client = self._client
+        if isinstance(client, RedisCluster):
+            cluster = client
+            values = await self._run(lambda: cluster.mget_nonatomic(list(keys)))
+        else:
+            values = await self._run(lambda: client.mget(list(keys)))
         return list(values)
 
     async def set_many(self, entries: Sequence[tuple[str, bytes]], ttl_s: int) -> None:
         if not entries:
             return
         ttl_ms = max(1, ttl_s * 1000)
-        try:
-            async with self._slots:
-                pipe = self._client.pipeline(transaction=False)
-                for key, value in entries:
-                    pipe.set(key, value, px=ttl_ms)
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
+
+        async def store() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for key, value in entries:
+                pipe.set(key, value, px=ttl_ms)
+            await pipe.execute()
+
+        await self._run(store)
 
     async def aclose(self) -> None:
         await self._client.aclose()

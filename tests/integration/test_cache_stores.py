@@ -132,3 +132,17 @@ async def test_frozen_redis_costs_one_deadline(own_redis_server: RedisServer) ->
                                          {"op": "lookup", "reason": "timeout"}) == 1
     finally:
         await cache.aclose()
+
+
+async def test_connections_pooled_before_a_restart_do_not_fail_the_first_lookup(
+        own_redis_server: RedisServer) -> None:
+    store = RedisVectorStore(make_client(own_redis_server.url, 2.0))
+    try:
+        ks = keys(2)
+        await asyncio.gather(*(store.get_many(ks) for _ in range(8)))  # a pool of connections
+        own_redis_server.restart()
+        assert await store.get_many(ks) == [None, None]
+        await store.set_many([(ks[0], b"f")], ttl_s=60)
+        assert await store.get_many(ks) == [b"f", None]
+    finally:
+        await store.aclose()
