@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -72,7 +73,10 @@ def test_fail_open_without_a_pool_is_a_clear_503(tmp_path: Any) -> None:
 def test_a_body_above_the_limit_is_a_json_413(tmp_path: Any) -> None:
     doc = default_doc()
     doc["envoy"]["max_request_bytes"] = 4096
-    with envoy_only(doc, str(tmp_path)) as url:
+    # An extproc that accepts and never answers: Envoy buffers the body while it waits, so the
+    # limit is hit first every time (with nothing listening, the connect error races the body).
+    host, port = doc["services"]["extproc"].rsplit(":", 1)
+    with socket.create_server((host, int(port))), envoy_only(doc, str(tmp_path)) as url:
         status, content_type, payload = post(url, b'{"model": "' + b"x" * 20000 + b'"}')
     assert status == 413
     assert content_type == "application/json"

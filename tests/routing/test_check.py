@@ -51,6 +51,10 @@ CASES = {
     "overlapping_pools": (GOOD.replace("max_context: 32768", "max_context: 2048"),
                           ["7: model 'llama-2-13b' has 2 clusters with max_context 2048: pools "
                            "overlap, give each pool of a model its own max_context"]),
+    "pools_share_a_server": (GOOD.replace('"vllm-long.llm.svc:8000"', '"10.0.0.11:8000"'),
+                             ["4: endpoint 10.0.0.11:8000 is in pools 'vllm-short' (max_context "
+                              "2048) and 'vllm-long' (max_context 32768): pools overlap, and one "
+                              "vLLM server has one --max-model-len; list it in one pool"]),
     "cluster_listed_twice": (GOOD.replace("[vllm-short, vllm-long]", "[vllm-short, vllm-short]"),
                              ["7: model 'llama-2-13b' has 2 clusters with max_context 2048: pools "
                               "overlap, give each pool of a model its own max_context",
