@@ -155,14 +155,14 @@ def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
                 f"cache is only for kind: embedding models ({name!r} is {model.kind})")
 
     owners: dict[str, str] = {}
-    for name, cluster in config.clusters.items():
-        for i, endpoint in enumerate(cluster.endpoints):
+    for name, spec in config.clusters.items():
+        for i, endpoint in enumerate(spec.endpoints):
             first = owners.setdefault(endpoint, name)
             first_context = config.clusters[first].max_context
-            if first != name and first_context != cluster.max_context:
+            if first != name and first_context != spec.max_context:
                 add(("clusters", name, "endpoints", i),
                     f"endpoint {endpoint} is in pools {first!r} (max_context {first_context}) and "
-                    f"{name!r} (max_context {cluster.max_context}): pools overlap, and one vLLM "
+                    f"{name!r} (max_context {spec.max_context}): pools overlap, and one vLLM "
                     "server has one --max-model-len; list it in one pool")
 
     seen_names: dict[str, int] = {}
