@@ -161,7 +161,9 @@ class EmbeddingsProcessor(BaseProcessor):
         if body is not None:
             headers += (("content-length", str(len(body))),)
         self.ctx.telemetry.routed(self.model.name, decision.cluster, decision.variant)
-        return Continue(set_headers=headers, body=body, clear_route_cache=True)
+        # The answer is read (usage, vectors, merge): ask for it uncompressed.
+        return Continue(set_headers=headers, remove_headers=("accept-encoding",), body=body,
+                        clear_route_cache=True)
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
         status = headers.get(":status", "")
