@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+import uvloop
 from prometheus_client import CollectorRegistry
 
 from extproc.service import install_stop_handlers, serve
@@ -52,4 +53,5 @@ async def main_async(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    return asyncio.run(main_async(args, settings))
+    # uvloop: about 7% less CPU per ext_proc stream than asyncio's own loop (bench/README.md).
+    return uvloop.run(main_async(args, settings))

@@ -8,6 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
+import uvloop
+
 from llm_sidecar.settings import Settings
 from ratelimit.document import parse_yaml
 from ratelimit.errors import ConfigError
@@ -81,7 +83,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         await serve(args.config, host, port, args.metrics_port, settings, stop)
 
     try:
-        asyncio.run(main())
+        # uvloop: about 5% less CPU per rate-limit call than asyncio's own loop (bench/README.md).
+        uvloop.run(main())
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 1
