@@ -29,9 +29,10 @@ HUGE = "1000M/min"
 """Limits the benchmark never reaches: every request takes the admitted path."""
 
 
-def routing_doc(*, listen: int, admin: int, extproc: int, ratelimit: int, upstream: int,
-                paced: int) -> dict[str, Any]:
-    """The bench routing YAML: three pools and the embeddings pool on the stand-in upstream."""
+def routing_doc(*, listen: int, admin: int, extproc: int, ratelimit: int,
+                upstream: tuple[int, int, int], paced: int) -> dict[str, Any]:
+    """The bench routing YAML: the short, long and embeddings pools on the stand-in upstream's
+    three listeners, the paced pool on the paced SSE server."""
     def at(port: int) -> list[str]:
         return [f"127.0.0.1:{port}"]
 
@@ -41,10 +42,10 @@ def routing_doc(*, listen: int, admin: int, extproc: int, ratelimit: int, upstre
         "envoy": {"listen": f"127.0.0.1:{listen}", "admin": f"127.0.0.1:{admin}"},
         "services": {"extproc": f"127.0.0.1:{extproc}", "ratelimit": f"127.0.0.1:{ratelimit}"},
         "clusters": {
-            "pool-short": {"endpoints": at(upstream), "max_context": 4096},
+            "pool-short": {"endpoints": at(upstream[0]), "max_context": 4096},
             # 131072: a 220 KB prompt (~75K tokens by the estimate) fits a Llama-3.1-class pool.
-            "pool-long": {"endpoints": at(upstream), "max_context": 131072},
-            "embed": {"endpoints": at(upstream), "max_context": 8192},
+            "pool-long": {"endpoints": at(upstream[1]), "max_context": 131072},
+            "embed": {"endpoints": at(upstream[2]), "max_context": 8192},
             "paced": {"endpoints": at(paced), "max_context": 4096},
         },
         "models": {

@@ -124,7 +124,7 @@ def command(tool: Tool, load: Load, workdir: str, tag: str) -> list[str]:
         script = os.path.join(workdir, f"load-{tag}.lua")
         with open(script, "w", encoding="utf-8") as handle:
             handle.write(wrk_script(load))
-        return ["wrk", "-t", "1", "-c", str(load.connections), "-d", f"{load.duration_s:g}s",
+        return ["wrk", "-t", "1", "-c", str(load.connections), "-d", f"{max(1, round(load.duration_s))}s",
                 "--timeout", "10s", "-s", script, load.url]
     cmd = [sys.executable, "-m", "bench.pyload", "--url", load.url, "--body", load.body_path,
            "--duration", f"{load.duration_s:g}", "--connections", str(load.connections)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -37,6 +38,22 @@ def _memory_gib() -> float:
     return round(kib / 1024 / 1024, 1)
 
 
+def calibrate() -> float:
+    """CPU seconds this machine takes for 10 M iterations of a Python loop, in a child process.
+
+    A yardstick for comparing machines and runs: about 0.4 s on an idle current desktop core;
+    more when the cores are slow or shared.
+    """
+    code = ("import time\nt = time.process_time()\nx = 0\nfor i in range(10_000_000):\n"
+            "    x += i\nprint(time.process_time() - t)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    try:
+        return round(float(done.stdout.strip()), 3)
+    except ValueError:
+        return -1.0
+
+
 def _pkg(name: str) -> str:
     try:
         return version(name)
@@ -59,5 +76,6 @@ def describe(tool: str, litellm_version: str | None) -> dict[str, Any]:
         "grpcio": _pkg("grpcio"),
         "uvloop": _pkg("uvloop"),
         "litellm": litellm_version or "not run",
+        "python_loop_10m_cpu_s": calibrate(),
         "commit": commit + (" (with local changes)" if dirty not in ("", "unavailable") else ""),
     }

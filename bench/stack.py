@@ -76,10 +76,16 @@ class Shared:
     """What every stack talks to: started once per run."""
 
     workdir: str
-    upstream_port: int
+    upstream_ports: tuple[int, int, int]
+    """The stand-in upstream's listeners: short pool (also what LiteLLM and ``direct`` use),
+    long pool, embeddings pool."""
     paced_port: int
     redis_port: int
     children: list[Child] = field(default_factory=list)
+
+    @property
+    def upstream_port(self) -> int:
+        return self.upstream_ports[0]
 
     @property
     def redis_url(self) -> str:
@@ -91,11 +97,11 @@ class Shared:
 
 @contextlib.contextmanager
 def shared(workdir: str, *, paced_tokens: int, paced_interval_ms: float) -> Iterator[Shared]:
-    env = Shared(workdir, free_port(), free_port(), free_port())
+    env = Shared(workdir, (free_port(), free_port(), free_port()), free_port(), free_port())
     try:
         path = os.path.join(workdir, "upstream.yaml")
         with open(path, "w", encoding="utf-8") as handle:
-            yaml.safe_dump(upstream.bootstrap(env.upstream_port, free_port()), handle)
+            yaml.safe_dump(upstream.bootstrap(list(env.upstream_ports), free_port()), handle)
         up = spawn("upstream", envoy_command(path, 1), workdir)
         env.children.append(up)
         paced = spawn("paced", [sys.executable, "-m", "bench.paced", "--port", str(env.paced_port),
@@ -138,7 +144,7 @@ def gateway(env: Shared, variant: front.Variant, store: Store | None, *,
     backend (and gives extproc the Redis URL too, as a deployment would)."""
     listen, admin = free_port(), free_port()
     doc = front.routing_doc(listen=listen, admin=admin, extproc=free_port(),
-                            ratelimit=free_port(), upstream=env.upstream_port,
+                            ratelimit=free_port(), upstream=env.upstream_ports,
                             paced=env.paced_port)
     config_path = os.path.join(env.workdir, f"routing-{tag}.yaml")
     with open(config_path, "w", encoding="utf-8") as handle:

@@ -50,8 +50,9 @@ def routes() -> list[dict[str, Any]]:
     ]
 
 
-def bootstrap(port: int, admin_port: int) -> dict[str, Any]:
-    """An Envoy bootstrap with one listener on 127.0.0.1:``port`` and no clusters."""
+def bootstrap(ports: list[int], admin_port: int) -> dict[str, Any]:
+    """An Envoy bootstrap with the same listener on each of 127.0.0.1:``ports`` (one per pool:
+    a vLLM server belongs to one pool) and no clusters."""
     hcm = {
         TYPE: API + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "upstream",
@@ -68,11 +69,11 @@ def bootstrap(port: int, admin_port: int) -> dict[str, Any]:
         "admin": {"address": {"socket_address": {"address": "127.0.0.1",
                                                  "port_value": admin_port}}},
         "static_resources": {"listeners": [{
-            "name": "upstream",
+            "name": f"upstream-{port}",
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
             "filter_chains": [{"filters": [{
                 "name": "envoy.filters.network.http_connection_manager",
                 "typed_config": hcm,
             }]}],
-        }]},
+        } for port in ports]},
     }
