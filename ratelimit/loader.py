@@ -112,7 +112,16 @@ def _from_routing(file: FsPath) -> Document:
             str(file), 1, "routing YAML given, but routing.ratelimits is not available"
         ) from None
     convert = cast(Callable[[str], Any], ratelimits.descriptor_document)
-    result = convert(str(file))
+    routing_error = cast(type[Exception], importlib.import_module("routing.errors").ConfigError)
+    try:
+        result = convert(str(file))
+    except routing_error as exc:
+        # The routing YAML's own FILE:LINE problems, reported as this package's ConfigError.
+        problems = getattr(exc, "problems", [])
+        first = problems[0] if problems else None
+        line = first.line if first is not None else 1
+        message = "; ".join(p.message for p in problems) or str(exc)
+        raise ConfigError(str(file), line, message) from None
     if isinstance(result, tuple):
         data, lines = result
         return Document(str(file), data, lines)

@@ -91,7 +91,16 @@ class Reloader(Generic[T]):
         return True
 
     async def run(self) -> None:
-        """Poll every ``interval_s`` until cancelled; loading runs off the event loop."""
+        """Poll every ``interval_s`` until cancelled; loading runs off the event loop.
+
+        An unexpected error while loading is logged and polling goes on: a watcher that died
+        would leave the service on its old config for good, silently.
+        """
         while True:
             await asyncio.sleep(self._interval_s)
-            await asyncio.to_thread(self.check_now)
+            try:
+                await asyncio.to_thread(self.check_now)
+            except Exception as exc:
+                log.error("config_reload_crashed", path=self.path, error=repr(exc))
+                if self._on_result is not None:
+                    self._on_result(False, repr(exc))

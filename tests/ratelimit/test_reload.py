@@ -85,3 +85,40 @@ async def test_configmap_symlink_swap_file_and_directory(tmp_path: Path) -> None
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_a_broken_routing_yaml_is_a_ratelimit_config_error(tmp_path: Path) -> None:
+    from ratelimit.errors import ConfigError
+
+    path = tmp_path / "routing.yaml"
+    path.write_text("version: 1\nclusters: {a: {endpoints: ['1.2.3.4:80'], max_context: 10}}\n"
+                    "models: {m: {clusters: [b]}}\n")
+    try:
+        load_path(path)
+    except ConfigError as exc:
+        assert str(exc) == f"{path}:3: model 'm' names unknown cluster 'b' (known clusters: a)"
+    else:
+        raise AssertionError("no ConfigError")
+
+
+async def test_the_watcher_survives_an_unexpected_error(tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text("1")
+    calls: list[bool] = []
+
+    def load(_: str) -> int:
+        if calls:
+            raise RuntimeError("loader bug")
+        calls.append(True)
+        return 1
+
+    results: list[tuple[bool, str]] = []
+    reloader = Reloader(str(path), load, 0.01, on_result=lambda ok, msg: results.append((ok, msg)),
+                        errors=(ValueError,))
+    task = asyncio.create_task(reloader.run())
+    path.write_text("22")
+    await asyncio.sleep(0.2)
+    assert not task.done(), "the watcher died"
+    task.cancel()
+    assert results and results[0][0] is False and "loader bug" in results[0][1]
+    assert reloader.current() == 1
