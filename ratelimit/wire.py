@@ -57,6 +57,9 @@ def request_from_proto(message: rls_pb2.RateLimitRequest) -> LimitRequest:
     )
 
 
+BACKEND_DENY_HEADER = "x-llm-ratelimit-backend"
+
+
 def _descriptor(message: ratelimit_pb2.RateLimitDescriptor) -> DescriptorRequest:
     entries = tuple((entry.key, entry.value) for entry in message.entries)
     hits = message.hits_addend.value if message.HasField("hits_addend") else None
@@ -93,6 +96,11 @@ def response_to_proto(outcome: LimitOutcome) -> rls_pb2.RateLimitResponse:
                 base_pb2.HeaderValue(key="content-type", value="application/json"),
             ]
         )
+        if outcome.backend_failed:
+            # Envoy's local-reply mapper turns a denial carrying this header into a 503: the
+            # store being down is not the client's rate limit (CONTRACT §6).
+            response.response_headers_to_add.append(
+                base_pb2.HeaderValue(key=BACKEND_DENY_HEADER, value="unavailable"))
         response.raw_body = error_body(outcome)
     return response
 

@@ -50,6 +50,12 @@ def local_reply_config() -> dict[str, Any]:
                 "The request body is larger than the gateway accepts.", "invalid_request_error",
                 "request_too_large"),
         },
+        {   # the rate limiter denied because its store (Redis) is down: fail closed as a 503,
+            # keeping the JSON body the rate limiter wrote
+            "filter": _cel("response.code == 429 && "
+                           "'x-llm-ratelimit-backend' in response.headers"),
+            "status_code": 503,
+        },
         {   # no upstream, upstream failure, or a sidecar service down and failing closed
             "filter": {"or_filter": {"filters": [
                 {"response_flag_filter": {"flags": ["UH", "UF", "NR", "NC", "URX", "UO", "UC",

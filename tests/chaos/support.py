@@ -95,7 +95,7 @@ _probe_ids = itertools.count()
 def rate_limit_probe(url: str) -> str:
     """Two requests with a fresh key whose limit is 1 per hour: ``enforced`` (200 then 429
     rate_limit_exceeded: Redis decided), ``allowed`` (both 200: on_backend_error allow),
-    ``denied`` (both refused as upstream_unavailable: on_backend_error deny), else a
+    ``denied`` (both refused with 503 upstream_unavailable: on_backend_error deny), else a
     description of what came back."""
     key = f"sk-probe-{uuid.uuid4().hex}-{next(_probe_ids)}"
     first, second = post(url, chat_call(key)), post(url, chat_call(key))
@@ -104,7 +104,7 @@ def rate_limit_probe(url: str) -> str:
         return "enforced"
     if pair == ((200, None), (200, None)):
         return "allowed"
-    if pair == ((429, "upstream_unavailable"), (429, "upstream_unavailable")):
+    if pair == ((503, "upstream_unavailable"), (503, "upstream_unavailable")):
         return "denied"
     return f"unexpected {pair}"
 
