@@ -9,8 +9,8 @@ import uvloop
 from prometheus_client import CollectorRegistry
 
 from extproc.service import install_stop_handlers, serve
-from llm_sidecar.config_holder import ConfigHolder
 from llm_sidecar.logs import get_logger
+from llm_sidecar.reload import Reloader
 from llm_sidecar.reload_metrics import ReloadMetrics
 from llm_sidecar.settings import Settings
 from routing.compiled import Snapshot, compile_config
@@ -36,13 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def main_async(args: argparse.Namespace, settings: Settings) -> int:
     registry = CollectorRegistry()
-    holder = ConfigHolder(args.config, load_snapshot, ReloadMetrics(registry, "extproc"))
+    holder = Reloader(args.config, load_snapshot, settings.reload_interval_s,
+                      ReloadMetrics(registry, "extproc"))
     host, port = parse_hostport(holder.current().config.services.extproc)
     host = args.host or host
     port = args.port if args.port is not None else port
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    watcher = asyncio.create_task(holder.watch(settings.reload_interval_s, stop))
+    watcher = asyncio.create_task(holder.watch(stop))
     try:
         await serve(holder.current, settings, host, port, host, args.metrics_port,
                     registry, stop)

@@ -17,6 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 from llm_sidecar.logs import get_logger
 from llm_sidecar.redis_audit import audit_redis
 from llm_sidecar.redis_client import make_client
+from llm_sidecar.reload import Reloader
 from llm_sidecar.settings import Settings, redis_url_for_logs
 from ratelimit.admin import start_admin
 from ratelimit.descriptors import RateLimitConfig
@@ -27,7 +28,6 @@ from ratelimit.loader import load_path
 from ratelimit.memory_store import MemoryStore
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.redis_store import RedisStore
-from ratelimit.reload import Reloader
 from ratelimit.store import BucketStore
 from ratelimit.wire import request_from_proto, response_to_proto
 

@@ -7,10 +7,10 @@ import os
 import time
 from pathlib import Path
 
+from llm_sidecar.reload import Reloader
 from llm_sidecar.settings import Settings
 from ratelimit.descriptors import RateLimitConfig
 from ratelimit.loader import load_path
-from ratelimit.reload import Reloader
 from ratelimit.service import RateLimitServer
 
 TEMPLATE = """

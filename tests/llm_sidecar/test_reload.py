@@ -9,7 +9,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from llm_sidecar.config_holder import ConfigHolder
+from llm_sidecar.reload import Reloader
 from llm_sidecar.reload_metrics import ReloadMetrics
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
@@ -34,7 +34,7 @@ def with_model(name: str) -> str:
 def test_a_changed_file_is_swapped_in_whole(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "routing.yaml"
     path.write_text(GOOD)
-    holder = ConfigHolder(str(path), load)
+    holder = Reloader(str(path), load)
     before = holder.current()
     assert holder.check_now() is False
     replace(path, with_model("mistral-7b"))
@@ -54,7 +54,7 @@ def test_a_bad_file_keeps_the_old_config_and_is_reported_once(tmp_path: pathlib.
         seen.append((ok, message))
         metrics(ok, message)
 
-    holder = ConfigHolder(str(path), load, on_reload)
+    holder = Reloader(str(path), load, on_result=on_reload)
     old = holder.current()
     replace(path, GOOD.replace("[vllm-short, vllm-long]", "[vllm-short, vllm-lng]"))
     assert holder.check_now() is False
@@ -84,7 +84,7 @@ def configmap(directory: pathlib.Path, version: int, text: str) -> None:
 
 def test_a_configmap_symlink_swap_is_seen(tmp_path: pathlib.Path) -> None:
     configmap(tmp_path, 1, GOOD)
-    holder = ConfigHolder(str(tmp_path / "routing.yaml"), load)
+    holder = Reloader(str(tmp_path / "routing.yaml"), load)
     configmap(tmp_path, 2, with_model("mistral-7b"))
     assert holder.check_now() is True
     assert "mistral-7b" in holder.current().models
@@ -94,7 +94,7 @@ def test_a_file_still_being_written_is_not_judged(tmp_path: pathlib.Path) -> Non
     path = tmp_path / "routing.yaml"
     path.write_text(GOOD)
     failures: list[str] = []
-    holder = ConfigHolder(str(path), load, lambda ok, message: ok or failures.append(message))
+    holder = Reloader(str(path), load, on_result=lambda ok, message: ok or failures.append(message))
     path.write_text(GOOD[:40])  # half written
 
     def load_while_the_writer_finishes(p: str) -> Snapshot:
@@ -114,9 +114,9 @@ def test_a_file_still_being_written_is_not_judged(tmp_path: pathlib.Path) -> Non
 async def test_watch_applies_a_change_within_two_seconds(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "routing.yaml"
     path.write_text(GOOD)
-    holder = ConfigHolder(str(path), load)
+    holder = Reloader(str(path), load)
     stop = asyncio.Event()
-    watcher = asyncio.create_task(holder.watch(0.5, stop))
+    watcher = asyncio.create_task(holder.watch(stop))
     try:
         replace(path, with_model("mistral-7b"))
         started = time.monotonic()
