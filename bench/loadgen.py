@@ -16,6 +16,7 @@ clock (LuaJIT FFI) in wrk's ``delay()`` hook. Both tools print one JSON summary 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -60,11 +61,13 @@ def pick_tool(wanted: str) -> Tool:
     return "python"
 
 
-def connections_for(rate: int | None, saturation_connections: int) -> int:
-    """Fixed loads: one connection per 25 req/s, 4 to 64; saturation: as given."""
+def connections_for(rate: int | None, saturation_connections: int,
+                    latency_s: float = 0.01) -> int:
+    """Saturation: as given. Fixed loads: enough connections that one is nearly always free
+    (twice ``rate`` times the expected ``latency_s``), at least one per 25 req/s, 4 to 256."""
     if rate is None:
         return saturation_connections
-    return max(4, min(64, rate // 25))
+    return max(4, min(256, max(rate // 25, math.ceil(rate * latency_s * 2))))
 
 
 _LUA = r"""

@@ -99,11 +99,13 @@ def run_stack(name: StackName, rows: list[Scenario], loads: dict[str, Workload],
             if work.saturate and not args.no_saturation:
                 rates.append(None)
             warm = loadgen.Load(url + work.path, body_path, headers, work.rates[0],
-                                min(2.0, args.duration), loadgen.connections_for(work.rates[0], 0))
+                                min(2.0, args.duration),
+                                loadgen.connections_for(work.rates[0], 0, work.latency_s))
             loadgen.run(tool, warm, env.workdir, "warmup")
             for rate in rates:
                 load = loadgen.Load(url + work.path, body_path, headers, rate, args.duration,
-                                    loadgen.connections_for(rate, args.saturation_connections))
+                                    loadgen.connections_for(rate, args.saturation_connections,
+                                                            work.latency_s))
                 point = measure(tool, load, scenario=row.key, repeat=repeat, gateway_pids=pids,
                                 other_pids=others, workdir=env.workdir, quiet_s=args.quiet_wait)
                 points.append(point)

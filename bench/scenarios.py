@@ -48,6 +48,8 @@ class Workload:
     rates: tuple[int, ...]
     saturate: bool
     stream: bool = False
+    latency_s: float = 0.01
+    """Expected time per request, to size the connection pool of a fixed load."""
 
 
 def workloads(rates: tuple[int, ...]) -> dict[str, Workload]:
@@ -64,7 +66,7 @@ def workloads(rates: tuple[int, ...]) -> dict[str, Workload]:
                  slow + tuple(r for r in rates if r == 500), False, stream=True),
         Workload("paced", "chat stream, 16 tokens 5 ms apart", "/v1/chat/completions",
                  bodies.chat_request(stream=True, model=bodies.PACED_MODEL), "paced",
-                 (50, 100), False, stream=True),
+                 (50, 100), False, stream=True, latency_s=0.15),
     )}
 
 
