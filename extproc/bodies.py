@@ -168,6 +168,11 @@ def parse_generation(api: Api, raw: bytes) -> GenerationBody:
     return GenerationBody(api, model, prompt, max_tokens, stream, include_usage, doc)
 
 
+MAX_EMBEDDING_INPUTS = 2048
+"""OpenAI's limit on one embeddings batch. Without one, an 8 MB body of two million tiny inputs
+kept extproc's event loop busy for seconds (a cache key and a token count per input)."""
+
+
 def parse_embeddings(raw: bytes) -> EmbeddingsBody:
     """An embeddings body with its inputs normalised to a tuple of strings or token-id tuples."""
     doc = parse_json_object(raw)
@@ -177,6 +182,10 @@ def parse_embeddings(raw: bytes) -> EmbeddingsBody:
                       "ids, or an array of token-id arrays.", param="input")
     inputs: tuple[str | tuple[int, ...], ...]
     single = False
+    if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS \
+            and not isinstance(value[0], int):  # a token-id array is one input: may be longer
+        raise bad_request(f"input may hold at most {MAX_EMBEDDING_INPUTS} items; this one has "
+                          f"{len(value)}. Split the batch.", param="input")
     if isinstance(value, str):
         inputs, single = (value,), True
     elif isinstance(value, list) and value:
