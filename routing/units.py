@@ -42,6 +42,10 @@ class Rate:
         return self.amount / self.window_s
 
 
+MAX_AMOUNT = 1e15
+"""Largest amount a rate may name (a billion tokens per second is still far below it)."""
+
+
 def parse_rate(text: str) -> Rate:
     """A rate such as ``10/s``, ``600/min``, ``2M/min``, ``100/h``, ``1k/d`` or ``50/5m``."""
     raw = str(text).strip()
@@ -53,6 +57,8 @@ def parse_rate(text: str) -> Rate:
         )
     number, suffix, count, unit = match.groups()
     amount = float(number) * _SUFFIX[suffix]
+    if not amount < MAX_AMOUNT:  # also inf, from a number of hundreds of digits
+        raise ValueError(f"bad rate {raw[:40]!r}: the amount must be below {MAX_AMOUNT:.0e}")
     if amount != int(amount) or amount <= 0:
         raise ValueError(f"bad rate {raw!r}: the amount must be a whole number above zero")
     window = (int(count) if count else 1) * _UNIT_SECONDS[unit]

@@ -35,6 +35,60 @@ class Located:
 
 _SYNTAX_HINT = "(check indentation, quotes and closing brackets on this line and the one above)"
 
+MAX_NODES = 200_000
+"""Values a config may expand to. Aliases make a small text a huge document ("billion
+laughs": ten lines of ``&a [*b, *b, ...]`` are 9^9 values), and walking it would spin a CPU
+forever, in ``check`` and in every service's reload thread."""
+MAX_DEPTH = 64
+"""Nesting a config may have (a real one needs about 6)."""
+
+
+def deep_flow(text: str) -> int | None:
+    """The line where ``[``/``{`` brackets (outside quotes) nest past :data:`MAX_DEPTH`, else
+    None. Checked before parsing: PyYAML's parser recurses per level and takes seconds to
+    reach Python's recursion limit on thousands of brackets."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return None
+    depth, line, quote = 0, 1, ""
+    for char in text:
+        if char == "\n":
+            line += 1
+        elif quote:
+            if char == quote:
+                quote = ""
+        elif char in "\"'":
+            quote = char
+        elif char in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return line
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    return None
+
+
+def oversized(root: yaml.Node) -> tuple[int, str] | None:
+    """``(line, message)`` when the composed document would expand past :data:`MAX_NODES`
+    values or nest deeper than :data:`MAX_DEPTH`, else None. Iterative: no recursion limit."""
+    count = 0
+    stack: list[tuple[yaml.Node, int]] = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        line = node.start_mark.line + 1
+        if count > MAX_NODES:
+            return line, (f"the document expands to more than {MAX_NODES} values "
+                          "(YAML aliases repeated inside aliases?)")
+        if depth > MAX_DEPTH:
+            return line, f"nested more than {MAX_DEPTH} levels deep"
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                stack.append((key, depth + 1))
+                stack.append((value, depth + 1))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, depth + 1) for item in node.value)
+    return None
+
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that treats a repeated mapping key as an error instead of keeping the last."""
@@ -46,6 +100,11 @@ def _walk(node: yaml.Node, path: Path, lines: dict[Path, int], problems: list[Pr
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                problems.append(Problem(source, key_node.start_mark.line + 1,
+                                        "YAML merge keys (<<) are not supported: write the "
+                                        "keys out"))
+                continue
             key = _scalar(key_node) if isinstance(key_node, yaml.ScalarNode) else None
             if key is None or isinstance(key, list | dict):
                 problems.append(Problem(source, key_node.start_mark.line + 1,
@@ -66,13 +125,25 @@ def _walk(node: yaml.Node, path: Path, lines: dict[Path, int], problems: list[Pr
 
 def _scalar(node: yaml.Node) -> Any:
     loader = _UniqueKeyLoader("")
-    return loader.construct_object(node, deep=True)
+    try:
+        return loader.construct_object(node, deep=True)
+    except (yaml.YAMLError, ValueError, OverflowError) as exc:
+        # an unknown tag (!!python/...), or a value Python refuses (an integer of 5,000 digits)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([Problem("", node.start_mark.line + 1, f"bad value: {problem}")]) \
+            from None
 
 
 def load_yaml(text: str, source: str) -> Located:
     """Parse one YAML document; syntax errors and duplicate keys raise :class:`ConfigError`."""
+    deep = deep_flow(text)
+    if deep is not None:
+        raise ConfigError([Problem(source, deep, f"nested more than {MAX_DEPTH} levels deep")])
     try:
         node = yaml.compose(text, Loader=_UniqueKeyLoader)
+    except RecursionError:
+        raise ConfigError([Problem(source, 1, f"nested more than {MAX_DEPTH} levels deep")]) \
+            from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 1
@@ -82,9 +153,15 @@ def load_yaml(text: str, source: str) -> Located:
         raise ConfigError([Problem(source, 1, f"YAML syntax: {exc}")]) from None
     if node is None:
         return Located(source, None, {(): 1})
+    too_big = oversized(node)
+    if too_big is not None:
+        raise ConfigError([Problem(source, *too_big)])
     lines: dict[Path, int] = {}
     problems: list[Problem] = []
-    data = _walk(node, (), lines, problems, source)
+    try:
+        data = _walk(node, (), lines, problems, source)
+    except ConfigError as err:  # from _scalar, which does not know the file name
+        raise ConfigError([Problem(source, p.line, p.message) for p in err.problems]) from None
     if problems:
         raise ConfigError(problems)
     return Located(source, data, lines)
