@@ -202,7 +202,7 @@ class EmbeddingsProcessor(BaseProcessor):
                 assert self.resolution is not None
                 merged = merged_body(doc, self.resolution, fresh)
         except MergeError as exc:
-            log.warning("embedding_cache_unusable_answer", request_id=self.ctx.request_id,
+            log.warning("embeddings_unreadable_answer", request_id=self.ctx.request_id,
                         cache=self.outcome, error=str(exc))
             if merging:
                 # The client has the 200 headers and nothing else; a wrong or partial list of
