@@ -138,14 +138,22 @@ def command(tool: Tool, load: Load, workdir: str, tag: str) -> list[str]:
     return cmd
 
 
+class LoadError(RuntimeError):
+    """The load generator failed or did not finish in time (the point is reported as failed)."""
+
+
 def run(tool: Tool, load: Load, workdir: str, tag: str) -> Outcome:
     argv = command(tool, load, workdir, tag)
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=load.duration_s * 3 + 60,
-                          check=False)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True,
+                              timeout=load.duration_s * 2 + 30, check=False)
+    except subprocess.TimeoutExpired:
+        raise LoadError(f"{argv[0]} did not finish within {load.duration_s * 2 + 30:.0f} s "
+                        "(it was killed)") from None
     summary = next((line for line in reversed(done.stdout.splitlines())
                     if line.startswith("{")), None)
     if done.returncode != 0 or summary is None:
-        raise RuntimeError(f"{argv[0]} failed ({done.returncode}): "
+        raise LoadError(f"{argv[0]} failed ({done.returncode}): "
                            f"{(done.stderr or done.stdout)[-2000:]}")
     doc: dict[str, Any] = json.loads(summary)
     requests, errors = int(doc["requests"]), int(doc["errors"])

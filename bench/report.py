@@ -226,6 +226,11 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{_fmt(c['p99_ms'])} | {_fmt(c['gateway_cores'])} | "
                      f"{_fmt(c.get('rps_per_core'), 0)} | {cpu or '-'} | {c['errors']} | "
                      f"{_fmt(c['foreign_cores'])} |")
+    failed = doc.get("failed_points") or []
+    if failed:
+        lines += ["", f"**Failed points** (left out of the medians): {len(failed)}: "
+                  + "; ".join(f"{f['scenario']} at {f['rate'] or 'saturation'} (repeat "
+                              f"{f['repeat']})" for f in failed)]
     lines += ["", "## Scenarios", ""]
     for key, entry in doc["scenarios"].items():
         probe = doc["probes"].get(key, {})

@@ -80,8 +80,11 @@ def _pids(children: list[Child]) -> dict[str, int]:
 
 def run_stack(name: StackName, rows: list[Scenario], loads: dict[str, Workload],
               env: stack.Shared, args: argparse.Namespace, tool: loadgen.Tool, repeat: int,
-              probes: dict[str, Any]) -> list[Point]:
+              probes: dict[str, Any], failures: list[dict[str, Any]]) -> list[Point]:
+    """Every point of ``rows`` on stack ``name``; each is also appended to points.jsonl as
+    it is measured, so an interrupted run keeps what it measured."""
     points: list[Point] = []
+    journal = os.path.join(os.path.dirname(env.workdir), "points.jsonl")
     with started(name, env, args, f"{name}-{repeat}") as (url, pids, bearer):
         others = {c.name: c.process.pid for c in env.children if c.name not in pids}
         for row in rows:
@@ -101,14 +104,26 @@ def run_stack(name: StackName, rows: list[Scenario], loads: dict[str, Workload],
             warm = loadgen.Load(url + work.path, body_path, headers, work.rates[0],
                                 min(2.0, args.duration),
                                 loadgen.connections_for(work.rates[0], 0, work.latency_s))
-            loadgen.run(tool, warm, env.workdir, "warmup")
+            try:
+                loadgen.run(tool, warm, env.workdir, "warmup")
+            except loadgen.LoadError as exc:
+                print(f"bench: {row.key}: warm-up failed ({exc}); measuring anyway", flush=True)
             for rate in rates:
                 load = loadgen.Load(url + work.path, body_path, headers, rate, args.duration,
                                     loadgen.connections_for(rate, args.saturation_connections,
                                                             work.latency_s))
-                point = measure(tool, load, scenario=row.key, repeat=repeat, gateway_pids=pids,
-                                other_pids=others, workdir=env.workdir, quiet_s=args.quiet_wait)
+                try:
+                    point = measure(tool, load, scenario=row.key, repeat=repeat,
+                                    gateway_pids=pids, other_pids=others, workdir=env.workdir,
+                                    quiet_s=args.quiet_wait)
+                except loadgen.LoadError as exc:
+                    failures.append({"scenario": row.key, "repeat": repeat, "rate": rate,
+                                     "error": str(exc)[:500]})
+                    print(f"bench: {row.key} {rate}: point failed: {exc}", flush=True)
+                    continue
                 points.append(point)
+                with open(journal, "a", encoding="utf-8") as handle:
+                    handle.write(json.dumps(point.to_json()) + "\n")
                 print(f"bench: {row.key:<20} {'sat' if rate is None else rate:>5} "
                       f"{point.achieved_rps:>8.1f} req/s  p50 {point.p50_ms} ms  "
                       f"p99 {point.p99_ms} ms  errors {point.errors}  cpu/req "
@@ -139,14 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     started_at = time.monotonic()
     points: list[Point] = []
     probes: dict[str, Any] = {}
+    failures: list[dict[str, Any]] = []
     order: list[StackName] = list(dict.fromkeys(r.stack for r in rows))
     with stack.shared(str(workdir), paced_tokens=16, paced_interval_ms=5.0) as env:
         for repeat in range(args.repeats):
             for name in order:
                 points += run_stack(name, [r for r in rows if r.stack == name], loads, env,
-                                    args, tool, repeat, probes)
+                                    args, tool, repeat, probes, failures)
     doc = report.summarize(rows, loads, points, probes, about, settings,
                            time.monotonic() - started_at)
+    doc["failed_points"] = failures
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
     text = report.markdown(doc)
     (out_dir / "results.md").write_text(text, encoding="utf-8")
