@@ -102,15 +102,20 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    runner = await start_ops_server(metrics_host, metrics_port, registry, lambda: True,
+    runner = await start_ops_server(metrics_host, metrics_port, registry,
+                                    lambda: not stop.is_set(),
                                     {"/canary": lambda query: canary_page(registry, query)})
     log.info("extproc_listening", grpc=f"{host}:{bound}", metrics=f"{metrics_host}:{metrics_port}")
     try:
         await stop.wait()
     finally:
+        # Drain: health says NOT_SERVING, the listener closes (Envoy opens new streams on
+        # another replica: its retry policy covers a refused connect), and streams in flight,
+        # an SSE generation holds its own for the whole response, get up to the grace period.
+        log.info("extproc_draining", grace_s=settings.shutdown_grace_s)
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.stop(grace=5)
+        await server.stop(grace=settings.shutdown_grace_s)
         await cache.aclose()
         await runner.cleanup()
         log.info("extproc_stopped")

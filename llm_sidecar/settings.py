@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     cache_memory_bytes: int = 256 * 1024 * 1024
     """Bound of the in-process embedding cache used when no Redis URL is set (LRU)."""
 
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM: how long requests in flight may take to finish (an SSE stream holds its
+    ext_proc stream until the last token). Keep Kubernetes' terminationGracePeriodSeconds above
+    it."""
+
     log_level: str = "info"
     dev_mode: bool = False
     """Quiets production-only warnings (for example a Redis without a password)."""

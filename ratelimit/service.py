@@ -177,4 +177,4 @@ async def serve(
         else:
             await stop.wait()
     finally:
-        await asyncio.shield(server.stop())
+        await asyncio.shield(server.stop(settings.shutdown_grace_s))
