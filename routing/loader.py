@@ -154,6 +154,15 @@ def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
             add(("models", name, "cache"),
                 f"cache is only for kind: embedding models ({name!r} is {model.kind})")
 
+    fallback = config.services.fallback_cluster
+    if fallback is not None:
+        if fallback not in config.clusters:
+            add(("services", "fallback_cluster"), f"fallback_cluster names unknown cluster "
+                f"{fallback!r}{_hint(fallback, list(config.clusters), 'known clusters')}")
+        if not config.services.failure_mode_allow:
+            add(("services", "fallback_cluster"), "fallback_cluster is only used when extproc "
+                "fails open: set services.failure_mode_allow: true (or remove it)")
+
     owners: dict[str, str] = {}
     for name, spec in config.clusters.items():
         for i, endpoint in enumerate(spec.endpoints):

@@ -20,6 +20,30 @@ HEALTH_PATH = "/healthz"
 """Answered by Envoy itself (200, or 503 while draining): probes need no admin access."""
 
 
+def sidecar_retry(retry_on: str) -> dict[str, Any]:
+    """Retry policy of the gRPC stream to extproc or ratelimit: another replica, quickly."""
+    return {
+        "retry_on": retry_on,
+        "num_retries": 2,
+        "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {TYPE: API + "extensions.retry.host.previous_hosts.v3"
+                                         ".PreviousHostsPredicate"},
+        }],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
+# A replica that is draining (SIGTERM: listener closed, GOAWAY sent, calls that raced the
+# shutdown answered CANCELLED or reset) or just died refuses a new stream before answering it:
+# open it on another replica instead of failing the request. Envoy retries only before the
+# response starts, so a stream extproc already answered is never retried; a rate-limit call
+# that was reset or cancelled may have charged its buckets, so only a refused one is retried.
+EXTPROC_RETRY = sidecar_retry("connect-failure,refused-stream,unavailable,cancelled,reset")
+RATELIMIT_RETRY = sidecar_retry("connect-failure,refused-stream,unavailable")
+
+
 def _address(text: str) -> dict[str, Any]:
     host, port = parse_hostport(text)
     return {"socket_address": {"address": host, "port_value": port}}
@@ -116,7 +140,8 @@ def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             TYPE: API + "extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, "timeout": "10s"},
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, "timeout": "10s",
+                             "retry_policy": EXTPROC_RETRY},
             "failure_mode_allow": config.services.failure_mode_allow,
             "status_on_error": {"code": 503},
             # Counting a 32K-token prompt with a real tokenizer can take tens of milliseconds.
@@ -152,9 +177,27 @@ def ratelimit_filter(config: RoutingConfig) -> dict[str, Any]:
             # extproc reported) on these, and evaluates apply_on_stream_done ones at the end.
             "rate_limits": route_rate_limits(config),
             "rate_limit_service": {
-                "grpc_service": {"envoy_grpc": {"cluster_name": RATELIMIT_CLUSTER}},
+                "grpc_service": {"envoy_grpc": {"cluster_name": RATELIMIT_CLUSTER},
+                                 "retry_policy": RATELIMIT_RETRY},
                 "transport_api_version": "V3",
             },
+        },
+    }
+
+
+def strip_llm_headers() -> dict[str, Any]:
+    """Drop every client-sent ``x-llm-*`` header before routing or any filter sees it.
+
+    extproc does this itself; this covers requests that fail open past an unreachable
+    extproc, which would otherwise let a client pick its pool (``x-llm-cluster``) or its
+    tenant's buckets. An early header mutation (not an HTTP filter): it runs before the route
+    is chosen, so the route cache never saw the client's header.
+    """
+    return {
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": {
+            TYPE: API + "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [{"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}],
         },
     }
 
@@ -164,32 +207,44 @@ def router_filter() -> dict[str, Any]:
             "typed_config": {TYPE: API + "extensions.filters.http.router.v3.Router"}}
 
 
-def routes(config: RoutingConfig) -> list[dict[str, Any]]:
+def _upstream(config: RoutingConfig, target: dict[str, str]) -> dict[str, Any]:
+    """Route settings to a vLLM pool (``target`` names it: a header or a fixed cluster)."""
     idle = f"{parse_duration(config.envoy.stream_idle_timeout)}s"
-    return [
-        {
-            "name": "llm-routed",
-            "match": {"prefix": "/", "headers": [{"name": "x-llm-cluster", "present_match": True}]},
-            "route": {
-                "cluster_header": "x-llm-cluster",
-                # No whole-request timeout may cut a long generation or an SSE stream: an idle
-                # timeout ends stuck ones instead.
-                "timeout": "0s",
-                "idle_timeout": idle,
-                # Retry only what never reached vLLM (a generation is not idempotent, and it
-                # is expensive): a failed connect, or a reset before the request was sent.
-                "retry_policy": {
-                    "retry_on": "connect-failure,reset-before-request",
-                    "num_retries": 2,
-                    "retry_host_predicate": [{
-                        "name": "envoy.retry_host_predicates.previous_hosts",
-                        "typed_config": {TYPE: API + "extensions.retry.host.previous_hosts.v3"
-                                                     ".PreviousHostsPredicate"},
-                    }],
-                    "host_selection_retry_max_attempts": 3,
-                },
-            },
+    return {
+        **target,
+        # No whole-request timeout may cut a long generation or an SSE stream: an idle
+        # timeout ends stuck ones instead.
+        "timeout": "0s",
+        "idle_timeout": idle,
+        # Retry only what never reached vLLM (a generation is not idempotent, and it
+        # is expensive): a failed connect, or a reset before the request was sent.
+        "retry_policy": {
+            "retry_on": "connect-failure,reset-before-request",
+            "num_retries": 2,
+            "retry_host_predicate": [{
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {TYPE: API + "extensions.retry.host.previous_hosts.v3"
+                                             ".PreviousHostsPredicate"},
+            }],
+            "host_selection_retry_max_attempts": 3,
         },
+    }
+
+
+def routes(config: RoutingConfig) -> list[dict[str, Any]]:
+    routed = {
+        "name": "llm-routed",
+        "match": {"prefix": "/", "headers": [{"name": "x-llm-cluster", "present_match": True}]},
+        "route": _upstream(config, {"cluster_header": "x-llm-cluster"}),
+    }
+    fallback = config.services.fallback_cluster
+    if fallback is not None and config.services.failure_mode_allow:
+        # extproc was unreachable and the filter failed open: serve from the fallback pool
+        # (unchecked, unlimited by token counts extproc would have read) rather than 503.
+        return [routed, {"name": "llm-fallback", "match": {"prefix": "/"},
+                         "route": _upstream(config, {"cluster": fallback})}]
+    return [
+        routed,
         {
             "name": "llm-unrouted",
             "match": {"prefix": "/"},
@@ -215,6 +270,8 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "stream_idle_timeout": f"{parse_duration(config.envoy.stream_idle_timeout)}s",
         "request_timeout": f"{parse_duration(config.envoy.request_timeout)}s",
         "request_headers_timeout": "10s",
+        **({"early_header_mutation_extensions": [strip_llm_headers()]}
+           if config.services.failure_mode_allow else {}),
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),
         "route_config": {"name": "llm", "virtual_hosts": [

@@ -77,6 +77,8 @@ class ServicesSection(Strict):
     """host:port where Envoy reaches the rate-limit gRPC service."""
     failure_mode_allow: bool = False
     """When extproc cannot be reached: false answers 503 JSON (fail closed), true passes through."""
+    fallback_cluster: str | None = None
+    """With ``failure_mode_allow``: where requests extproc could not route go (else a 503)."""
     ratelimit_failure_mode_deny: bool = False
     """When ratelimit cannot be reached: false admits (fail open), true answers 503."""
 

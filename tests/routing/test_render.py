@@ -84,6 +84,9 @@ def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
     assert [f["name"] for f in hcm["http_filters"]] == [
         "envoy.filters.http.health_check", "envoy.filters.http.ext_proc",
         "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
+    # failure_mode_allow: a client's own x-llm-* headers are dropped before routing
+    assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
+        {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
     assert hcm["stream_idle_timeout"] == "300s"
     routed = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
     assert routed["route"]["timeout"] == "0s"  # no total timeout may cut a stream
