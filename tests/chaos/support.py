@@ -143,6 +143,13 @@ def metric(url: str, name: str, **labels: str) -> float:
                if n == name and all((k, val) in ls for k, val in labels.items()))
 
 
+def cache_lookups(extproc_metrics: str, *results: str) -> float:
+    """extproc's embedding-cache lookups so far with one of ``results`` (hit, miss, partial,
+    bypass)."""
+    return sum(metric(extproc_metrics, "llm_sidecar_cache_lookups_total", result=result)
+               for result in results)
+
+
 def set_policy(gw: Gateway, doc: dict[str, Any], policy: str) -> None:
     """Rewrite ``on_backend_error`` in the running gateway's YAML; wait until ratelimit
     reloaded it."""

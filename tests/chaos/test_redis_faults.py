@@ -23,6 +23,7 @@ from tests.chaos.load import Load, Record, percentile
 from tests.chaos.support import (
     DEADLINE_S,
     RECOVERY_S,
+    cache_lookups,
     cache_probe,
     chaos_doc,
     metric,
@@ -117,11 +118,6 @@ class Outcome:
     """Cache lookups that bypassed Redis, up to the end of the outage."""
 
 
-def cache_lookups(gw: Gateway, *outcomes: str) -> float:
-    return sum(metric(gw.extproc_metrics, "llm_sidecar_cache_lookups_total",
-                      result=outcome) for outcome in outcomes)
-
-
 def run_scenario(rig: Rig, name: str, policy: str, fault: Callable[[], None],
                  heal: Callable[[], None]) -> Outcome:
     gw = rig.gw
@@ -139,17 +135,18 @@ def run_scenario(rig: Rig, name: str, policy: str, fault: Callable[[], None],
             rl_probes.append(rate_limit_probe(gw.url))
             cache_probes.append(cache_probe(gw.url))
             time.sleep(0.1)
-        bypassed = cache_lookups(gw, "bypass")
+        bypassed = cache_lookups(gw.extproc_metrics, "bypass")
         heal()
         healed = time.monotonic()
-        answered = cache_lookups(gw, "hit", "miss", "partial")
+        answered = cache_lookups(gw.extproc_metrics, "hit", "miss", "partial")
         while len(recovery) < 2 and time.monotonic() - healed < RECOVERY_S + 3:
             if "ratelimit" not in recovery and rate_limit_probe(gw.url) == "enforced":
                 recovery["ratelimit"] = time.monotonic() - healed
             # extproc looks the cache up before the rate limiter runs, so a lookup Redis
             # answered shows in its metrics even when the request is then denied.
             cache_probe(gw.url)
-            if "cache" not in recovery and cache_lookups(gw, "hit", "miss", "partial") > answered:
+            looked = cache_lookups(gw.extproc_metrics, "hit", "miss", "partial")
+            if "cache" not in recovery and looked > answered:
                 recovery["cache"] = time.monotonic() - healed
             time.sleep(0.02)
         time.sleep(0.5)
