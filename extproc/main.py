@@ -9,13 +9,14 @@ import uvloop
 from prometheus_client import CollectorRegistry
 
 from extproc.service import install_stop_handlers, serve
+from llm_sidecar.grpc_listen import metrics_host
 from llm_sidecar.logs import get_logger
 from llm_sidecar.reload import Reloader
 from llm_sidecar.reload_metrics import ReloadMetrics
 from llm_sidecar.settings import Settings
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
-from routing.units import parse_hostport
+from routing.units import parse_service_address
 
 log = get_logger("extproc")
 
@@ -38,14 +39,14 @@ async def main_async(args: argparse.Namespace, settings: Settings) -> int:
     registry = CollectorRegistry()
     holder = Reloader(args.config, load_snapshot, settings.reload_interval_s,
                       ReloadMetrics(registry, "extproc"))
-    host, port = parse_hostport(holder.current().config.services.extproc)
+    host, port = parse_service_address(holder.current().config.services.extproc)
     host = args.host or host
     port = args.port if args.port is not None else port
     stop = asyncio.Event()
     install_stop_handlers(stop)
     watcher = asyncio.create_task(holder.watch(stop))
     try:
-        await serve(holder.current, settings, host, port, host, args.metrics_port,
+        await serve(holder.current, settings, host, port, metrics_host(host), args.metrics_port,
                     registry, stop)
     finally:
         stop.set()

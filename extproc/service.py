@@ -28,6 +28,7 @@ from extproc.metrics import ExtprocMetrics
 from extproc.request_log import LoggedTelemetry
 from extproc.stream import StreamState
 from extproc.telemetry import NULL_TELEMETRY, Telemetry
+from llm_sidecar.grpc_listen import add_port, listen_address
 from llm_sidecar.logs import get_logger
 from llm_sidecar.ops_http import start_ops_server
 from llm_sidecar.redis_audit import audit_redis
@@ -96,16 +97,15 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"extproc cannot listen on {host}:{port}")
+    bound = add_port(server, host, port, settings)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     runner = await start_ops_server(metrics_host, metrics_port, registry,
                                     lambda: not stop.is_set(),
                                     {"/canary": lambda query: canary_page(registry, query)})
-    log.info("extproc_listening", grpc=f"{host}:{bound}", metrics=f"{metrics_host}:{metrics_port}")
+    log.info("extproc_listening", grpc=listen_address(host, bound),
+             tls=settings.grpc_tls_cert_file is not None, metrics=f"{metrics_host}:{metrics_port}")
     try:
         await stop.wait()
     finally:

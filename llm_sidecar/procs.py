@@ -85,6 +85,20 @@ def wait_tcp(host: str, port: int, timeout_s: float, child: Child | None = None)
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f}s")
 
 
+def wait_unix(path: str, timeout_s: float, child: Child | None = None) -> None:
+    """Until the Unix socket at ``path`` accepts connections."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child is not None and not child.alive():
+            raise RuntimeError(f"{child.name} exited with code {child.process.returncode}")
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(0.5)
+            sock.connect(path)
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {path} after {timeout_s:.0f}s")
+
+
 def wait_http_ok(url: str, timeout_s: float, child: Child | None = None) -> None:
     """Until GET ``url`` answers 200."""
     deadline = time.monotonic() + timeout_s

@@ -34,6 +34,13 @@ class Settings(BaseSettings):
     cache_memory_bytes: int = 256 * 1024 * 1024
     """Bound of the in-process embedding cache used when no Redis URL is set (LRU)."""
 
+    grpc_tls_cert_file: str | None = None
+    """Serve extproc's and ratelimit's gRPC over TLS with this certificate (PEM chain)..."""
+    grpc_tls_key_file: str | None = None
+    """...and this private key (PEM). Envoy's side is ``services.tls`` in the routing YAML."""
+    grpc_tls_client_ca_file: str | None = None
+    """Also require a client certificate signed by this CA (mutual TLS with Envoy)."""
+
     shutdown_grace_s: float = 30.0
     """On SIGTERM: how long requests in flight may take to finish (an SSE stream holds its
     ext_proc stream until the last token). Keep Kubernetes' terminationGracePeriodSeconds above

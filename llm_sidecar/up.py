@@ -15,11 +15,19 @@ import tempfile
 import threading
 from importlib import resources
 
-from llm_sidecar.procs import Child, envoy_binary, sidecar_command, start, wait_http_ok, wait_tcp
+from llm_sidecar.procs import (
+    Child,
+    envoy_binary,
+    sidecar_command,
+    start,
+    wait_http_ok,
+    wait_tcp,
+    wait_unix,
+)
 from routing.loader import load_config
 from routing.render import write_all
 from routing.schema import RoutingConfig
-from routing.units import parse_hostport
+from routing.units import parse_hostport, parse_service_address
 
 
 def example_config_path() -> str:
@@ -28,6 +36,15 @@ def example_config_path() -> str:
 
 def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+
+
+def _wait_service(address: str, child: Child) -> None:
+    """Until the gRPC service at ``address`` (``host:port`` or ``unix:/path``) accepts."""
+    host, port = parse_service_address(address)
+    if host.startswith("unix:"):
+        wait_unix(host[len("unix:"):], 30, child)
+    else:
+        wait_tcp(_connect_host(host), port, 30, child)
 
 
 def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
@@ -66,20 +83,18 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
                 sims.append((child, f"http://{_connect_host(host)}:{port}/health"))
         for child, health_url in sims:  # started together, waited for together
             wait_http_ok(health_url, 30, child)
-        host, port = parse_hostport(config.services.extproc)
         extproc = start("extproc", sidecar_command(
             "extproc", "--config", config_path, "--metrics-port", str(extproc_metrics_port)),
             env=child_env, log_path=log_path("extproc"))
         children.append(extproc)
-        wait_tcp(_connect_host(host), port, 30, extproc)
+        _wait_service(config.services.extproc, extproc)
         if config.rate_limits is not None:
-            host, port = parse_hostport(config.services.ratelimit)
             ratelimit = start("ratelimit", sidecar_command(
                 "ratelimit", "--config", config_path,
                 "--metrics-port", str(ratelimit_metrics_port)),
                 env=child_env, log_path=log_path("ratelimit"))
             children.append(ratelimit)
-            wait_tcp(_connect_host(host), port, 30, ratelimit)
+            _wait_service(config.services.ratelimit, ratelimit)
         envoy = start("envoy", [envoy_binary(), "-c", os.path.join(workdir, "envoy.yaml"),
                                 "--log-level", "warn", "--disable-hot-restart"],
                       log_path=log_path("envoy"))

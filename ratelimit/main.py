@@ -10,6 +10,7 @@ from pathlib import Path
 
 import uvloop
 
+from llm_sidecar.grpc_listen import UNIX_PREFIX
 from llm_sidecar.settings import Settings
 from ratelimit.document import parse_yaml
 from ratelimit.errors import ConfigError
@@ -48,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_address(config_path: str) -> tuple[str, int]:
-    """``services.ratelimit`` of a routing YAML, else ``127.0.0.1:50052``."""
+    """``services.ratelimit`` of a routing YAML (``host:port``, or ``unix:/path`` as
+    ``("unix:/path", 0)``), else ``127.0.0.1:50052``."""
     path = Path(config_path)
     if not path.is_file():
         return DEFAULT_HOST, DEFAULT_PORT
@@ -57,6 +59,8 @@ def default_address(config_path: str) -> tuple[str, int]:
         return DEFAULT_HOST, DEFAULT_PORT
     services = doc.data.get("services")
     address = services.get("ratelimit") if isinstance(services, dict) else None
+    if isinstance(address, str) and address.startswith(UNIX_PREFIX):
+        return address, 0  # a Unix socket: unix:/path
     if not isinstance(address, str) or ":" not in address:
         return DEFAULT_HOST, DEFAULT_PORT
     host, _, port = address.rpartition(":")

@@ -14,6 +14,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from llm_sidecar.grpc_listen import add_port, metrics_host
 from llm_sidecar.logs import get_logger
 from llm_sidecar.redis_audit import audit_redis
 from llm_sidecar.redis_client import make_client
@@ -90,6 +91,7 @@ class RateLimitServer:
     ) -> None:
         self.metrics = RateLimitMetrics()
         self.host = host
+        self._settings = settings
         self.port = port
         self.metrics_port = metrics_port
         self._warned: set[str] = set()
@@ -121,13 +123,11 @@ class RateLimitServer:
         server = grpc.aio.server()
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitServicer(self.limiter), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.host}")
+        self.port = add_port(server, self.host, self.port, self._settings)
         await server.start()
         self._server = server
         runner, self.metrics_port = await start_admin(
-            self.host, self.metrics_port, self.metrics, lambda: self._serving
+            metrics_host(self.host), self.metrics_port, self.metrics, lambda: self._serving
         )
         self._admin = runner
         for name in ("", SERVICE_NAME):

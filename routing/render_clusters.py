@@ -11,8 +11,8 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-from routing.schema import ClusterSpec, RoutingConfig
-from routing.units import parse_hostport
+from routing.schema import ClusterSpec, RoutingConfig, ServicesTls
+from routing.units import UNIX_PREFIX, parse_hostport
 
 EXTPROC_CLUSTER = "llm-sidecar-extproc"
 RATELIMIT_CLUSTER = "llm-sidecar-ratelimit"
@@ -98,9 +98,38 @@ def pool_cluster(name: str, spec: ClusterSpec) -> dict[str, Any]:
     return cluster
 
 
-def grpc_cluster(name: str, address: str) -> dict[str, Any]:
-    """extproc or ratelimit: HTTP/2, gRPC health-checked, sized for a stream per request."""
-    cluster = _base(name, [address])
+def _unix_cluster(name: str, address: str) -> dict[str, Any]:
+    """A cluster of one Unix socket (``unix:/path``): a sidecar in the same pod as Envoy."""
+    path = address[len(UNIX_PREFIX):]
+    return {"name": name, "type": "STATIC", "connect_timeout": "2s", "load_assignment": {
+        "cluster_name": name,
+        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": path}}}}]}]}}
+
+
+def _tls_socket(tls: ServicesTls) -> dict[str, Any]:
+    """Envoy → service TLS: verify the service against ``ca_file`` (and ``server_name``)."""
+    validation: dict[str, Any] = {"trusted_ca": {"filename": tls.ca_file}}
+    if tls.server_name:
+        validation["match_typed_subject_alt_names"] = [
+            {"san_type": "DNS", "matcher": {"exact": tls.server_name}}]
+    common: dict[str, Any] = {"alpn_protocols": ["h2"], "validation_context": validation}
+    if tls.cert_file and tls.key_file:
+        common["tls_certificates"] = [{"certificate_chain": {"filename": tls.cert_file},
+                                       "private_key": {"filename": tls.key_file}}]
+    context: dict[str, Any] = {TYPE: API + "extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                               "common_tls_context": common}
+    if tls.server_name:
+        context["sni"] = tls.server_name
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+
+
+def grpc_cluster(name: str, address: str, tls: ServicesTls | None = None) -> dict[str, Any]:
+    """extproc or ratelimit: HTTP/2, gRPC health-checked, sized for a stream per request; over
+    TLS with ``tls``; a Unix socket for a ``unix:/path`` address."""
+    unix = address.startswith(UNIX_PREFIX)
+    cluster = _unix_cluster(name, address) if unix else _base(name, [address])
+    if tls is not None:
+        cluster["transport_socket"] = _tls_socket(tls)
     cluster.update({
         "lb_policy": "ROUND_ROBIN",
         "health_checks": [{
@@ -125,9 +154,10 @@ def grpc_cluster(name: str, address: str) -> dict[str, Any]:
 
 def service_clusters(config: RoutingConfig) -> list[dict[str, Any]]:
     """The gRPC clusters of extproc and (when there are limits) ratelimit."""
-    out = [grpc_cluster(EXTPROC_CLUSTER, config.services.extproc)]
+    tls = config.services.tls
+    out = [grpc_cluster(EXTPROC_CLUSTER, config.services.extproc, tls)]
     if config.rate_limits is not None:
-        out.append(grpc_cluster(RATELIMIT_CLUSTER, config.services.ratelimit))
+        out.append(grpc_cluster(RATELIMIT_CLUSTER, config.services.ratelimit, tls))
     return out
 
 

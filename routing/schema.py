@@ -10,9 +10,9 @@ import ipaddress
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from routing.units import parse_duration, parse_hostport, parse_rate
+from routing.units import parse_duration, parse_hostport, parse_rate, parse_service_address
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
 
@@ -70,6 +70,24 @@ class EnvoySection(Strict):
         return value
 
 
+class ServicesTls(Strict):
+    """How Envoy verifies (and, with a client certificate, authenticates to) the services."""
+
+    ca_file: str
+    """CA bundle that signed the services' certificates."""
+    server_name: str | None = None
+    """SNI sent, and the DNS name the services' certificates must carry (unchecked if unset)."""
+    cert_file: str | None = None
+    """Envoy's client certificate, for services that require one (mutual TLS)."""
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> ServicesTls:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        return self
+
+
 class ServicesSection(Strict):
     extproc: str = "127.0.0.1:50051"
     """host:port where Envoy reaches the ext_proc gRPC service."""
@@ -82,10 +100,14 @@ class ServicesSection(Strict):
     ratelimit_failure_mode_deny: bool = False
     """When ratelimit cannot be reached: false admits (fail open), true answers 503."""
 
+    tls: ServicesTls | None = None
+    """Envoy talks to extproc and ratelimit over TLS (the services need
+    ``LLM_SIDECAR_GRPC_TLS_CERT_FILE`` and ``..._KEY_FILE``)."""
+
     @field_validator("extproc", "ratelimit")
     @classmethod
     def _address(cls, value: str) -> str:
-        parse_hostport(value)
+        parse_service_address(value)
         return value
 
 

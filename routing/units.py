@@ -74,3 +74,17 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"bad address {raw!r}: use host:port, like 10.0.0.11:8000")
     return host.strip("[]"), int(port)
+
+
+UNIX_PREFIX = "unix:"
+
+
+def parse_service_address(text: str) -> tuple[str, int]:
+    """A gRPC service address: ``host:port``, or ``unix:/absolute/path`` (a Unix socket,
+    returned as ``("unix:/absolute/path", 0)``)."""
+    raw = text.strip()
+    if raw.startswith(UNIX_PREFIX):
+        if not raw[len(UNIX_PREFIX):].startswith("/"):
+            raise ValueError(f"bad address {raw!r}: a Unix socket is unix:/absolute/path")
+        return raw, 0
+    return parse_hostport(raw)
