@@ -11,6 +11,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from extproc.metrics import ExtprocMetrics
+from llm_sidecar.redis_audit import audit_redis
 from ratelimit.metrics import RateLimitMetrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -26,6 +27,7 @@ def exported() -> set[str]:
     registry = CollectorRegistry()
     ExtprocMetrics(registry, lambda: frozenset())
     RateLimitMetrics(registry)
+    audit_redis(None, True, registry, "any")  # llm_sidecar_redis_unauthenticated, both services
     cache_metrics = importlib.util.find_spec("extproc.cache_metrics")
     if cache_metrics is not None:
         module = importlib.import_module("extproc.cache_metrics")
