@@ -96,6 +96,7 @@ class GenerationProcessor(BaseProcessor):
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.token_events = 0
+        self.finished = False
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
         if end_of_stream:
@@ -117,13 +118,20 @@ class GenerationProcessor(BaseProcessor):
             if self.first_token_at is None:
                 self.first_token_at = now
             self.last_token_at = now
-        return self._finish() if end_of_stream else PASS
+        # Finish on ``[DONE]``, not only at end of stream: a client that hangs up right after
+        # it (the openai SDK does) resets the stream before its end reaches extproc, and the
+        # request would then go unrecorded and its tokens uncharged.
+        return self._finish() if end_of_stream or self.meter.done else PASS
 
     def _finish(self) -> Action:
-        """At end of stream: the tokens to charge (0 for an upstream error, nothing was served)."""
+        """At end of stream: the tokens to charge (0 for an upstream error, nothing was served).
+
+        Runs once per request; later chunks pass through untouched.
+        """
         decision = self.decision
-        if decision is None or self.meter is None:
+        if decision is None or self.meter is None or self.finished:
             return PASS
+        self.finished = True
         usage = self.meter.finish()
         tokens = 0 if self.status >= 400 else tokens_to_charge(
             usage, decision.prompt_tokens, decision.output_tokens)

@@ -67,6 +67,8 @@ class UsageMeter:
         self.streamed_tokens = 0
         self.events = 0
         self.errored = False
+        self.done = False
+        """``data: [DONE]`` was seen: the SSE stream's content (and usage) is complete."""
 
     def feed(self, chunk: bytes) -> int:
         """Take the next body chunk; the number of content-bearing SSE events it completed."""
@@ -99,7 +101,10 @@ class UsageMeter:
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
-            if not data or data == b"[DONE]":
+            if data == b"[DONE]":
+                self.done = True
+                continue
+            if not data:
                 continue
             try:
                 doc = orjson.loads(data)

@@ -139,3 +139,37 @@ def test_required_auth_rejects_unknown_keys_before_the_body() -> None:
 def test_messages_out_of_order_pass_through() -> None:
     state = StreamState(snapshot(), SECRET)
     assert isinstance(state.handle("response_body", None, b"x", True), Continue)
+
+
+def test_a_stream_is_recorded_and_charged_at_done_even_if_its_end_never_arrives() -> None:
+    from extproc.telemetry import RequestRecord
+
+    records: list[RequestRecord] = []
+
+    class Recorder:
+        def request_done(self, record: RequestRecord) -> None:
+            records.append(record)
+
+        def rejected(self, status: int, code: str) -> None:
+            pass
+
+        def routed(self, model: str, cluster: str, variant: str) -> None:
+            pass
+
+        def phase(self, phase: str, seconds: float) -> None:
+            pass
+
+    state = StreamState(snapshot(), SECRET, telemetry=Recorder())
+    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
+                 False)
+    body(state, chat_doc(max_tokens=2, stream=True))
+    state.handle("response_headers", {":status": "200", "content-type": "text/event-stream"},
+                 b"", False)
+    chunk = b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
+    assert state.handle("response_body", None, chunk, False) == Continue()
+    done = state.handle("response_body", None, b"data: [DONE]\n\n", False)
+    assert isinstance(done, Continue) and done.metadata["llm_tokens"] > 0
+    assert len(records) == 1
+    # The end of stream, if it still comes, records and charges nothing twice.
+    assert state.handle("response_body", None, b"", True) == Continue()
+    assert len(records) == 1

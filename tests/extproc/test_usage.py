@@ -68,3 +68,11 @@ def test_garbage_sse_lines_are_skipped() -> None:
     meter = UsageMeter(streaming=True)
     meter.feed(b"event: ping\n\ndata: {broken\n\n: comment\n\n" + sse(delta("a")))
     assert meter.finish().streamed_tokens == 1
+
+
+def test_done_marks_the_stream_complete() -> None:
+    meter = UsageMeter(streaming=True)
+    meter.feed(b"data: " + orjson.dumps(delta("a")) + b"\n\n")
+    assert not meter.done
+    meter.feed(b"data: [DONE]\n\n")
+    assert meter.done and meter.finish().streamed_tokens == 1
