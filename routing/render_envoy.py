@@ -169,7 +169,7 @@ def ratelimit_filter(config: RoutingConfig) -> dict[str, Any]:
             TYPE: API + "extensions.filters.http.ratelimit.v3.RateLimit",
             "domain": RATELIMIT_DOMAIN,
             # The service answers within its Redis deadline (50 ms by default) plus a margin.
-            "timeout": "0.25s",
+            "timeout": f"{config.services.ratelimit_timeout_s}s",
             "failure_mode_deny": config.services.ratelimit_failure_mode_deny,
             "status_on_error": {"code": 503},
             "enable_x_ratelimit_headers": "DRAFT_VERSION_03",

@@ -99,6 +99,9 @@ class ServicesSection(Strict):
     """With ``failure_mode_allow``: where requests extproc could not route go (else a 503)."""
     ratelimit_failure_mode_deny: bool = False
     """When ratelimit cannot be reached: false admits (fail open), true answers 503."""
+    ratelimit_timeout_s: float = Field(default=0.25, gt=0, le=60)
+    """How long Envoy waits for a rate-limit decision before ``ratelimit_failure_mode_deny``
+    applies (the service itself answers within its Redis deadline, 50 ms by default)."""
 
     tls: ServicesTls | None = None
     """Envoy talks to extproc and ratelimit over TLS (the services need

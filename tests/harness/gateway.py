@@ -90,8 +90,10 @@ def default_doc() -> dict[str, Any]:
     return {
         "version": 1,
         "envoy": {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"},
+        # A generous rate-limit timeout: on a loaded test machine a slow decision must not
+        # turn into a fail-open admit that a limit test would read as a missing 429.
         "services": {"extproc": f"127.0.0.1:{free_port()}",
-                     "ratelimit": f"127.0.0.1:{free_port()}"},
+                     "ratelimit": f"127.0.0.1:{free_port()}", "ratelimit_timeout_s": 2.0},
         "clusters": {
             "vllm-short": {"endpoints": ep(), "max_context": 2048, "simulate": True},
             "vllm-long": {"endpoints": ep(), "max_context": 32768, "simulate": fast},
