@@ -32,7 +32,10 @@ def test_atheris_session(tmp_path: Path) -> None:
         (corpus / name).write_bytes(bytes([0, 1]) + body)
     result = subprocess.run(
         [sys.executable, "-m", "tests.fuzz.atheris_extproc", f"-atheris_runs={RUNS}",
-         "-max_len=8192", "-rss_limit_mb=2048", "-timeout=10", str(corpus)],
+         "-max_len=8192", "-rss_limit_mb=2048",
+         # libFuzzer re-arms SIGALRM every timeout/2 + 1 s; a short timeout let that alarm
+         # kill the process during its teardown after "Done". 120 s still flags a hung input.
+         "-timeout=120", str(corpus)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     tail = result.stderr[-3000:]
     assert result.returncode == 0, tail
