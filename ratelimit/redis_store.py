@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from llm_sidecar.redis_client import CLUSTER_MAX_CONNECTIONS, Client
@@ -140,6 +141,17 @@ class RedisStore:
                 self._initialized = True
 
     async def _eval_once(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
+        try:
+            return await self._evalsha(sha, script, keys, args)
+        except RedisConnectionError:
+            # A pooled connection Redis closed (it restarted): redis-py drops it, and one more
+            # try gets a fresh one, within the same deadline. Without this every stale
+            # connection cost one request a backend error after Redis came back (a 503 under
+            # on_backend_error: deny). The price: if a connection dies after Redis ran the
+            # script but before the reply arrived, that decision is charged twice.
+            return await self._evalsha(sha, script, keys, args)
+
+    async def _evalsha(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
         try:
             return await self._client.evalsha(sha, len(keys), *keys, *args)
         except NoScriptError:

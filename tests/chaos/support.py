@@ -22,8 +22,10 @@ from tests.harness.gateway import Gateway, default_doc
 
 LOAD_KEY = "sk-chaos-load-0123456789"
 """A listed key with a limit nobody reaches: the background load is never rate limited."""
-DEADLINE_S = 0.05
-"""``LLM_SIDECAR_REDIS_TIMEOUT_MS`` (the default)."""
+DEADLINE_S = 0.2
+"""``LLM_SIDECAR_REDIS_TIMEOUT_MS`` of the chaos gateways. Not the 50 ms default: on a busy
+2-core CI machine a healthy Redis answer sometimes misses 50 ms, which under ``deny`` is a 503
+before any fault was injected; the bound being tested is the configured deadline either way."""
 RECOVERY_S = 2.0
 """What the issue asks: both services back by themselves within 2 s of Redis returning."""
 

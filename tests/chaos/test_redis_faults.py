@@ -45,7 +45,9 @@ SLACK_S = 0.3
 """Scheduling noise allowed end to end on a 2-core machine running Envoy, 2 services, 4
 simulators, Redis and the load generator at once. The services' own Redis waits are checked
 more tightly (``test_backend_calls_kept_their_deadline``)."""
-ENVOY_RLS_TIMEOUT_S = 0.25
+BACKEND_BOUND_S = 0.5
+"""The deadline (``DEADLINE_S``) plus scheduling noise on a loaded machine: a Redis call that
+ran past this did not keep its deadline."""
 
 
 def _debug_args(binary: str) -> tuple[str, ...]:
@@ -73,7 +75,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     except RedisUnavailable:
         unavailable("redis")
     doc = chaos_doc()
-    env = {"LLM_SIDECAR_REDIS_URL": server.url, "LLM_SIDECAR_DEV_MODE": "true"}
+    env = {"LLM_SIDECAR_REDIS_URL": server.url, "LLM_SIDECAR_DEV_MODE": "true",
+           "LLM_SIDECAR_REDIS_TIMEOUT_MS": str(round(DEADLINE_S * 1000))}
     try:
         with running_gateway(doc, str(tmp_path_factory.mktemp("chaos-redis")), env=env,
                              capture_logs=True) as gw:
@@ -241,15 +244,14 @@ def test_redis_slow_but_within_the_deadline_changes_nothing(rig: Rig) -> None:
 
 
 def test_backend_calls_kept_their_deadline(rig: Rig) -> None:
-    """Across every scenario above: no Redis call of either service ran past its 50 ms
-    deadline by more than scheduling noise, and none near Envoy's 250 ms RLS timeout (the
-    services' own histograms)."""
+    """Across every scenario above: no Redis call of either service ran past its deadline by
+    more than scheduling noise (the services' own histograms)."""
     gw = rig.gw
     total = metric(gw.ratelimit_metrics, "ratelimit_backend_seconds_count")
     within = metric(gw.ratelimit_metrics, "ratelimit_backend_seconds_bucket",
-                    le=str(ENVOY_RLS_TIMEOUT_S))
-    assert total > 0 and within == total, "ratelimit waited on Redis past Envoy's RLS timeout"
+                    le=str(BACKEND_BOUND_S))
+    assert total > 0 and within == total, "ratelimit waited on Redis past its deadline"
     name = "llm_sidecar_cache_backend_seconds"
     lookups = metric(gw.extproc_metrics, f"{name}_count", op="lookup")
-    quick = metric(gw.extproc_metrics, f"{name}_bucket", op="lookup", le="0.25")
-    assert lookups > 0 and quick == lookups, "a cache lookup waited on Redis past 250 ms"
+    quick = metric(gw.extproc_metrics, f"{name}_bucket", op="lookup", le=str(BACKEND_BOUND_S))
+    assert lookups > 0 and quick == lookups, "a cache lookup waited on Redis past its deadline"
