@@ -154,7 +154,12 @@ def run_scenario(rig: Rig, name: str, policy: str, fault: Callable[[], None],
             time.sleep(0.02)
         time.sleep(0.5)
         ended = time.monotonic()
-    outcome = Outcome(load.between(0, broken), load.between(broken, healed),
+    # A request still in flight when the fault struck belongs to the outage: under deny its
+    # Redis call may fail (a 503) although it started while Redis was healthy.
+    before = load.between(0, broken)
+    straddling = [r for r in before if r.started + r.latency >= broken]
+    healthy = [r for r in before if r.started + r.latency < broken]
+    outcome = Outcome(healthy, straddling + load.between(broken, healed),
                       load.between(healed, ended), rl_probes, cache_probes, recovery, healed,
                       bypassed)
     if os.environ.get("CHAOS_DEBUG"):  # the slowest requests, to see where time went
