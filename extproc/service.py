@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc import wire
-from extproc.actions import Continue, Lookup
+from extproc.actions import Continue, Lookup, Phase, Step
 from extproc.cache_guard import VectorCache, open_vector_cache
 from extproc.cache_metrics import CacheMetrics
 from extproc.cache_store import MemoryVectorStore
@@ -37,6 +37,8 @@ from routing.compiled import Snapshot
 
 log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+LINGER_S = 2.0
+"""How long a finished stream waits for Envoy to reset it before closing it itself."""
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -62,6 +64,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         clock = time.perf_counter
         state = StreamState(self._snapshot(), self._secret, telemetry=telemetry,
                             guards=self._guards)
+        responses_asked = False  # the filter config skips response messages unless asked
         async for request in request_iterator:
             started = clock()
             phase, headers, body, end = wire.read(request)
@@ -76,6 +79,26 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 # Scheduled before the yield: code after it does not run if the stream ends here.
                 self._cache.store_later(step.store)
             yield response
+            if isinstance(step, Continue) and step.mode is not None:
+                responses_asked = step.mode.response_headers or step.mode.response_body != "none"
+            if _last_message(step, phase, end, responses_asked):
+                # Nothing more will come, and Envoy ends the stream by resetting it. grpcio
+                # (grpc/grpc#43360) leaks native memory for a call reset while the server awaits
+                # its next message, or when the server sends its status into a reset it lost the
+                # race to: extproc's RSS grew 17 % over a 200,000-request soak. So wait here,
+                # reading nothing: the reset cancels this wait, and no gRPC operation is left
+                # behind. A client that half-closes without a reset gets the status after it.
+                await asyncio.sleep(LINGER_S)
+                return
+
+
+def _last_message(step: Step, phase: Phase, end: bool, responses_asked: bool) -> bool:
+    """Will Envoy send nothing more on this stream after this answer?"""
+    if not isinstance(step, Continue):
+        return True  # an immediate response ends the request
+    if not end:
+        return False
+    return phase.startswith("response") or not responses_asked
 
 
 async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str, port: int,
