@@ -12,7 +12,7 @@ from tests.harness.gateway import Gateway
 from tests.harness.redis_servers import redis_binary
 
 pytestmark = [pytest.mark.redis, pytest.mark.e2e]
-REQUESTS = 6000
+REQUESTS = 5000
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = 20_000
+RUNS = 10_000
 SEEDS = {
     "chat": b'{"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}], '
             b'"max_tokens": 5, "stream": true}',

@@ -20,7 +20,7 @@ from routing.loader import load_config, validate
 from routing.yamlsrc import load_yaml
 from tests.extproc.helpers import BASE
 
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
 
 scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80)

@@ -20,7 +20,7 @@ from tests.fuzz.driver import LISTED_KEY, run_stream
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"]
 MODELS = ["llama-2-13b", "bge-m3", "llama-2-13b-v2", "nope", ""]
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=100, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 json_scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
