@@ -21,9 +21,9 @@ from tests.chaos.support import (
     set_policy,
     wait_until,
 )
-from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, running_gateway
-from tests.harness.redis_servers import RedisClusterServers, RedisUnavailable, start_redis_cluster
+from tests.harness.redis_fixtures import serving
+from tests.harness.redis_servers import RedisClusterServers, start_redis_cluster
 
 pytestmark = [pytest.mark.redis, pytest.mark.e2e]
 
@@ -41,18 +41,12 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    try:
-        cluster = start_redis_cluster()
-    except RedisUnavailable:
-        unavailable("redis cluster")
-    doc = chaos_doc()
-    env = {"LLM_SIDECAR_REDIS_URL": cluster.url, "LLM_SIDECAR_DEV_MODE": "true"}
-    try:
+    with serving(start_redis_cluster, "redis cluster") as cluster:
+        doc = chaos_doc()
+        env = {"LLM_SIDECAR_REDIS_URL": cluster.url, "LLM_SIDECAR_DEV_MODE": "true"}
         with running_gateway(doc, str(tmp_path_factory.mktemp("chaos-cluster")), env=env,
                              capture_logs=True) as gw:
             yield Rig(gw, doc, cluster)
-    finally:
-        cluster.stop()
 
 
 def consecutive(check: str, url: str, times: int) -> bool:

@@ -10,7 +10,6 @@ prints one ``[chaos]`` line with what was measured (``pytest -s tests/chaos``).
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,9 +32,9 @@ from tests.chaos.support import (
     summary,
     wait_until,
 )
-from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, running_gateway
-from tests.harness.redis_servers import ProcessRedis, RedisUnavailable, redis_binary
+from tests.harness.redis_fixtures import process_redis
+from tests.harness.redis_servers import ProcessRedis
 
 pytestmark = [pytest.mark.redis, pytest.mark.e2e]
 
@@ -50,14 +49,6 @@ BACKEND_BOUND_S = 0.5
 ran past this did not keep its deadline."""
 
 
-def _debug_args(binary: str) -> tuple[str, ...]:
-    """Redis 7 refuses DEBUG unless enabled; 6 has no such option."""
-    version = subprocess.run([binary, "--version"], capture_output=True, text=True,
-                             check=False).stdout
-    major = version.split("v=", 1)[1].split(".", 1)[0] if "v=" in version else "6"
-    return ("--enable-debug-command", "yes") if major.isdigit() and int(major) >= 7 else ()
-
-
 @dataclass
 class Rig:
     gw: Gateway
@@ -67,22 +58,13 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    binary = redis_binary()
-    if binary is None:
-        unavailable("redis")
-    try:
-        server = ProcessRedis(binary=binary, extra_args=_debug_args(binary)).start()
-    except RedisUnavailable:
-        unavailable("redis")
-    doc = chaos_doc()
-    env = {"LLM_SIDECAR_REDIS_URL": server.url, "LLM_SIDECAR_DEV_MODE": "true",
-           "LLM_SIDECAR_REDIS_TIMEOUT_MS": str(round(DEADLINE_S * 1000))}
-    try:
+    with process_redis(debug_commands=True) as server:
+        doc = chaos_doc()
+        env = {"LLM_SIDECAR_REDIS_URL": server.url, "LLM_SIDECAR_DEV_MODE": "true",
+               "LLM_SIDECAR_REDIS_TIMEOUT_MS": str(round(DEADLINE_S * 1000))}
         with running_gateway(doc, str(tmp_path_factory.mktemp("chaos-redis")), env=env,
                              capture_logs=True) as gw:
             yield Rig(gw, doc, server)
-    finally:
-        server.stop()
 
 
 class SlowRedis:

@@ -26,7 +26,8 @@ from tests.chaos.support import (
 )
 from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, running_gateway
-from tests.harness.redis_servers import ProcessRedis, RedisUnavailable, redis_binary
+from tests.harness.redis_fixtures import process_redis, serving
+from tests.harness.redis_servers import ProcessRedis
 from tests.harness.redis_tls import TlsRedis, start_tls_redis
 from tests.harness.tls import TlsFiles, TlsUnavailable, make_tls_files
 
@@ -47,14 +48,8 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
 
 @pytest.fixture(scope="module")
 def tls_redis(tls_files: TlsFiles) -> Iterator[TlsRedis]:
-    try:
-        server = start_tls_redis(tls_files, PASSWORD)
-    except RedisUnavailable:
-        unavailable("redis")
-    try:
+    with serving(lambda: start_tls_redis(tls_files, PASSWORD)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -125,17 +120,8 @@ def stop(process: subprocess.Popen[bytes]) -> str:
 
 @pytest.fixture(scope="module")
 def plain_redis() -> Iterator[ProcessRedis]:
-    binary = redis_binary()
-    if binary is None:
-        unavailable("redis")
-    try:
-        server = ProcessRedis(binary=binary).start()
-    except RedisUnavailable:
-        unavailable("redis")
-    try:
+    with process_redis() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize("dev_mode", [False, True])

@@ -38,9 +38,8 @@ from tests.chaos.support import (
     rate_limit_probe,
     wait_until,
 )
-from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, running_gateway
-from tests.harness.redis_servers import ProcessRedis, RedisUnavailable, redis_binary
+from tests.harness.redis_fixtures import process_redis, serving
 
 pytestmark = [pytest.mark.redis, pytest.mark.e2e]
 
@@ -92,17 +91,9 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    binary = redis_binary()
-    if binary is None:
-        unavailable("redis")
-    try:
-        server = ProcessRedis(binary=binary).start()
-    except RedisUnavailable:
-        unavailable("redis")
-    pod = ResettingPod().start()
-    env = {"LLM_SIDECAR_REDIS_URL": server.url, "LLM_SIDECAR_DEV_MODE": "true",
-           "LLM_SIDECAR_SHUTDOWN_GRACE_S": "10"}
-    try:
+    with process_redis() as server, serving(ResettingPod().start, "a resetting pod") as pod:
+        env = {"LLM_SIDECAR_REDIS_URL": server.url, "LLM_SIDECAR_DEV_MODE": "true",
+               "LLM_SIDECAR_SHUTDOWN_GRACE_S": "10"}
         with running_gateway(faulty_doc(pod, free_port()), str(tmp_path_factory.mktemp("chaos-sc")),
                              env=env, capture_logs=True) as gw:
             extproc_b = start_replica(gw, "extproc")
@@ -113,9 +104,6 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
             finally:
                 extproc_b.child.stop()
                 ratelimit_b.child.stop()
-    finally:
-        pod.stop()
-        server.stop()
 
 
 def ensure_running(rig: Rig, kind: str) -> None:

@@ -11,9 +11,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, default_doc, running_gateway
-from tests.harness.redis_servers import ProcessRedis, RedisUnavailable, redis_binary
+from tests.harness.redis_fixtures import process_redis
+from tests.harness.redis_servers import ProcessRedis
 
 LISTED_KEY = "sk-observability-listed-0123456789"
 UNLISTED_KEY = "sk-observability-unlisted-9876543210"
@@ -30,17 +30,8 @@ def doc() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def redis_with_password() -> Iterator[ProcessRedis]:
-    binary = redis_binary()
-    if binary is None:
-        unavailable("redis")
-    try:
-        server = ProcessRedis(binary=binary, password=REDIS_PASSWORD).start()
-    except RedisUnavailable:
-        unavailable("redis")
-    try:
+    with process_redis(password=REDIS_PASSWORD) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
