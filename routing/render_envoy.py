@@ -285,10 +285,26 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
     }
 
 
+def connection_limit(max_connections: int) -> dict[str, Any]:
+    """Envoy's global cap on open downstream connections (without one, a flood of idle or slow
+    clients runs the process out of file descriptors, and Envoy warns at start-up). A
+    connection past the cap is closed as soon as it is accepted."""
+    return {"resource_monitors": [{
+        "name": "envoy.resource_monitors.global_downstream_max_connections",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.resource_monitors."
+                     "downstream_connections.v3.DownstreamConnectionsConfig",
+            "max_active_downstream_connections": max_connections,
+        },
+    }]}
+
+
 def bootstrap(config: RoutingConfig) -> dict[str, Any]:
     """The full Envoy bootstrap for ``config``; the admin interface listens on loopback only."""
     return {
-        "admin": {"address": _address(config.envoy.admin)},
+        # The admin interface stays reachable when the client listener is full.
+        "admin": {"address": _address(config.envoy.admin), "ignore_global_conn_limit": True},
+        "overload_manager": connection_limit(config.envoy.max_connections),
         "static_resources": {
             "listeners": [{
                 "name": "llm",

@@ -46,6 +46,10 @@ class EnvoySection(Strict):
     """A stream (an SSE generation included) with no bytes for this long is ended."""
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     """Bodies above this get a 413 from Envoy (buffered for ext_proc)."""
+    max_connections: int = Field(default=10000, ge=1)
+    """Client connections Envoy holds open at once; past it new ones are closed on accept
+    (stat ``downstream_global_cx_overflow``) instead of running Envoy out of file descriptors.
+    The admin interface is not counted."""
 
     @field_validator("listen", "admin")
     @classmethod

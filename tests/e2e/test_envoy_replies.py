@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import yaml
 
 from llm_sidecar.procs import envoy_binary, start, wait_http_ok
 from routing.loader import load_config
+from routing.units import parse_hostport
 from routing.render import write_all
 from tests.harness.gateway import default_doc
 
@@ -81,3 +83,45 @@ def test_a_body_above_the_limit_is_a_json_413(tmp_path: Any) -> None:
     assert status == 413
     assert content_type == "application/json"
     assert payload["error"]["code"] == "request_too_large"
+
+
+def _ask(conn: socket.socket) -> bytes:
+    """One keep-alive request on ``conn``; the bytes that came back (b"" if Envoy closed it)."""
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(BODY), BODY))
+    try:
+        return conn.recv(65536)
+    except ConnectionResetError:
+        return b""
+
+
+def _overflows(admin: str) -> int:
+    text = urllib.request.urlopen(f"http://{admin}/stats?filter=downstream_global_cx_overflow",
+                                  timeout=5).read().decode()
+    return sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if ":" in line)
+
+
+def test_connections_past_max_connections_are_closed_and_admin_still_answers(tmp_path: Any) -> None:
+    doc = default_doc()
+    doc["envoy"]["max_connections"] = 3
+    with envoy_only(doc, str(tmp_path)):
+        address = parse_hostport(doc["envoy"]["listen"])
+        held = [socket.create_connection(address, timeout=5) for _ in range(3)]
+        try:
+            for conn in held:  # each one served (extproc is down: a 503 JSON), then kept open
+                assert _ask(conn).startswith(b"HTTP/1.1 503")
+            with socket.create_connection(address, timeout=5) as extra:
+                assert _ask(extra) == b""
+            assert _overflows(doc["envoy"]["admin"]) >= 1  # admin is outside the cap
+            held.pop().close()
+            deadline = time.monotonic() + 5
+            while True:  # the freed slot is counted back within a moment
+                with socket.create_connection(address, timeout=5) as again:
+                    answer = _ask(again)
+                if answer or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert answer.startswith(b"HTTP/1.1 503")
+        finally:
+            for conn in held:
+                conn.close()
