@@ -132,9 +132,14 @@ def grpc_cluster(name: str, address: str, tls: ServicesTls | None = None) -> dic
         cluster["transport_socket"] = _tls_socket(tls)
     cluster.update({
         "lb_policy": "ROUND_ROBIN",
+        # A replica that hangs (accepts, never answers) costs every request sent to it the
+        # ext_proc message timeout, so it is found in ~2 checks (3-6 s) and skipped. The
+        # no-traffic interval too: Envoy's default (60 s) applies until a cluster has seen
+        # traffic, which left a replica that froze in Envoy's first minute in use for a minute.
         "health_checks": [{
             "timeout": "1s",
-            "interval": "5s",
+            "interval": "2s",
+            "no_traffic_interval": "2s",
             "unhealthy_threshold": 2,
             "healthy_threshold": 1,
             "grpc_health_check": {},

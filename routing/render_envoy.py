@@ -20,12 +20,19 @@ HEALTH_PATH = "/healthz"
 """Answered by Envoy itself (200, or 503 while draining): probes need no admin access."""
 
 
-def sidecar_retry(retry_on: str) -> dict[str, Any]:
-    """Retry policy of the gRPC stream to extproc or ratelimit: another replica, quickly."""
+def sidecar_retry(retry_on: str, max_interval_s: float = 0.05) -> dict[str, Any]:
+    """Retry policy of the gRPC stream to extproc or ratelimit: another replica, quickly.
+
+    Envoy (1.40 included) also uses ``retry_back_off.max_interval`` as the per-try timeout of
+    a gRPC call made with this policy (envoyproxy/envoy#38847). For a unary call (ratelimit)
+    that bounds every decision: with 50 ms, Envoy gave up on any decision slower than 50 ms
+    and failed open, whatever ``services.ratelimit_timeout_s`` said. The backoff itself stays
+    short either way (10 ms base, doubling, 2 retries).
+    """
     return {
         "retry_on": retry_on,
         "num_retries": 2,
-        "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+        "retry_back_off": {"base_interval": "0.01s", "max_interval": f"{max_interval_s:g}s"},
         "retry_host_predicate": [{
             "name": "envoy.retry_host_predicates.previous_hosts",
             "typed_config": {TYPE: API + "extensions.retry.host.previous_hosts.v3"
@@ -40,8 +47,10 @@ def sidecar_retry(retry_on: str) -> dict[str, Any]:
 # open it on another replica instead of failing the request. Envoy retries only before the
 # response starts, so a stream extproc already answered is never retried; a rate-limit call
 # that was reset or cancelled may have charged its buckets, so only a refused one is retried.
+# ext_proc's stream keeps its request side open for the whole HTTP exchange, so the implicit
+# per-try timeout never starts on it: a hung extproc replica costs its message_timeout.
 EXTPROC_RETRY = sidecar_retry("connect-failure,refused-stream,unavailable,cancelled,reset")
-RATELIMIT_RETRY = sidecar_retry("connect-failure,refused-stream,unavailable")
+RATELIMIT_RETRY_ON = "connect-failure,refused-stream,unavailable"
 
 
 def _address(text: str) -> dict[str, Any]:
@@ -178,7 +187,9 @@ def ratelimit_filter(config: RoutingConfig) -> dict[str, Any]:
             "rate_limits": route_rate_limits(config),
             "rate_limit_service": {
                 "grpc_service": {"envoy_grpc": {"cluster_name": RATELIMIT_CLUSTER},
-                                 "retry_policy": RATELIMIT_RETRY},
+                                 # Each try may use the whole timeout (see sidecar_retry).
+                                 "retry_policy": sidecar_retry(
+                                     RATELIMIT_RETRY_ON, config.services.ratelimit_timeout_s)},
                 "transport_api_version": "V3",
             },
         },

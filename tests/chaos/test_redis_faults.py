@@ -153,7 +153,10 @@ def run_scenario(rig: Rig, name: str, policy: str, fault: Callable[[], None],
     return outcome
 
 
-def assert_degraded_predictably(outcome: Outcome, policy: str) -> None:
+def assert_degraded_predictably(outcome: Outcome, policy: str, some_in_time: bool = False) -> None:
+    """``some_in_time``: a Redis that is slow, not gone, still answers a call that arrives late
+    in one of its stalls within the deadline (a breaker probe, say); the probes may then also
+    see the healthy outcome (enforced, a cache hit), as long as they see the policy too."""
     everything = outcome.base + outcome.outage + outcome.after
     assert everything and all(r.status != 0 for r in everything), "a request got no answer"
     assert max(r.latency for r in everything) < 2.0, "a request hung"
@@ -169,10 +172,16 @@ def assert_degraded_predictably(outcome: Outcome, policy: str) -> None:
                 print(f"  late failure: {r.kind} t={r.started - outcome.healed:+.3f} {r.status}")
     assert late and {(r.status, r.code) for r in late} == {(200, None)}
     expected_probe = "allowed" if policy == "allow" else "denied"
-    assert outcome.rl_probes and set(outcome.rl_probes) == {expected_probe}, outcome.rl_probes
     # allow: the client sees the bypass; deny: the request is refused after the lookup.
     expected_cache = "bypass" if policy == "allow" else "status 503 upstream_unavailable"
-    assert outcome.cache_probes and set(outcome.cache_probes) == {expected_cache}
+    if some_in_time:
+        assert expected_probe in outcome.rl_probes, outcome.rl_probes
+        assert set(outcome.rl_probes) <= {expected_probe, "enforced"}, outcome.rl_probes
+        assert expected_cache in outcome.cache_probes, outcome.cache_probes
+        assert set(outcome.cache_probes) <= {expected_cache, "hit"}, outcome.cache_probes
+    else:
+        assert outcome.rl_probes and set(outcome.rl_probes) == {expected_probe}, outcome.rl_probes
+        assert outcome.cache_probes and set(outcome.cache_probes) == {expected_cache}
     assert outcome.bypassed >= len(outcome.cache_probes)
     # Healthy reference: the worse of before and after (the machine's load drifts), and an
     # embedding may wait for the cache lookup and for the rate limiter: two deadlines at most.
@@ -201,7 +210,7 @@ def test_redis_frozen_then_resumed(rig: Rig, policy: str) -> None:
 def test_redis_slower_than_the_deadline(rig: Rig) -> None:
     slow = SlowRedis(rig.redis, 0.3)
     outcome = run_scenario(rig, "answering after ~300 ms for 2 s", "allow", slow.start, slow.stop)
-    assert_degraded_predictably(outcome, "allow")
+    assert_degraded_predictably(outcome, "allow", some_in_time=True)
 
 
 def test_redis_slow_but_within_the_deadline_changes_nothing(rig: Rig) -> None:

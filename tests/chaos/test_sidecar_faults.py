@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 import urllib.request
@@ -140,6 +141,14 @@ def _service_address(gw: Gateway, kind: str) -> str:
         return str(yaml.safe_load(handle)["services"][kind])
 
 
+def health_flags(gw: Gateway, address: str) -> str:
+    """Envoy's health flags of the endpoint ``host:port`` ("healthy", "/failed_active_hc", ...)."""
+    with urllib.request.urlopen(f"{gw.admin_url}/clusters", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return "".join(line.rsplit("::", 1)[1] for line in lines
+                   if f"::{address}::health_flags::" in line)
+
+
 def envoy_view(gw: Gateway, cluster: str) -> str:
     """Envoy's host table and stats for ``cluster``, for failure messages."""
     out = []
@@ -232,6 +241,54 @@ def test_extproc_killed_under_load(rig: Rig) -> None:
     assert percentile([r.latency for r in dead], 99) < 0.5
     assert after and all(r.status == 200 for r in after)
     assert recovered < 2.0
+
+
+HUNG_WAIT_S = {"extproc": 5.0, "ratelimit": 2.0}
+"""The longest a request waits on a replica that hangs: ext_proc's per-message timeout in the
+rendered bootstrap, and the test gateway's ``services.ratelimit_timeout_s``."""
+
+
+@pytest.mark.parametrize("kind", ["extproc", "ratelimit"])
+def test_a_hung_replica_is_skipped_within_seconds(rig: Rig, kind: str) -> None:
+    """A replica that accepts connections and never answers (SIGSTOP: a deadlock, a stuck
+    event loop) is not a crash Envoy sees. Requests sent to it wait out the timeout, then get
+    a 503 JSON (extproc, fail closed) or are admitted unchecked (ratelimit, fail open); Envoy's
+    health checks take it out of rotation within seconds, and put it back once it answers."""
+    gw = rig.gw
+    ensure_running(rig, kind)
+    victim = gw.child(kind).process
+    address = _service_address(gw, kind)
+    with Load(gw.url, mixed, users=4, rate_per_s=40, timeout_s=20) as load:
+        time.sleep(0.5)
+        frozen = time.monotonic()
+        victim.send_signal(signal.SIGSTOP)
+        try:
+            skipped = wait_until(lambda: "failed_active_hc" in health_flags(gw, address), 20, 0.1)
+            time.sleep(HUNG_WAIT_S[kind] + 1.0)  # requests sent after that: all on the live one
+        finally:
+            victim.send_signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        back = wait_until(lambda: health_flags(gw, address) == "healthy", 15, 0.1)
+        time.sleep(1.0)
+        ended = time.monotonic()
+    during = load.between(frozen, frozen + skipped)
+    failed = [r for r in during if r.status != 200]
+    late = load.between(frozen + skipped + 0.2, resumed)
+    after = load.between(resumed + back, ended)
+    print(f"\n[chaos] {kind} replica hung (SIGSTOP): {len(failed)}/{len(during)} requests failed "
+          f"{sorted({(r.status, r.code) for r in failed})}, slowest "
+          f"{max(r.latency for r in during):.2f} s; skipped {skipped:.2f} s after it hung; "
+          f"healthy again {back:.2f} s after it resumed")
+    # Nothing hangs: a request on the hung replica ends when its configured wait runs out (not
+    # sooner: Envoy once cut every rate-limit call at 50 ms, envoyproxy/envoy#38847).
+    assert during and all(r.latency < HUNG_WAIT_S[kind] + 1.0 for r in during + late + after)
+    assert max(r.latency for r in during) > 0.8 * HUNG_WAIT_S[kind]
+    expected = {(503, "upstream_unavailable")} if kind == "extproc" else set()
+    assert {(r.status, r.code) for r in failed} <= expected
+    assert skipped < 8.0  # two missed health checks, 2 s apart, 1 s timeout
+    assert late and all(r.status == 200 for r in late)
+    assert after and all(r.status == 200 for r in after)
+    assert back < 4.0
 
 
 def test_ratelimit_killed_fails_open_by_default(rig: Rig) -> None:

@@ -16,8 +16,8 @@ import yaml
 
 from llm_sidecar.procs import envoy_binary, start, wait_http_ok
 from routing.loader import load_config
-from routing.units import parse_hostport
 from routing.render import write_all
+from routing.units import parse_hostport
 from tests.harness.gateway import default_doc
 
 
