@@ -5,7 +5,8 @@ Istio builds the listeners; the EnvoyFilter patches them, for one context (``ist
 1. inserts the ext_proc filter, then the ratelimit filter, each before ``envoy.filters.http.router``
    in every HTTP connection manager of the context, so the order is ext_proc → ratelimit → router;
 2. adds the two gRPC clusters (extproc, ratelimit) those filters call;
-3. merges OpenAI-JSON local replies into the HTTP connection manager.
+3. merges OpenAI-JSON local replies into the HTTP connection manager, and with
+   ``services.failure_mode_allow`` the early removal of client-sent ``x-llm-*`` headers.
 
 The route ``rate_limits`` travel inside the ratelimit filter's own config: Envoy applies
 filter-level ``rate_limits`` to every route, and honours ``hits_addend`` (token charging) only
@@ -18,7 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 from routing.render_clusters import TYPE, service_clusters
-from routing.render_envoy import ext_proc_filter, local_reply_config, ratelimit_filter
+from routing.render_envoy import (
+    ext_proc_filter,
+    local_reply_config,
+    ratelimit_filter,
+    strip_llm_headers,
+)
 from routing.schema import RoutingConfig
 
 HCM = "envoy.filters.network.http_connection_manager"
@@ -53,12 +59,14 @@ def config_patches(config: RoutingConfig) -> list[dict[str, Any]]:
          "patch": {"operation": "ADD", "value": cluster}}
         for cluster in service_clusters(config)
     ]
+    hcm: dict[str, Any] = {TYPE: HCM_TYPE, "local_reply_config": local_reply_config()}
+    if config.services.failure_mode_allow:
+        # Failing open past extproc must not let a client's own x-llm-cluster pick the pool
+        # (the VirtualService routes on it) or its x-llm-tenant pick the buckets.
+        hcm["early_header_mutation_extensions"] = [strip_llm_headers()]
     patches.append({
         "applyTo": "NETWORK_FILTER", "match": _listener_match(config, None),
-        "patch": {"operation": "MERGE", "value": {
-            "name": HCM,
-            "typed_config": {TYPE: HCM_TYPE, "local_reply_config": local_reply_config()},
-        }},
+        "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": hcm}},
     })
     return patches
 

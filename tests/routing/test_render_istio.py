@@ -17,10 +17,11 @@ from tests.harness.gateway import default_doc
 from tests.routing.test_render import validate
 
 
-def config(**istio: Any) -> RoutingConfig:
+def config(failure_mode_allow: bool = False, **istio: Any) -> RoutingConfig:
     doc = default_doc()
     doc["services"] = {"extproc": "llm-sidecar-extproc.llm.svc.cluster.local:50051",
-                       "ratelimit": "llm-sidecar-ratelimit.llm.svc.cluster.local:50052"}
+                       "ratelimit": "llm-sidecar-ratelimit.llm.svc.cluster.local:50052",
+                       "failure_mode_allow": failure_mode_allow}
     doc["rate_limits"] = {"tenant": {"default": {"requests": "10/s", "tokens": "1M/min"}}}
     if istio:
         doc["istio"] = istio
@@ -71,6 +72,23 @@ def test_gateway_patches_validate_and_reach_only_the_chosen_port(tmp_path: pathl
     assert not any(istio_patch.apply(sidecar, sidecar_contexts, "sidecar", resource)[1])
     other, other_contexts = istio_patch.gateway_bootstrap(9090)
     assert not any(istio_patch.apply(other, other_contexts, "gateway", resource)[1][:2])
+
+
+def test_failing_open_also_strips_client_llm_headers(tmp_path: pathlib.Path) -> None:
+    assert "early_header_mutation_extensions" not in str(envoy_filter(config()))
+    bootstrap, contexts = istio_patch.sidecar_bootstrap()
+    resource = envoy_filter(config(failure_mode_allow=True))
+    patched, applied = istio_patch.apply(bootstrap, contexts, "sidecar", resource)
+    assert all(applied), applied
+    inbound = next(x for x in patched["static_resources"]["listeners"]
+                   if x["name"] == "virtualInbound")
+    hcm = inbound["filter_chains"][0]["filters"][0]["typed_config"]
+    [mutation] = hcm["early_header_mutation_extensions"]
+    assert mutation["typed_config"]["mutations"] == [
+        {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
+    path = tmp_path / "sidecar-open.yaml"
+    path.write_text(yaml.safe_dump(patched))
+    validate(path)
 
 
 def test_without_rate_limits_only_ext_proc_is_inserted() -> None:
