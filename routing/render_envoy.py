@@ -153,8 +153,7 @@ def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
                              "retry_policy": EXTPROC_RETRY},
             "failure_mode_allow": config.services.failure_mode_allow,
             "status_on_error": {"code": 503},
-            # Counting a 32K-token prompt with a real tokenizer can take tens of milliseconds.
-            "message_timeout": "5s",
+            "message_timeout": f"{config.services.extproc_timeout_s:g}s",
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "request_body_mode": "BUFFERED",

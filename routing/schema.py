@@ -103,6 +103,10 @@ class ServicesSection(Strict):
     """With ``failure_mode_allow``: where requests extproc could not route go (else a 503)."""
     ratelimit_failure_mode_deny: bool = False
     """When ratelimit cannot be reached: false admits (fail open), true answers 503."""
+    extproc_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    """How long Envoy waits for each extproc answer (ext_proc's ``message_timeout``) before
+    ``failure_mode_allow`` applies: what a request sent to a hung replica waits. Counting a
+    32K-token prompt with a real tokenizer takes tens of milliseconds."""
     ratelimit_timeout_s: float = Field(default=0.25, gt=0, le=60)
     """How long Envoy waits for a rate-limit decision before ``ratelimit_failure_mode_deny``
     applies (the service itself answers within its Redis deadline, 50 ms by default)."""

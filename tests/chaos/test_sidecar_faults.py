@@ -69,9 +69,15 @@ def read_stream(url: str, call: Call) -> tuple[int, int, bool]:
         return 0, 0, False
 
 
+HUNG_WAIT_S = {"extproc": 3.0, "ratelimit": 2.0}
+"""The longest a request waits on a replica that hangs: the rig's
+``services.extproc_timeout_s`` and the test gateway's ``services.ratelimit_timeout_s``."""
+
+
 def faulty_doc(reset_pod: ResettingPod, dead_port: int) -> dict[str, Any]:
     doc = chaos_doc()
     doc["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 10}
+    doc["services"]["extproc_timeout_s"] = HUNG_WAIT_S["extproc"]
     # flaky: one pod refuses connections, one resets every request it gets
     doc["clusters"]["flaky"] = {"endpoints": [f"127.0.0.1:{dead_port}",
                                               f"127.0.0.1:{reset_pod.port}"],
@@ -241,11 +247,6 @@ def test_extproc_killed_under_load(rig: Rig) -> None:
     assert percentile([r.latency for r in dead], 99) < 0.5
     assert after and all(r.status == 200 for r in after)
     assert recovered < 2.0
-
-
-HUNG_WAIT_S = {"extproc": 5.0, "ratelimit": 2.0}
-"""The longest a request waits on a replica that hangs: ext_proc's per-message timeout in the
-rendered bootstrap, and the test gateway's ``services.ratelimit_timeout_s``."""
 
 
 @pytest.mark.parametrize("kind", ["extproc", "ratelimit"])
