@@ -22,7 +22,6 @@ Every embeddings response that reaches vLLM is read to charge its ``usage`` toke
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Literal
 
 import orjson
@@ -54,9 +53,15 @@ from extproc.cache_merge import (
     usage_tokens,
 )
 from extproc.context import RequestContext
-from extproc.decide import Decision, decide, parse_context_hint
+from extproc.decide import Decision
 from extproc.errors import error_body
-from extproc.processors import BaseProcessor, body_required, resolve_model, route_headers
+from extproc.processors import (
+    BaseProcessor,
+    body_required,
+    decide_for,
+    resolve_model,
+    route_headers,
+)
 from extproc.tokens import counter_for
 from llm_sidecar.logs import get_logger
 from routing.compiled import CachePolicy, ModelRoute
@@ -109,12 +114,7 @@ class EmbeddingsProcessor(BaseProcessor):
         counter = counter_for(model.tokenizer)
         counts = [counter.count(item) if isinstance(item, str) else len(item)
                   for item in parsed.inputs]
-        hint = parse_context_hint(self.ctx.headers.get("x-context-length"))
-        canary = self.ctx.canary_for(model)
-        routed = model if canary is model.canary else replace(model, canary=canary)
-        decision = decide(routed, max(counts), 0, hint,
-                          self.ctx.sticky_value(canary.sticky if canary else "api_key"),
-                          self.ctx.snapshot.high_below, self.ctx.snapshot.low_from)
+        decision = decide_for(self.ctx, model, max(counts), 0)
         self.parsed, self.model, self.decision = parsed, model, decision
         self.prompt_tokens = sum(counts)
         policy = model.cache

@@ -62,6 +62,19 @@ def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) ->
     )
 
 
+def decide_for(ctx: RequestContext, model: ModelRoute, prompt_tokens: int,
+               output_tokens: int | None) -> Decision:
+    """Pool, canary variant and priority of a request to ``model``: the canary this replica's
+    guard allows, sticky on the canary's key (else the API key), and the client's
+    ``X-Context-Length`` hint. ``output_tokens`` None: the model's default."""
+    hint = parse_context_hint(ctx.headers.get("x-context-length"))
+    canary = ctx.canary_for(model)
+    routed = model if canary is model.canary else replace(model, canary=canary)
+    return decide(routed, prompt_tokens, output_tokens, hint,
+                  ctx.sticky_value(canary.sticky if canary else "api_key"),
+                  ctx.snapshot.high_below, ctx.snapshot.low_from)
+
+
 def resolve_model(ctx: RequestContext, name: str, want: str) -> ModelRoute:
     model = ctx.snapshot.models.get(name)
     if model is None:
@@ -175,12 +188,7 @@ class GenerationProcessor(BaseProcessor):
         prompt_tokens = count_texts(counter, prompt.texts) + prompt.token_ids
         if prompt.messages:
             prompt_tokens += PER_PROMPT_TOKENS + PER_MESSAGE_TOKENS * prompt.messages
-        hint = parse_context_hint(self.ctx.headers.get("x-context-length"))
-        canary = self.ctx.canary_for(model)
-        routed = model if canary is model.canary else replace(model, canary=canary)
-        decision = decide(routed, prompt_tokens, parsed.max_output_tokens, hint,
-                          self.ctx.sticky_value(canary.sticky if canary else "api_key"),
-                          self.ctx.snapshot.high_below, self.ctx.snapshot.low_from)
+        decision = decide_for(self.ctx, model, prompt_tokens, parsed.max_output_tokens)
         self.decision = decision
         self.model_name = model.name
         self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
