@@ -212,6 +212,14 @@ def strip_llm_headers() -> dict[str, Any]:
     }
 
 
+def early_header_mutations(config: RoutingConfig) -> dict[str, Any]:
+    """The connection manager's ``early_header_mutation_extensions`` (none when extproc fails
+    closed: then it strips the headers itself on every request that gets through)."""
+    if not config.services.failure_mode_allow:
+        return {}
+    return {"early_header_mutation_extensions": [strip_llm_headers()]}
+
+
 def router_filter() -> dict[str, Any]:
     return {"name": "envoy.filters.http.router",
             "typed_config": {TYPE: API + "extensions.filters.http.router.v3.Router"}}
@@ -280,8 +288,7 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "stream_idle_timeout": f"{parse_duration(config.envoy.stream_idle_timeout)}s",
         "request_timeout": f"{parse_duration(config.envoy.request_timeout)}s",
         "request_headers_timeout": "10s",
-        **({"early_header_mutation_extensions": [strip_llm_headers()]}
-           if config.services.failure_mode_allow else {}),
+        **early_header_mutations(config),
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),
         "route_config": {"name": "llm", "virtual_hosts": [

@@ -20,10 +20,10 @@ from typing import Any
 
 from routing.render_clusters import TYPE, service_clusters
 from routing.render_envoy import (
+    early_header_mutations,
     ext_proc_filter,
     local_reply_config,
     ratelimit_filter,
-    strip_llm_headers,
 )
 from routing.schema import RoutingConfig
 
@@ -59,11 +59,9 @@ def config_patches(config: RoutingConfig) -> list[dict[str, Any]]:
          "patch": {"operation": "ADD", "value": cluster}}
         for cluster in service_clusters(config)
     ]
-    hcm: dict[str, Any] = {TYPE: HCM_TYPE, "local_reply_config": local_reply_config()}
-    if config.services.failure_mode_allow:
-        # Failing open past extproc must not let a client's own x-llm-cluster pick the pool
-        # (the VirtualService routes on it) or its x-llm-tenant pick the buckets.
-        hcm["early_header_mutation_extensions"] = [strip_llm_headers()]
+    # Failing open past extproc must not let a client's own x-llm-cluster pick the pool (the
+    # VirtualService routes on it) or its x-llm-tenant pick the buckets.
+    hcm = {TYPE: HCM_TYPE, "local_reply_config": local_reply_config(), **early_header_mutations(config)}
     patches.append({
         "applyTo": "NETWORK_FILTER", "match": _listener_match(config, None),
         "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": hcm}},
