@@ -60,7 +60,9 @@ class VectorCache:
         self._metrics.set_breaker(self._breaker.state)
         started = time.perf_counter()
         try:
-            values = await asyncio.wait_for(self.store.get_many(keys), self._lookup_timeout_s)
+            # asyncio.timeout, not wait_for: no extra Task per lookup (as in ratelimit's guard).
+            async with asyncio.timeout(self._lookup_timeout_s):
+                values = await self.store.get_many(keys)
         except TimeoutError:
             self._failed("lookup", "timeout",
                          f"missed its {self._lookup_timeout_s * 1000:.0f} ms deadline")
@@ -112,8 +114,8 @@ class VectorCache:
             return False
         started = time.perf_counter()
         try:
-            await asyncio.wait_for(self.store.set_many(write.entries, write.ttl_s),
-                                   self._store_timeout_s)
+            async with asyncio.timeout(self._store_timeout_s):
+                await self.store.set_many(write.entries, write.ttl_s)
         except TimeoutError:
             self._failed("store", "timeout",
                          f"missed its {self._store_timeout_s * 1000:.0f} ms deadline")
