@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from llm_sidecar.procs import Child
+from bench.acct import cpu_seconds
 from tests.harness.gateway import Gateway, default_doc, running_gateway
 from tests.harness.redis_servers import start_redis
 
@@ -83,12 +83,6 @@ async def load(url: str, bodies: Callable[[int], bytes], requests: int,
     }
 
 
-def cpu_seconds(child: Child) -> float:
-    with open(f"/proc/{child.process.pid}/stat", encoding="utf-8") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def stored_vectors(gw: Gateway) -> float:
     with urllib.request.urlopen(f"{gw.extproc_metrics}/metrics", timeout=5) as resp:
         for line in resp.read().decode().splitlines():
@@ -112,9 +106,9 @@ def measure(name: str, gw: Gateway, bodies: Callable[[int], bytes],
     url = f"{gw.url}/v1/embeddings"
     asyncio.run(load(url, bodies, min(200, args.requests), args.concurrency))  # warm-up
     extproc = gw.child("extproc")
-    before = cpu_seconds(extproc)
+    before = cpu_seconds(extproc.process.pid)
     result: dict[str, Any] = asyncio.run(load(url, bodies, args.requests, args.concurrency))
-    result["extproc_cpu_us_per_request"] = (cpu_seconds(extproc) - before) / args.requests * 1e6
+    result["extproc_cpu_us_per_request"] = (cpu_seconds(extproc.process.pid) - before) / args.requests * 1e6
     result["scenario"] = name
     print(json.dumps(result), flush=True)
     return result

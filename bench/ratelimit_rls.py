@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from bench.acct import cpu_seconds
 from llm_sidecar.procs import Child, free_port, sidecar_command, start, wait_tcp
 from tests.harness.redis_servers import start_redis
 
@@ -87,12 +88,6 @@ async def load(port: int, requests: int, concurrency: int) -> dict[str, float]:
         "p50_ms": statistics.median(latencies) * 1000,
         "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1000,
     }
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(name: str, child: Child, port: int, args: argparse.Namespace) -> dict[str, Any]:
