@@ -155,21 +155,19 @@ def gateway(env: Shared, variant: front.Variant, store: Store | None, *,
         yaml.safe_dump(front.front_bootstrap(config, variant), handle, sort_keys=False)
     service_env = {"LLM_SIDECAR_REDIS_URL": env.redis_url} if store == "redis" else {}
     children: list[Child] = []
+
+    def start_service(kind: str) -> None:
+        child = spawn(kind, sidecar_command(
+            kind, "--config", config_path, "--metrics-port", str(free_port())),
+            env.workdir, env=service_env)
+        children.append(child)
+        wait_tcp("127.0.0.1", int(doc["services"][kind].rsplit(":", 1)[1]), START_TIMEOUT_S, child)
+
     try:
         if variant != "bare":
-            extproc = spawn("extproc", sidecar_command(
-                "extproc", "--config", config_path, "--metrics-port", str(free_port())),
-                env.workdir, env=service_env)
-            children.append(extproc)
-            wait_tcp("127.0.0.1", int(doc["services"]["extproc"].rsplit(":", 1)[1]),
-                     START_TIMEOUT_S, extproc)
+            start_service("extproc")
         if variant == "full":
-            ratelimit = spawn("ratelimit", sidecar_command(
-                "ratelimit", "--config", config_path, "--metrics-port", str(free_port())),
-                env.workdir, env=service_env)
-            children.append(ratelimit)
-            wait_tcp("127.0.0.1", int(doc["services"]["ratelimit"].rsplit(":", 1)[1]),
-                     START_TIMEOUT_S, ratelimit)
+            start_service("ratelimit")
         envoy = spawn("envoy", envoy_command(envoy_path, envoy_concurrency), env.workdir,
                       quiet_stdout=True)
         children.append(envoy)
