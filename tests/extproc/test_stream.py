@@ -142,22 +142,13 @@ def test_messages_out_of_order_pass_through() -> None:
 
 
 def test_a_stream_is_recorded_and_charged_at_done_even_if_its_end_never_arrives() -> None:
-    from extproc.telemetry import RequestRecord
+    from extproc.telemetry import NullTelemetry, RequestRecord
 
     records: list[RequestRecord] = []
 
-    class Recorder:
+    class Recorder(NullTelemetry):
         def request_done(self, record: RequestRecord) -> None:
             records.append(record)
-
-        def rejected(self, status: int, code: str) -> None:
-            pass
-
-        def routed(self, model: str, cluster: str, variant: str) -> None:
-            pass
-
-        def phase(self, phase: str, seconds: float) -> None:
-            pass
 
     state = StreamState(snapshot(), SECRET, telemetry=Recorder())
     state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
