@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 _PR_SET_PDEATHSIG = 1
@@ -73,43 +73,45 @@ def start(name: str, command: Sequence[str], *, log_path: str | None = None,
     return Child(name, process)
 
 
-def wait_tcp(host: str, port: int, timeout_s: float, child: Child | None = None) -> None:
-    """Until ``host:port`` accepts connections; raises if ``child`` dies or time runs out."""
+def _wait_until(ready: Callable[[], bool], timeout_s: float, child: Child | None,
+                failure: str) -> None:
+    """Poll ``ready()`` (an ``OSError`` counts as not yet) until it is true; raise if ``child``
+    dies first, or ``TimeoutError(f"{failure} after ...")`` when time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child is not None and not child.alive():
             raise RuntimeError(f"{child.name} exited with code {child.process.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-            return
+        with contextlib.suppress(OSError):
+            if ready():
+                return
         time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f}s")
+    raise TimeoutError(f"{failure} after {timeout_s:.0f}s")
+
+
+def wait_tcp(host: str, port: int, timeout_s: float, child: Child | None = None) -> None:
+    """Until ``host:port`` accepts connections; raises if ``child`` dies or time runs out."""
+    def accepts() -> bool:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    _wait_until(accepts, timeout_s, child, f"nothing listens on {host}:{port}")
 
 
 def wait_unix(path: str, timeout_s: float, child: Child | None = None) -> None:
     """Until the Unix socket at ``path`` accepts connections."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child is not None and not child.alive():
-            raise RuntimeError(f"{child.name} exited with code {child.process.returncode}")
-        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as sock:
+    def accepts() -> bool:
+        with socket.socket(socket.AF_UNIX) as sock:
             sock.settimeout(0.5)
             sock.connect(path)
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {path} after {timeout_s:.0f}s")
+            return True
+    _wait_until(accepts, timeout_s, child, f"nothing listens on {path}")
 
 
 def wait_http_ok(url: str, timeout_s: float, child: Child | None = None) -> None:
     """Until GET ``url`` answers 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child is not None and not child.alive():
-            raise RuntimeError(f"{child.name} exited with code {child.process.returncode}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=0.5) as resp:
-            if resp.status == 200:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer 200 after {timeout_s:.0f}s")
+    def ok() -> bool:
+        with urllib.request.urlopen(url, timeout=0.5) as resp:
+            return bool(resp.status == 200)
+    _wait_until(ok, timeout_s, child, f"{url} did not answer 200")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
