@@ -78,11 +78,12 @@ def faulty_doc(reset_pod: ResettingPod, dead_port: int) -> dict[str, Any]:
     doc = chaos_doc()
     doc["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 10}
     doc["services"]["extproc_timeout_s"] = HUNG_WAIT_S["extproc"]
-    # flaky: one pod refuses connections, one resets every request it gets
-    doc["clusters"]["flaky"] = {"endpoints": [f"127.0.0.1:{dead_port}",
-                                              f"127.0.0.1:{reset_pod.port}"],
-                                "max_context": 4096}
-    doc["clusters"]["down"] = {"endpoints": [f"127.0.0.1:{free_port()}"], "max_context": 4096}
+    # flaky: one pod that resets every request it gets; down: one that refuses connections.
+    # Apart, so Envoy's host choice cannot decide whether a request reaches the resetting pod
+    # (with both in one pool, a retry after a refused connect could land on the refusing pod
+    # again: Envoy re-picks a host at most host_selection_retry_max_attempts times).
+    doc["clusters"]["flaky"] = {"endpoints": [f"127.0.0.1:{reset_pod.port}"], "max_context": 4096}
+    doc["clusters"]["down"] = {"endpoints": [f"127.0.0.1:{dead_port}"], "max_context": 4096}
     doc["models"]["flaky-model"] = {"clusters": ["flaky"]}
     doc["models"]["down-model"] = {"clusters": ["down"]}
     return doc
@@ -153,6 +154,13 @@ def health_flags(gw: Gateway, address: str) -> str:
         lines = resp.read().decode().splitlines()
     return "".join(line.rsplit("::", 1)[1] for line in lines
                    if f"::{address}::health_flags::" in line)
+
+
+def envoy_stat(gw: Gateway, name: str) -> int:
+    """One Envoy counter (0 before it was first counted)."""
+    with urllib.request.urlopen(f"{gw.admin_url}/stats?filter=^{name}$", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(int(line.rsplit(": ", 1)[1]) for line in lines if line.startswith(f"{name}: "))
 
 
 def envoy_view(gw: Gateway, cluster: str) -> str:
@@ -324,19 +332,24 @@ def test_ratelimit_killed_fails_open_by_default(rig: Rig) -> None:
 def test_a_pool_down_is_a_503_and_only_connect_failures_are_retried(rig: Rig) -> None:
     gw = rig.gw
     auth = {"authorization": f"Bearer {LOAD_KEY}"}
+    retries = {pool: envoy_stat(gw, f"cluster.{pool}.upstream_rq_retry") for pool in ("down", "flaky")}
     down = post(gw.url, Call("chat", "/v1/chat/completions", json.dumps(
         {"model": "down-model", "messages": [{"role": "user", "content": "x"}]}).encode(), auth))
     assert (down.status, down.code) == (503, "upstream_unavailable")
     assert down.latency < 1.0
+    # A refused connect never reached vLLM: retried (twice, each on another pod when there is one).
+    assert envoy_stat(gw, "cluster.down.upstream_rq_retry") - retries["down"] == 2
     before = rig.reset_pod.requests
     flaky = [post(gw.url, Call("chat", "/v1/chat/completions", json.dumps(
         {"model": "flaky-model", "messages": [{"role": "user", "content": f"x{i}"}]}).encode(),
         auth)) for i in range(6)]
     assert {(r.status, r.code) for r in flaky} == {(503, "upstream_unavailable")}
     # Every request reached the resetting pod exactly once: a reset after the request was sent
-    # is not retried (the generation may have started), a refused connect is.
+    # is not retried (the generation may have started).
     assert rig.reset_pod.requests - before == len(flaky)
-    print(f"\n[chaos] pool down: 503 upstream_unavailable in {down.latency * 1000:.0f} ms; "
+    assert envoy_stat(gw, "cluster.flaky.upstream_rq_retry") == retries["flaky"]
+    print(f"\n[chaos] pool down: 503 upstream_unavailable in {down.latency * 1000:.0f} ms "
+          f"after 2 connect retries; "
           f"a pod resetting mid-request got each of {len(flaky)} requests once (no retry)")
 
 
