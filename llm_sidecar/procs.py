@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -14,6 +15,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -114,7 +116,51 @@ def wait_http_ok(url: str, timeout_s: float, child: Child | None = None) -> None
     _wait_until(ok, timeout_s, child, f"{url} did not answer 200")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+_EPHEMERAL_DEFAULT = (32768, 60999)
+_LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+_port_rng = random.Random()  # its own seed: tests that seed ``random`` must not repeat ports
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' source ports (inclusive)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", also_free: int | None = None) -> int:
+    """A free port outside the kernel's ephemeral range, never handed out twice per process.
+
+    A server that is killed and restarted on its port (chaos tests) must get the port back.
+    Inside the ephemeral range any outgoing connection made meanwhile may take it as its
+    source port, and the restart then fails with "address in use" for as long as that
+    connection lives. ``also_free``: an offset whose port must be free too (a Redis Cluster
+    node's bus port is its port + 10000).
+    """
+    low, high = ephemeral_range()
+    extra = also_free or 0
+
+    def usable(port: int, attempt: int) -> bool:
+        # After 500 tries (a kernel whose ephemeral range is nearly everything), take any.
+        return attempt >= 500 or all(p < low or p > high for p in (port, port + extra))
+
+    for attempt in range(1000):
+        port = _port_rng.randrange(_LOWEST_PORT, 65536 - extra)
+        if port in _handed_out or not usable(port, attempt):
+            continue
+        if _bindable(host, port) and (not extra or _bindable(host, port + extra)):
+            _handed_out.add(port)
+            return port
+    raise OSError(f"no free port on {host}")

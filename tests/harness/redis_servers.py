@@ -12,10 +12,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,38 +25,21 @@ from urllib.parse import urlsplit
 
 import redis
 
+from llm_sidecar.procs import free_port
+
 ENV_URL = "LLM_SIDECAR_TEST_REDIS_URL"
 START_TIMEOUT_S = 10.0
 CLUSTER_SLOTS = 16384
+CLUSTER_BUS_OFFSET = 10000
 
 
 class RedisUnavailable(RuntimeError):
     """No way to start (or reach) a Redis server on this machine."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free and valid too."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 55000)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-    raise RedisUnavailable("no free port pair for a cluster node")
+    """A free port whose cluster bus port (port + 10000) is free too, both restartable."""
+    return free_port(also_free=CLUSTER_BUS_OFFSET)
 
 
 def redis_binary() -> str | None:
@@ -91,10 +72,14 @@ def docker_answers(timeout_s: float = 1.5) -> bool:
 
 
 def wait_until_ready(host: str, port: int, timeout_s: float = START_TIMEOUT_S,
-                     password: str | None = None) -> None:
+                     password: str | None = None,
+                     process: subprocess.Popen[bytes] | None = None) -> None:
+    """Until PING answers; at once if ``process`` (the server) has exited."""
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RedisUnavailable(f"redis on {host}:{port} exited with {process.returncode}")
         try:
             with redis.Redis(host=host, port=port, socket_timeout=0.5,
                              password=password) as client:
@@ -175,11 +160,19 @@ class ProcessRedis(RedisServer):
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         try:
-            wait_until_ready(self.host, self.port, password=self.password)
-        except RedisUnavailable:
+            wait_until_ready(self.host, self.port, password=self.password, process=self.process)
+        except RedisUnavailable as exc:
+            tail = self.log_tail()
             self.stop()
-            raise
+            raise RedisUnavailable(f"{exc}; its log ends:\n{tail}") from exc
         return self
+
+    def log_tail(self, lines: int = 10) -> str:
+        try:
+            text = (self.workdir / "redis.log").read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
 
     def kill(self) -> None:
         """SIGKILL: connections drop, the port refuses until :meth:`restart`."""
