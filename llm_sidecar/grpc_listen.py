@@ -11,8 +11,7 @@ from pathlib import Path
 import grpc
 
 from llm_sidecar.settings import Settings
-
-UNIX_PREFIX = "unix:"
+from routing.units import UNIX_PREFIX
 
 
 def listen_address(host: str, port: int) -> str:

@@ -27,7 +27,7 @@ from llm_sidecar.procs import (
 from routing.loader import load_config
 from routing.render import write_all
 from routing.schema import RoutingConfig
-from routing.units import parse_hostport, parse_service_address
+from routing.units import UNIX_PREFIX, parse_hostport, parse_service_address
 
 
 def example_config_path() -> str:
@@ -41,8 +41,8 @@ def _connect_host(host: str) -> str:
 def _wait_service(address: str, child: Child) -> None:
     """Until the gRPC service at ``address`` (``host:port`` or ``unix:/path``) accepts."""
     host, port = parse_service_address(address)
-    if host.startswith("unix:"):
-        wait_unix(host[len("unix:"):], 30, child)
+    if host.startswith(UNIX_PREFIX):
+        wait_unix(host[len(UNIX_PREFIX):], 30, child)
     else:
         wait_tcp(_connect_host(host), port, 30, child)
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import uvloop
 
-from llm_sidecar.grpc_listen import UNIX_PREFIX
 from llm_sidecar.settings import Settings
 from ratelimit.document import parse_yaml
 from ratelimit.errors import ConfigError
 from ratelimit.loader import is_routing_yaml
 from ratelimit.service import serve
+from routing.units import UNIX_PREFIX
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50052
