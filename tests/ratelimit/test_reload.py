@@ -54,6 +54,8 @@ async def test_edit_applies_within_two_seconds_and_broken_file_keeps_old(tmp_pat
 
         path.write_text(TEMPLATE.format(n=9))
         await wait_for(lambda: capacity(reloader.current()) == 9)
+        # The reload thread swaps the snapshot, then counts it: wait for the count too.
+        await wait_for(lambda: server.metrics.reloads.labels("ok")._value.get() >= 2)
         assert server.metrics.reloads.labels("ok")._value.get() == 2
     finally:
         await server.stop(grace_s=0.1)
