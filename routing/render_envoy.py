@@ -30,9 +30,17 @@ def sidecar_retry(retry_on: str, max_interval_s: float = 0.05) -> dict[str, Any]
     short either way (10 ms base, doubling, 2 retries).
     """
     return {
+        **retry_on_another_host(retry_on),
+        "retry_back_off": {"base_interval": "0.01s", "max_interval": f"{max_interval_s:g}s"},
+    }
+
+
+def retry_on_another_host(retry_on: str) -> dict[str, Any]:
+    """Up to 2 retries on ``retry_on``, each to a host not tried yet (re-picked up to 3 times):
+    the part of every retry policy rendered here (vLLM pools, extproc, ratelimit)."""
+    return {
         "retry_on": retry_on,
         "num_retries": 2,
-        "retry_back_off": {"base_interval": "0.01s", "max_interval": f"{max_interval_s:g}s"},
         "retry_host_predicate": [{
             "name": "envoy.retry_host_predicates.previous_hosts",
             "typed_config": {TYPE: API + "extensions.retry.host.previous_hosts.v3"
@@ -236,16 +244,7 @@ def _upstream(config: RoutingConfig, target: dict[str, str]) -> dict[str, Any]:
         "idle_timeout": idle,
         # Retry only what never reached vLLM (a generation is not idempotent, and it
         # is expensive): a failed connect, or a reset before the request was sent.
-        "retry_policy": {
-            "retry_on": "connect-failure,reset-before-request",
-            "num_retries": 2,
-            "retry_host_predicate": [{
-                "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": {TYPE: API + "extensions.retry.host.previous_hosts.v3"
-                                             ".PreviousHostsPredicate"},
-            }],
-            "host_selection_retry_max_attempts": 3,
-        },
+        "retry_policy": retry_on_another_host("connect-failure,reset-before-request"),
     }
 
 
