@@ -16,7 +16,7 @@ from yaml.constructor import ConstructorError, SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from ratelimit.errors import ConfigError
-from routing.yamlsrc import MAX_DEPTH, deep_flow, oversized
+from routing.yamlsrc import TooBig, compose_bounded
 
 Path = tuple[str | int, ...]
 """Where a value sits in a document: mapping keys and list indexes from the root."""
@@ -55,14 +55,10 @@ class Document:
 def parse_yaml(text: str, source: str) -> Document:
     """Parse one YAML document; syntax errors, duplicate keys and non-string keys raise
     :class:`ConfigError` with the line of the problem. An empty text gives ``data=None``."""
-    deep = deep_flow(text)
-    if deep is not None:
-        raise ConfigError(source, deep, f"invalid YAML: nested more than {MAX_DEPTH} levels deep")
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except RecursionError:
-        raise ConfigError(source, 1, f"invalid YAML: nested more than {MAX_DEPTH} levels deep") \
-            from None
+        node = compose_bounded(text, yaml.SafeLoader)
+    except TooBig as exc:
+        raise ConfigError(source, exc.line, f"invalid YAML: {exc.message}") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 1
@@ -74,9 +70,6 @@ def parse_yaml(text: str, source: str) -> Document:
     raw: dict[Path, str] = {}
     if node is None:
         return Document(source, None, lines, raw)
-    too_big = oversized(node)
-    if too_big is not None:
-        raise ConfigError(source, too_big[0], f"invalid YAML: {too_big[1]}")
     lines[()] = node.start_mark.line + 1
     builder = _Builder(source, lines, raw)
     return Document(source, builder.build(node, ()), lines, raw)

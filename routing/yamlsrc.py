@@ -90,6 +90,35 @@ def oversized(root: yaml.Node) -> tuple[int, str] | None:
     return None
 
 
+_TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep"
+
+
+class TooBig(Exception):
+    """A document nested past :data:`MAX_DEPTH` or expanding past :data:`MAX_NODES`."""
+
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+        self.message = message
+
+
+def compose_bounded(text: str, loader: type[yaml.SafeLoader]) -> yaml.Node | None:
+    """``yaml.compose`` for both config loaders (routing YAML and ratelimit's): raises
+    :class:`TooBig` (with its line) instead of recursing or expanding without bound; YAML
+    syntax errors propagate as ``yaml.YAMLError``."""
+    deep = deep_flow(text)
+    if deep is not None:
+        raise TooBig(deep, _TOO_DEEP)
+    try:
+        node = yaml.compose(text, Loader=loader)
+    except RecursionError:
+        raise TooBig(1, _TOO_DEEP) from None
+    too_big = oversized(node) if node is not None else None
+    if too_big is not None:
+        raise TooBig(*too_big)
+    return node
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that treats a repeated mapping key as an error instead of keeping the last."""
 
@@ -136,14 +165,10 @@ def _scalar(node: yaml.Node) -> Any:
 
 def load_yaml(text: str, source: str) -> Located:
     """Parse one YAML document; syntax errors and duplicate keys raise :class:`ConfigError`."""
-    deep = deep_flow(text)
-    if deep is not None:
-        raise ConfigError([Problem(source, deep, f"nested more than {MAX_DEPTH} levels deep")])
     try:
-        node = yaml.compose(text, Loader=_UniqueKeyLoader)
-    except RecursionError:
-        raise ConfigError([Problem(source, 1, f"nested more than {MAX_DEPTH} levels deep")]) \
-            from None
+        node = compose_bounded(text, _UniqueKeyLoader)
+    except TooBig as exc:
+        raise ConfigError([Problem(source, exc.line, exc.message)]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 1
@@ -153,9 +178,6 @@ def load_yaml(text: str, source: str) -> Located:
         raise ConfigError([Problem(source, 1, f"YAML syntax: {exc}")]) from None
     if node is None:
         return Located(source, None, {(): 1})
-    too_big = oversized(node)
-    if too_big is not None:
-        raise ConfigError([Problem(source, *too_big)])
     lines: dict[Path, int] = {}
     problems: list[Problem] = []
     try:
