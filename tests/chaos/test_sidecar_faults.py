@@ -39,7 +39,7 @@ from tests.chaos.support import (
     rate_limit_probe,
     wait_until,
 )
-from tests.harness.gateway import Gateway, running_gateway
+from tests.harness.gateway import Gateway, envoy_counter, running_gateway
 from tests.harness.redis_fixtures import process_redis, serving
 
 pytestmark = [pytest.mark.redis, pytest.mark.e2e]
@@ -158,9 +158,7 @@ def health_flags(gw: Gateway, address: str) -> str:
 
 def envoy_stat(gw: Gateway, name: str) -> int:
     """One Envoy counter (0 before it was first counted)."""
-    with urllib.request.urlopen(f"{gw.admin_url}/stats?filter=^{name}$", timeout=5) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(int(line.rsplit(": ", 1)[1]) for line in lines if line.startswith(f"{name}: "))
+    return envoy_counter(gw.admin_url, f"^{name}$")
 
 
 def envoy_view(gw: Gateway, cluster: str) -> str:

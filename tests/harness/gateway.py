@@ -80,6 +80,14 @@ class Gateway:
         return "\n".join(parts)
 
 
+def envoy_counter(admin_url: str, pattern: str) -> int:
+    """The sum of Envoy's counters whose name matches the regex ``pattern`` (0 before any was
+    counted), read from the admin interface at ``admin_url`` (``http://host:port``)."""
+    with urllib.request.urlopen(f"{admin_url}/stats?filter={pattern}", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(int(line.rsplit(": ", 1)[1]) for line in lines if ": " in line)
+
+
 def default_doc() -> dict[str, Any]:
     """The example config's shape, every port free, every pool a simulator."""
     def ep() -> list[str]:
