@@ -23,6 +23,7 @@ import yaml
 from bench import front, upstream
 from llm_sidecar.procs import Child, envoy_binary, free_port, sidecar_command, wait_http_ok, wait_tcp
 from routing.loader import load_config
+from routing.units import parse_hostport
 
 Store = Literal["memory", "redis"]
 START_TIMEOUT_S = 60.0
@@ -161,7 +162,7 @@ def gateway(env: Shared, variant: front.Variant, store: Store | None, *,
             kind, "--config", config_path, "--metrics-port", str(free_port())),
             env.workdir, env=service_env)
         children.append(child)
-        wait_tcp("127.0.0.1", int(doc["services"][kind].rsplit(":", 1)[1]), START_TIMEOUT_S, child)
+        wait_tcp(*parse_hostport(doc["services"][kind]), START_TIMEOUT_S, child)
 
     try:
         if variant != "bare":

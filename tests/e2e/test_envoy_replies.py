@@ -77,8 +77,8 @@ def test_a_body_above_the_limit_is_a_json_413(tmp_path: Any) -> None:
     doc["envoy"]["max_request_bytes"] = 4096
     # An extproc that accepts and never answers: Envoy buffers the body while it waits, so the
     # limit is hit first every time (with nothing listening, the connect error races the body).
-    host, port = doc["services"]["extproc"].rsplit(":", 1)
-    with socket.create_server((host, int(port))), envoy_only(doc, str(tmp_path)) as url:
+    silent_extproc = parse_hostport(doc["services"]["extproc"])
+    with socket.create_server(silent_extproc), envoy_only(doc, str(tmp_path)) as url:
         status, content_type, payload = post(url, b'{"model": "' + b"x" * 20000 + b'"}')
     assert status == 413
     assert content_type == "application/json"
