@@ -38,6 +38,7 @@ from extproc.actions import (
     Reply,
     Step,
 )
+from extproc.admission import usage_metadata
 from extproc.bodies import EmbeddingsBody, parse_embeddings
 from extproc.cache_keys import KeyPlan, namespace_for, plan_keys, request_salt
 from extproc.cache_merge import (
@@ -65,7 +66,6 @@ from extproc.processors import (
 from extproc.tokens import counter_for
 from llm_sidecar.logs import get_logger
 from routing.compiled import CachePolicy, ModelRoute
-from routing.ratelimits import TOKENS_METADATA_KEY
 
 log = get_logger("extproc.embeddings")
 
@@ -211,11 +211,10 @@ class EmbeddingsProcessor(BaseProcessor):
                                              "with cached embeddings.", "server_error",
                                              "upstream_unavailable"),
                              details="embedding_cache_merge_failed")
-            return Continue(metadata={TOKENS_METADATA_KEY: self.prompt_tokens})
+            return Continue(metadata=usage_metadata(self.prompt_tokens))
         tokens = usage_tokens(doc)
         store = None
         if self.policy is not None and fresh:
             store = CacheWrite(entries_to_store(fresh), self.policy.ttl_s)
         return Continue(body=merged, store=store,
-                        metadata={TOKENS_METADATA_KEY: self.prompt_tokens if tokens is None
-                                  else tokens})
+                        metadata=usage_metadata(self.prompt_tokens if tokens is None else tokens))

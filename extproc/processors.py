@@ -12,15 +12,15 @@ from typing import Protocol
 import orjson
 
 from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply, Step
+from extproc.admission import admission_metadata, usage_metadata
 from extproc.bodies import Api, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
 from extproc.telemetry import RequestRecord
 from extproc.tokens import PER_MESSAGE_TOKENS, PER_PROMPT_TOKENS, count_texts, counter_for
-from extproc.usage import Usage, UsageMeter, tokens_to_charge
+from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
 from routing.compiled import ModelRoute
-from routing.ratelimits import TOKENS_METADATA_KEY
 
 
 class Processor(Protocol):
@@ -137,7 +137,8 @@ class GenerationProcessor(BaseProcessor):
         return self._finish() if end_of_stream or self.meter.done else PASS
 
     def _finish(self) -> Action:
-        """At end of stream: the tokens to charge (0 for an upstream error, nothing was served).
+        """At end of stream: the tokens the response used, for the rate limiter to settle the
+        reservation with; none when they are not known (the reservation then stands).
 
         Runs once per request; later chunks pass through untouched.
         """
@@ -146,10 +147,10 @@ class GenerationProcessor(BaseProcessor):
             return PASS
         self.finished = True
         usage = self.meter.finish()
-        tokens = 0 if self.status >= 400 else tokens_to_charge(
-            usage, decision.prompt_tokens, decision.output_tokens)
-        self._report(usage, tokens)
-        return Continue(metadata={TOKENS_METADATA_KEY: tokens})
+        used = settled_tokens(usage, self.status, self.streamed, decision.prompt_tokens)
+        self._report(usage, used if used is not None else tokens_to_charge(
+            usage, decision.prompt_tokens, decision.output_tokens))
+        return Continue(metadata=usage_metadata(used)) if used is not None else PASS
 
     def _report(self, usage: Usage, charged: int) -> None:
         ctx, decision = self.ctx, self.decision
@@ -202,7 +203,8 @@ class GenerationProcessor(BaseProcessor):
         headers = route_headers(self.ctx, model, decision)
         if new_body is not None:
             headers += (("content-length", str(len(new_body))),)
-        return Continue(set_headers=headers, body=new_body, clear_route_cache=True)
+        return Continue(set_headers=headers, body=new_body, clear_route_cache=True,
+                        metadata=admission_metadata(decision.prompt_tokens + decision.output_tokens))
 
 
 class ModelsProcessor(BaseProcessor):

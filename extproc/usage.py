@@ -25,6 +25,8 @@ class Usage:
     """Content chunks seen on an SSE stream (vLLM sends about one token per chunk)."""
     errored: bool = False
     """The body carried an OpenAI/vLLM ``error`` object (possibly mid-stream, with a 200)."""
+    done: bool = False
+    """An SSE stream reached ``data: [DONE]``."""
 
 
 def _usage_of(doc: object) -> tuple[int | None, int | None, int | None]:
@@ -131,7 +133,7 @@ class UsageMeter:
                 self.errored = isinstance(doc, dict) and "error" in doc
             self._buffer.clear()
         prompt, completion, total = self._usage
-        return Usage(prompt, completion, total, self.streamed_tokens, self.errored)
+        return Usage(prompt, completion, total, self.streamed_tokens, self.errored, self.done)
 
 
 def tokens_to_charge(usage: Usage, prompt_estimate: int, output_budget: int) -> int:
@@ -142,3 +144,24 @@ def tokens_to_charge(usage: Usage, prompt_estimate: int, output_budget: int) -> 
         return (usage.prompt_tokens if usage.prompt_tokens is not None else prompt_estimate) \
             + usage.streamed_tokens
     return prompt_estimate + output_budget
+
+
+def settled_tokens(usage: Usage, status: int, streamed: bool, prompt_estimate: int) -> int | None:
+    """The tokens to settle a reservation with, or None when the usage is not known.
+
+    Known: the response's own ``usage``; an upstream error status (nothing was served: 0); a
+    stream that reached ``[DONE]`` without a usage chunk (its prompt + the content events,
+    vLLM's one token per event). Not known: a stream cut before ``[DONE]`` or one that carried
+    an error event, a body too big to read: the reservation stands, so a client cannot lower
+    its charge by breaking its own response.
+    """
+    if status >= 400:
+        return 0
+    if usage.errored:
+        return None
+    if usage.total_tokens is not None:
+        return usage.total_tokens
+    if streamed and usage.done:
+        prompt = usage.prompt_tokens if usage.prompt_tokens is not None else prompt_estimate
+        return prompt + usage.streamed_tokens
+    return None

@@ -12,6 +12,14 @@ tokens per second. A request is a list of :class:`Hit` s and is decided all or n
   denies and is never refunded.
 * A ``shadow`` bucket that cannot admit reports so but does not deny the request; it is not
   charged then.
+* A ``concurrent`` bucket counts requests in flight: its level is the free slots (``capacity``
+  minus the leases held), it never refills by time (``rate`` 0), and an admitted request takes
+  one slot under its lease until the lease is released or expires (the stores keep the leases;
+  here the level is all the math needs).
+
+Token reservations (CONTRACT §7): a token bucket is a normal bucket charged the request's
+reservation at admission; :func:`settled_level` applies the difference once the real usage is
+known (a refund up to ``capacity``, or an overage that may put the bucket into debt).
 
 The request is admitted iff every non-shadow bucket admits. A denied request takes nothing
 from any normal bucket. The Redis Lua script (``lua.py``) implements exactly this function.
@@ -23,6 +31,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+CONCURRENT_RETRY_S = 1.0
+"""What a full concurrency cap tells the client to wait (a slot frees when any request ends)."""
 EPSILON = 1e-9
 """Slack for float error: 3 x (1/3 s of refill at 1/s) must admit a 1-token request."""
 
@@ -34,6 +44,8 @@ class BucketSpec:
     """Tokens per second."""
     debt: bool = False
     shadow: bool = False
+    concurrent: bool = False
+    """Slots of requests in flight (``capacity`` slots, ``rate`` 0), held under leases."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,20 @@ class Hit:
     key: str
     spec: BucketSpec
     hits: int
+    lease: str | None = None
+    """Admission under a lease: a token charge is remembered under it (to be settled), a
+    concurrent slot is held by it (to be released)."""
+
+
+@dataclass(frozen=True)
+class Settle:
+    """The end of an admitted request, for one bucket: ``used`` tokens against what its lease
+    reserved (a token bucket), or ``used`` None: release the lease's slot (a concurrent one)."""
+
+    key: str
+    spec: BucketSpec
+    lease: str
+    used: int | None
 
 
 @dataclass(frozen=True)
@@ -126,6 +152,14 @@ def decide(states: Mapping[str, BucketState | None], hits: Sequence[Hit], now: f
     return Decision(admitted, results, writes)
 
 
+def settled_level(level: float, spec: BucketSpec, reserved: float, used: float) -> float:
+    """The level after settling a reservation: unused tokens go back (never above capacity),
+    an overage is charged (only the overage may put the bucket below zero)."""
+    if used <= reserved:
+        return min(spec.capacity, level + (reserved - used))
+    return level - (used - reserved)
+
+
 def report(spec: BucketSpec, result: BucketResult, hits: int) -> Verdict:
     """Remaining, reset and retry-after for one bucket's result."""
     level = result.level
@@ -134,6 +168,8 @@ def report(spec: BucketSpec, result: BucketResult, hits: int) -> Verdict:
     reset = max(0.0, reset)
     if result.admitted:
         return Verdict(remaining, reset, 0.0)
+    if spec.concurrent:
+        return Verdict(remaining, 0.0, CONCURRENT_RETRY_S)
     if spec.debt:
         need = EPSILON * 2
     else:

@@ -42,6 +42,8 @@ LEVEL_KEYS: tuple[tuple[str, frozenset[str]], ...] = (
 KIND_KEY = "kind"
 TOKENS = "tokens"
 REQUESTS = "requests"
+CONCURRENT = "concurrent"
+
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class Limit:
     debt: bool = False
     detailed_metric: bool = False
     replaces: tuple[str, ...] = ()
+    concurrent: int = 0
+    """A concurrency cap (requests in flight) instead of a rate: ``requests_per_unit`` unused."""
 
     @property
     def window_s(self) -> int:
@@ -74,6 +78,8 @@ class Limit:
 
     @property
     def spec(self) -> BucketSpec:
+        if self.concurrent:
+            return BucketSpec(float(self.concurrent), 0.0, shadow=self.shadow_mode, concurrent=True)
         return BucketSpec(
             capacity=float(self.capacity),
             rate=self.requests_per_unit / self.window_s,
@@ -159,7 +165,10 @@ def level_of(entries: Sequence[tuple[str, str]]) -> str:
 
 
 def kind_of(entries: Sequence[tuple[str, str]], limit: Limit) -> str:
-    """``tokens`` for a ``debt`` limit or a descriptor with ``kind=tokens``, else ``requests``."""
+    """``concurrent`` for a concurrency cap; ``tokens`` for a ``debt`` limit or a descriptor
+    with ``kind=tokens``; else ``requests``."""
+    if limit.concurrent:
+        return CONCURRENT
     if limit.debt or any(k == KIND_KEY and v == TOKENS for k, v in entries):
         return TOKENS
     return REQUESTS

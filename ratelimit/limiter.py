@@ -13,9 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ratelimit.bucket import BucketResult, Hit, report
+from ratelimit.bucket import BucketResult, Hit, Settle, report
 from ratelimit.descriptors import (
+    CONCURRENT,
     REQUESTS,
+    TOKENS,
     DomainConfig,
     Limit,
     OnBackendError,
@@ -41,12 +43,23 @@ class Override:
     unit: str
 
 
+Phase = Literal["admit", "settle", "release"]
+
+
 @dataclass(frozen=True)
 class DescriptorRequest:
     entries: tuple[tuple[str, str], ...]
+    """The entries matched against the config (control entries already taken out)."""
     hits: int | None = None
     """The descriptor's own ``hits_addend`` when Envoy set one (0 = check only)."""
     override: Override | None = None
+    lease: str | None = None
+    """The request's lease (``llm_sidecar.lease`` entry), when Envoy sent one."""
+    phase: Phase = "admit"
+    """``settle``: the stream-done call reporting ``used`` tokens; ``release``: it frees the
+    lease's concurrency slot; ``admit``: an ordinary decision."""
+    used: int | None = None
+    """Tokens the response used (``settle``); None when the value was not a count."""
 
 
 @dataclass(frozen=True)
@@ -59,12 +72,14 @@ class LimitRequest:
 
 @dataclass(frozen=True)
 class Planned:
-    """One descriptor after matching: its limit (None: not limited) and its bucket hit."""
+    """One descriptor after matching: its limit (None: not limited) and its bucket hit, or
+    the settlement it asks for (a stream-done descriptor)."""
 
     limit: Limit | None
     level: str
     kind: str
     hit: Hit | None
+    settle: Settle | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,10 @@ class Plan:
     @property
     def hits(self) -> tuple[Hit, ...]:
         return tuple(item.hit for item in self.items if item.hit is not None)
+
+    @property
+    def settles(self) -> tuple[Settle, ...]:
+        return tuple(item.settle for item in self.items if item.settle is not None)
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,10 @@ class LimitOutcome:
     cause: DescriptorOutcome | None = None
     """The denial the client is told about (the one that lasts longest)."""
     backend_failed: bool = False
+    never: bool = False
+    """The request asks a bucket for more than it can ever hold: waiting will not help."""
+    needed: int = 0
+    """With ``never``: what the request asked of the ``cause`` bucket."""
 
 
 def plan(config: RateLimitConfig, request: LimitRequest) -> Plan:
@@ -119,16 +142,36 @@ def plan(config: RateLimitConfig, request: LimitRequest) -> Plan:
     for descriptor, limit in zip(request.descriptors, limits, strict=True):
         if limit is not None and limit.name and limit.name in replaced:
             limit = None
-        level = level_of(descriptor.entries)
-        kind = kind_of(descriptor.entries, limit) if limit is not None else REQUESTS
-        hit = None
-        if limit is not None and not limit.unlimited:
-            hits = descriptor.hits if descriptor.hits is not None else default_hits
-            salt = "" if descriptor.override is None else f"{limit.requests_per_unit}/{limit.unit}"
-            key = bucket_key(domain.name, descriptor.entries, salt)
-            hit = Hit(key, limit.spec, min(hits, MAX_HITS))
-        items.append(Planned(limit, level, kind, hit))
+        items.append(_planned(domain.name, descriptor, limit, default_hits))
     return Plan(domain, tuple(items))
+
+
+def _planned(domain: str, descriptor: DescriptorRequest, limit: Limit | None,
+             default_hits: int) -> Planned:
+    level = level_of(descriptor.entries)
+    kind = kind_of(descriptor.entries, limit) if limit is not None else REQUESTS
+    if limit is None or limit.unlimited:
+        return Planned(limit, level, kind, None)
+    salt = "" if descriptor.override is None else f"{limit.requests_per_unit}/{limit.unit}"
+    key = bucket_key(domain, descriptor.entries, salt)
+    lease = descriptor.lease
+    if descriptor.phase != "admit":
+        # The end of a request: settle its reservation or free its slot, never a new charge.
+        settle = None
+        if lease is not None and kind == TOKENS and descriptor.phase == "settle" \
+                and descriptor.used is not None and not limit.debt:
+            settle = Settle(key, limit.spec, lease, min(descriptor.used, MAX_HITS))
+        elif lease is not None and kind == CONCURRENT and descriptor.phase == "release":
+            settle = Settle(key, limit.spec, lease, None)
+        return Planned(None, level, kind, None, settle)
+    if kind == CONCURRENT:
+        # A slot nobody could release would leak: without a lease the cap is not applied.
+        if lease is None:
+            return Planned(None, level, kind, None)
+        return Planned(limit, level, kind, Hit(key, limit.spec, 1, lease))
+    hits = descriptor.hits if descriptor.hits is not None else default_hits
+    return Planned(limit, level, kind, Hit(key, limit.spec, min(hits, MAX_HITS),
+                                           lease if kind == TOKENS and not limit.debt else None))
 
 
 def resolve(planned: Plan, stored: StoreResult) -> LimitOutcome:
@@ -136,9 +179,16 @@ def resolve(planned: Plan, stored: StoreResult) -> LimitOutcome:
     statuses = [_status(item, next(results) if item.hit is not None else None) for item in planned.items]
     if stored.admitted:
         return LimitOutcome(True, tuple(statuses))
-    denied = [s for s in statuses if s.code == "over_limit"]
-    waits = [_wait(s) for s in denied]
-    cause = denied[waits.index(max(waits))] if denied else None
+    denied = [(s, item.hit) for s, item in zip(statuses, planned.items, strict=True)
+              if s.code == "over_limit"]
+    never = [(s, hit) for s, hit in denied if s.retry_after_s is None]
+    if never:
+        # A reservation above a bucket's capacity: no wait admits it (CONTRACT §7).
+        never_cause, hit = never[0]
+        return LimitOutcome(False, tuple(statuses), 0, never_cause, never=True,
+                            needed=hit.hits if hit is not None else 0)
+    waits = [_wait(s) for s, _ in denied]
+    cause = denied[waits.index(max(waits))][0] if denied else None
     return LimitOutcome(False, tuple(statuses), _whole_seconds(max(waits, default=1.0)), cause)
 
 
@@ -218,6 +268,9 @@ class Limiter:
 
     async def check(self, request: LimitRequest) -> LimitOutcome:
         planned = plan(self._config(), request)
+        settles = planned.settles
+        if settles:
+            await self._settle(settles)
         if planned.domain is None:
             self._metrics.unknown_domains.inc()
             if self._on_unknown_domain is not None:
@@ -237,6 +290,17 @@ class Limiter:
         except BackendError:
             return fallback(planned, domain.on_backend_error)
         return resolve(planned, stored)
+
+    async def _settle(self, settles: Sequence[Settle]) -> None:
+        """Settle reservations and free slots of requests that ended. A store failure leaves
+        the reservation standing (the safe side) and a slot held until its lease expires."""
+        try:
+            await self.store.settle(settles)
+        except BackendError:
+            self._metrics.settlements.labels("backend_error").inc(len(settles))
+            return
+        for item in settles:
+            self._metrics.settlements.labels("release" if item.used is None else "tokens").inc()
 
     def _count(self, statuses: Sequence[DescriptorOutcome]) -> None:
         for status in statuses:

@@ -8,6 +8,8 @@ name, replaces}``, ``shadow_mode``, ``detailed_metric``) plus these extensions:
 * ``rate_limit.unit: 5m`` (``30s``, ``5m``, ``12h``, ``7d``, ``2w``) or
   ``rate_limit.unit_multiplier: 5`` with a plain unit: a window of several units;
 * ``rate_limit.debt: true``: an LLM-token bucket charged after the fact (see ``bucket.py``);
+* ``rate_limit.concurrent: N`` (instead of ``unit``/``requests_per_unit``): at most N requests
+  in flight, each holding a slot under its lease until the stream-done call releases it;
 * top-level ``on_backend_error: allow|deny`` (default ``allow``).
 
 Every problem raises :class:`ConfigError` as ``FILE:LINE: message``. A routing YAML (a file
@@ -46,6 +48,7 @@ _LIMIT_KEYS = (
     "burst",
     "unit_multiplier",
     "debt",
+    "concurrent",
 )
 _UINT32_MAX = 2**32 - 1
 _SHORT_UNIT = re.compile(r"^([0-9]+)(s|m|min|h|d|w)$")
@@ -223,7 +226,7 @@ def _compile_limit(doc: Document, here: Path, item: dict[str, Any], full_key: st
     unlimited = _bool(doc, (*at, "unlimited"), block.get("unlimited", False))
     debt = _bool(doc, (*at, "debt"), block.get("debt", False))
     if unlimited:
-        for field in ("unit", "requests_per_unit", "unit_multiplier", "burst", "debt"):
+        for field in ("unit", "requests_per_unit", "unit_multiplier", "burst", "debt", "concurrent"):
             if field in block:
                 raise doc.error((*at, field), f"unlimited rate limit should not specify '{field}'")
         return Limit(
@@ -236,6 +239,15 @@ def _compile_limit(doc: Document, here: Path, item: dict[str, Any], full_key: st
             detailed_metric=detailed,
             replaces=replaces,
         )
+    if "concurrent" in block:
+        slots = _uint(doc, (*at, "concurrent"), block["concurrent"], "concurrent")
+        if slots < 1:
+            raise doc.error((*at, "concurrent"), "concurrent must be a positive integer")
+        for field in ("unit", "requests_per_unit", "unit_multiplier", "burst", "debt"):
+            if field in block:
+                raise doc.error((*at, field), f"a concurrent limit should not specify '{field}'")
+        return Limit(full_key, slots, "second", name=name, shadow_mode=shadow,
+                     detailed_metric=detailed, replaces=replaces, concurrent=slots)
     unit, multiplier = _unit(doc, at, block)
     if "requests_per_unit" not in block:
         raise doc.error(at, "rate_limit needs requests_per_unit (or unlimited: true)")

@@ -15,7 +15,7 @@ class RateLimitMetrics:
         self.decisions = Counter(
             "ratelimit_decisions",
             "Descriptor decisions, by level (api_key|tenant|model|other), kind "
-            "(requests|tokens) and result (ok|over_limit|shadow_over_limit|unlimited|"
+            "(requests|tokens|concurrent) and result (ok|over_limit|shadow_over_limit|unlimited|"
             "backend_allow|backend_deny).",
             ["level", "kind", "result"],
             registry=self.registry,
@@ -24,6 +24,14 @@ class RateLimitMetrics:
             "ratelimit_requests",
             "ShouldRateLimit calls by overall code (ok|over_limit).",
             ["code"],
+            registry=self.registry,
+        )
+        self.settlements = Counter(
+            "ratelimit_settlements",
+            "Ends of admitted requests applied to buckets, by what was settled (tokens: a "
+            "reservation against the real usage; release: a concurrency slot; backend_error: "
+            "the store failed, the reservation stands and the slot waits for its lease to expire).",
+            ["what"],
             registry=self.registry,
         )
         self.backend_latency = Histogram(

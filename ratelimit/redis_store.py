@@ -22,26 +22,42 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from llm_sidecar.redis_client import CLUSTER_MAX_CONNECTIONS, Client
-from ratelimit.bucket import BucketResult, Hit
+from ratelimit.bucket import BucketResult, Hit, Settle
 from ratelimit.errors import BackendError
-from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA
-from ratelimit.store import StoreResult
+from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA, SETTLE, SETTLE_SHA
+from ratelimit.store import LEASE_TTL_S, StoreResult
 
-_DEBT, _SHADOW = 1, 2
+_DEBT, _SHADOW, _CONCURRENT = 1, 2, 4
+_RELEASE = "-1"
+
+
+def marker_key(bucket: str, lease: str) -> str:
+    """Where a token bucket remembers one lease's reservation: the bucket's own hash tag comes
+    first, so the marker lives in the bucket's Cluster slot."""
+    return f"{bucket}:lease:{lease}"
+
+
+def _reserves(hit: Hit) -> bool:
+    return hit.lease is not None and not hit.spec.concurrent and not hit.spec.debt and hit.hits > 0
 
 
 @dataclass(frozen=True)
 class _Group:
-    """Hits of one slot: their positions in the request and the distinct keys."""
+    """Hits of one slot: their positions in the request and the distinct keys (buckets, then
+    reservation markers)."""
 
     positions: tuple[int, ...]
     keys: tuple[str, ...]
 
+    def index(self) -> dict[str, int]:
+        return {key: n + 1 for n, key in enumerate(self.keys)}
+
 
 class RedisStore:
-    def __init__(self, client: Client, margin_s: float = 1.0) -> None:
+    def __init__(self, client: Client, margin_s: float = 1.0, lease_ttl_s: float = LEASE_TTL_S) -> None:
         self._client = client
         self._margin_ms = str(max(1, round(margin_s * 1000)))
+        self._lease_ttl_ms = str(max(1, round(lease_ttl_s * 1000)))
         self._slots = asyncio.Semaphore(CLUSTER_MAX_CONNECTIONS)
         self._init_lock = asyncio.Lock()
         self._initialized = False
@@ -57,6 +73,30 @@ class RedisStore:
             return await self._decide(hits)
         except (RedisError, OSError) as exc:
             raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
+
+    async def settle(self, settles: Sequence[Settle]) -> None:
+        if not settles:
+            return
+        by_slot: dict[int, list[Settle]] = {}
+        for item in settles:
+            slot = self._client.keyslot(item.key) if isinstance(self._client, RedisCluster) else 0
+            by_slot.setdefault(slot, []).append(item)
+        try:
+            await asyncio.gather(*(self._settle_group(items) for items in by_slot.values()))
+        except (RedisError, OSError) as exc:
+            raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
+
+    async def _settle_group(self, items: Sequence[Settle]) -> None:
+        keys: dict[str, int] = {}
+        args: list[str] = [self._margin_ms, str(len(items))]
+        for item in items:
+            k = keys.setdefault(item.key, len(keys) + 1)
+            if item.used is None:
+                used, mark = _RELEASE, 0
+            else:
+                used, mark = str(item.used), keys.setdefault(marker_key(item.key, item.lease), len(keys) + 1)
+            args += [str(k), repr(item.spec.capacity), repr(item.spec.rate), used, str(mark), item.lease]
+        await self._eval(SETTLE_SHA, SETTLE, tuple(keys), args)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -81,27 +121,25 @@ class RedisStore:
 
     def _groups(self, hits: Sequence[Hit]) -> list[_Group]:
         if not isinstance(self._client, RedisCluster):
-            return [_Group(tuple(range(len(hits))), tuple(dict.fromkeys(h.key for h in hits)))]
+            return [_group(hits, tuple(range(len(hits))))]
         by_slot: dict[int, list[int]] = {}
         for index, hit in enumerate(hits):
             by_slot.setdefault(self._client.keyslot(hit.key), []).append(index)
-        return [
-            _Group(tuple(positions), tuple(dict.fromkeys(hits[i].key for i in positions)))
-            for positions in by_slot.values()
-        ]
+        return [_group(hits, tuple(positions)) for positions in by_slot.values()]
 
     async def _run(self, hits: Sequence[Hit], group: _Group) -> tuple[bool, dict[int, BucketResult]]:
-        index = {key: n + 1 for n, key in enumerate(group.keys)}
-        args: list[str] = [self._margin_ms, str(len(group.positions))]
+        index = group.index()
+        args: list[str] = [self._margin_ms, str(len(group.positions)), self._lease_ttl_ms]
         for i in group.positions:
             hit = hits[i]
-            flags = (_DEBT if hit.spec.debt else 0) | (_SHADOW if hit.spec.shadow else 0)
             args += [
                 str(index[hit.key]),
                 repr(hit.spec.capacity),
                 repr(hit.spec.rate),
-                str(flags),
+                str(_flags(hit)),
                 str(hit.hits),
+                str(index[marker_key(hit.key, hit.lease)]) if _reserves(hit) and hit.lease else "0",
+                hit.lease or "",
             ]
         reply = await self._eval(DECIDE_SHA, DECIDE, group.keys, args)
         results = {
@@ -111,7 +149,7 @@ class RedisStore:
         return int(reply[0]) == 1, results
 
     async def _refund(self, hits: Sequence[Hit], group: _Group, results: dict[int, BucketResult]) -> None:
-        index = {key: n + 1 for n, key in enumerate(group.keys)}
+        index = group.index()
         refundable = [
             i for i in group.positions if results[i].admitted and not hits[i].spec.debt and hits[i].hits > 0
         ]
@@ -120,8 +158,10 @@ class RedisStore:
         args: list[str] = [self._margin_ms, str(len(refundable))]
         for i in refundable:
             hit = hits[i]
-            args += [str(index[hit.key]), repr(hit.spec.capacity), repr(hit.spec.rate)]
-            args.append(str(hit.hits))
+            args += [str(index[hit.key]), repr(hit.spec.capacity), repr(hit.spec.rate), str(hit.hits),
+                     str(_flags(hit)),
+                     str(index[marker_key(hit.key, hit.lease)]) if _reserves(hit) and hit.lease else "0",
+                     hit.lease or ""]
         await self._eval(REFUND_SHA, REFUND, group.keys, args)
 
     async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
@@ -156,6 +196,21 @@ class RedisStore:
             return await self._client.evalsha(sha, len(keys), *keys, *args)
         except NoScriptError:
             return await self._client.eval(script, len(keys), *keys, *args)
+
+
+def _flags(hit: Hit) -> int:
+    spec = hit.spec
+    return ((_DEBT if spec.debt else 0) | (_SHADOW if spec.shadow else 0)
+            | (_CONCURRENT if spec.concurrent else 0))
+
+
+def _group(hits: Sequence[Hit], positions: tuple[int, ...]) -> _Group:
+    keys = dict.fromkeys(hits[i].key for i in positions)
+    for i in positions:
+        lease = hits[i].lease
+        if _reserves(hits[i]) and lease is not None:
+            keys[marker_key(hits[i].key, lease)] = None
+    return _Group(positions, tuple(keys))
 
 
 def _refunded(hit: Hit, result: BucketResult) -> BucketResult:

@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ratelimit.bucket import BucketResult, Hit
+from ratelimit.bucket import BucketResult, Hit, Settle
+
+LEASE_TTL_S = 600.0
+"""How long a lease outlives its admission when the stream-done call never comes (Envoy
+killed mid-request): its reservation then stands, and its concurrency slot frees itself. A
+request running longer than this loses its slot early (and, settling late, its refund)."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,11 @@ class StoreResult:
 class BucketStore(Protocol):
     async def decide(self, hits: Sequence[Hit]) -> StoreResult:
         """Decide and apply ``hits`` all or nothing; raise on backend trouble."""
+        ...
+
+    async def settle(self, settles: Sequence[Settle]) -> None:
+        """Apply the end of admitted requests: each lease's reservation once (a second settle
+        of the same lease, or one whose lease expired, changes nothing), slots released."""
         ...
 
     async def aclose(self) -> None:

@@ -8,13 +8,25 @@ On OVER_LIMIT the response carries ``retry-after`` (whole seconds, at least 1),
      Please retry after 3 seconds.", "type": "requests", "param": null,
      "code": "rate_limit_exceeded"}}
 
-``type`` is ``requests`` or ``tokens`` (which kind ran out). When the store failed and the
-domain says ``on_backend_error: deny``, the body is ``server_error`` / ``upstream_unavailable``.
+``type`` is ``requests``, ``tokens`` or ``concurrent`` (which kind ran out). A reservation
+larger than a bucket can ever hold gets a message giving both numbers, no ``retry-after`` (no
+wait would help) and ``x-should-retry: false`` (the openai SDK then does not retry). When the
+store failed and the domain says ``on_backend_error: deny``, the body is ``server_error`` /
+``upstream_unavailable``.
+
+Every decided response (OK or not) also carries OpenAI's header names for the tightest bucket
+of each kind (``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-tokens``, ...), which
+Envoy adds to the client's response; the IETF draft headers Envoy builds from the descriptor
+statuses never show ``remaining`` above ``limit``.
+
+Descriptor entries named in :data:`llm_sidecar.wire_names.CONTROL_ENTRIES` (the request's lease,
+the tokens its response used, a slot release) are taken out here, before any matching.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import orjson
 from envoy.config.core.v3 import base_pb2
@@ -22,13 +34,16 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 from envoy.type.v3 import ratelimit_unit_pb2
 
-from ratelimit.descriptors import UNIT_SECONDS, Limit
+from llm_sidecar.wire_names import CONTROL_ENTRIES, LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
+from ratelimit.descriptors import CONCURRENT, REQUESTS, TOKENS, UNIT_SECONDS, Limit
 from ratelimit.limiter import (
+    UNLIMITED_REMAINING,
     DescriptorOutcome,
     DescriptorRequest,
     LimitOutcome,
     LimitRequest,
     Override,
+    Phase,
 )
 
 _Response = rls_pb2.RateLimitResponse
@@ -47,6 +62,8 @@ _OVERRIDE_UNITS = {
     if name.lower() in UNIT_SECONDS
 }
 _PLAIN_UNITS = ("second", "minute", "hour", "day", "week", "year")
+_LEASE = re.compile(r"^[0-9A-Za-z_-]{8,64}$")
+_USED = re.compile(r"^[0-9]{1,16}$")
 
 
 def request_from_proto(message: rls_pb2.RateLimitRequest) -> LimitRequest:
@@ -62,13 +79,26 @@ BACKEND_DENY_HEADER = "x-llm-ratelimit-backend"
 
 def _descriptor(message: ratelimit_pb2.RateLimitDescriptor) -> DescriptorRequest:
     entries = tuple((entry.key, entry.value) for entry in message.entries)
+    lease: str | None = None
+    phase: Phase = "admit"
+    used: int | None = None
+    if any(key in CONTROL_ENTRIES for key, _ in entries):
+        for key, value in entries:
+            if key == LEASE_ENTRY:
+                lease = value if _LEASE.match(value) else None
+            elif key == USED_ENTRY:
+                phase = "settle"
+                used = int(value) if _USED.match(value) else None
+            elif key == RELEASE_ENTRY and phase == "admit":
+                phase = "release"
+        entries = tuple(entry for entry in entries if entry[0] not in CONTROL_ENTRIES)
     hits = message.hits_addend.value if message.HasField("hits_addend") else None
     override = None
     if message.HasField("limit"):
         unit = _OVERRIDE_UNITS.get(message.limit.unit)
         if unit is not None:
             override = Override(message.limit.requests_per_unit, unit)
-    return DescriptorRequest(entries, hits, override)
+    return DescriptorRequest(entries, hits, override, lease, phase, used)
 
 
 def current_limit(limit: Limit) -> tuple[int, str]:
@@ -89,13 +119,17 @@ def response_to_proto(outcome: LimitOutcome) -> rls_pb2.RateLimitResponse:
     response = _Response(overall_code=_Response.OK if outcome.ok else _Response.OVER_LIMIT)
     for status in outcome.statuses:
         response.statuses.append(_status(status))
+    for key, value in openai_headers(outcome.statuses):
+        response.response_headers_to_add.append(base_pb2.HeaderValue(key=key, value=value))
     if not outcome.ok:
-        response.response_headers_to_add.extend(
-            [
-                base_pb2.HeaderValue(key="retry-after", value=str(outcome.retry_after_s)),
-                base_pb2.HeaderValue(key="content-type", value="application/json"),
-            ]
-        )
+        if outcome.never:
+            response.response_headers_to_add.append(
+                base_pb2.HeaderValue(key="x-should-retry", value="false"))
+        else:
+            response.response_headers_to_add.append(
+                base_pb2.HeaderValue(key="retry-after", value=str(outcome.retry_after_s)))
+        response.response_headers_to_add.append(
+            base_pb2.HeaderValue(key="content-type", value="application/json"))
         if outcome.backend_failed:
             # Envoy's local-reply mapper turns a denial carrying this header into a 503: the
             # store being down is not the client's rate limit (CONTRACT §6).
@@ -107,16 +141,51 @@ def response_to_proto(outcome: LimitOutcome) -> rls_pb2.RateLimitResponse:
 
 def _status(status: DescriptorOutcome) -> rls_pb2.RateLimitResponse.DescriptorStatus:
     out = _Response.DescriptorStatus(code=_Response.OK if status.code == "ok" else _Response.OVER_LIMIT)
+    ceiling = 2**32 - 1
     if status.limit is not None and not status.limit.unlimited:
         rpu, unit = current_limit(status.limit)
         out.current_limit.requests_per_unit = rpu
         out.current_limit.unit = _UNITS[unit]
         out.current_limit.name = status.limit.name
+        # Envoy shows requests_per_unit as x-ratelimit-limit: a bucket whose burst is above
+        # its rate must not show more remaining than that limit.
+        ceiling = rpu
     if status.remaining is not None:
-        out.limit_remaining = min(status.remaining, 2**32 - 1)
+        out.limit_remaining = min(status.remaining, ceiling)
     if status.reset_s is not None:
         out.duration_until_reset.seconds = math.ceil(status.reset_s)
     return out
+
+
+def openai_headers(statuses: tuple[DescriptorOutcome, ...]) -> list[tuple[str, str]]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the bucket of each
+    kind with the least left (limit: the bucket's capacity; reset: until it is full again)."""
+    out: list[tuple[str, str]] = []
+    for kind in (REQUESTS, TOKENS):
+        decided = [s for s in statuses if s.kind == kind and s.limit is not None
+                   and s.remaining is not None and s.remaining != UNLIMITED_REMAINING]
+        if not decided:
+            continue
+        tight = min(decided, key=lambda s: s.remaining if s.remaining is not None else 0)
+        assert tight.limit is not None and tight.remaining is not None
+        out += [(f"x-ratelimit-limit-{kind}", str(tight.limit.capacity)),
+                (f"x-ratelimit-remaining-{kind}", str(min(tight.remaining, tight.limit.capacity))),
+                (f"x-ratelimit-reset-{kind}", _duration(tight.reset_s or 0.0))]
+    return out
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: ``20ms``, ``1s``, ``6m0s``, ``1h2m3s``."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
 
 
 def error_body(outcome: LimitOutcome) -> bytes:
@@ -130,6 +199,16 @@ def error_body(outcome: LimitOutcome) -> bytes:
             "type": "server_error",
             "param": None,
             "code": "upstream_unavailable",
+        }
+    elif outcome.never and cause is not None and cause.limit is not None:
+        per = f" per {cause.level}" if cause.level != "other" else ""
+        error = {
+            "message": f"This request needs {outcome.needed} {cause.kind}, more than the "
+                       f"{cause.kind} limit{per} can ever hold ({cause.limit.capacity}): it "
+                       "cannot be admitted; lower max_tokens (or n), or shorten the prompt.",
+            "type": cause.kind,
+            "param": None,
+            "code": "rate_limit_exceeded",
         }
     else:
         kind = cause.kind if cause is not None else "requests"
@@ -147,5 +226,7 @@ def _reached(cause: DescriptorOutcome | None, kind: str) -> str:
         return f"Rate limit reached for {kind}."
     per = f" per {cause.level}" if cause.level != "other" else ""
     limit = cause.limit
+    if kind == CONCURRENT:
+        return f"Concurrency limit reached{per}: at most {limit.concurrent} requests in flight."
     window = limit.unit if limit.unit_multiplier == 1 else f"{limit.unit_multiplier} {limit.unit}s"
     return f"Rate limit reached for {kind}{per}: limit {limit.requests_per_unit} per {window}."

@@ -210,8 +210,13 @@ def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
                 [(("default",), section.default)] if section.default else [])
             entries += [(("overrides", k), v) for k, v in section.overrides.items()]
             for sub, limit in entries:
-                if limit.requests is None and limit.tokens is None:
-                    add(("rate_limits", level, *sub), "a limit needs requests, tokens or both")
+                sets_a_limit = (limit.requests, limit.tokens, limit.concurrent) != (None, None, None)
+                # An override may only change shadow: it then inherits the default's limits.
+                only_shadow = sub[0] == "overrides" and section.default is not None \
+                    and limit.shadow is not None
+                if not sets_a_limit and not only_shadow:
+                    add(("rate_limits", level, *sub),
+                        "a limit needs requests, tokens, concurrent or a combination")
                 if limit.burst is not None and limit.requests is None:
                     add(("rate_limits", level, *sub, "burst"),
                         "burst is the capacity of the requests bucket: it needs a requests rate")

@@ -1,23 +1,42 @@
 """The routing YAML's ``rate_limits:`` as envoyproxy/ratelimit descriptors and Envoy route actions.
 
-One descriptor tree per kind (``kind=requests``, ``kind=tokens``), one branch per level
-(``api_key``, ``tenant``, ``model``) keyed by the ``x-llm-*`` header extproc sets. Token limits
-carry ``debt: true``: they are checked with ``hits_addend: 0`` when a request starts and charged
-with the real usage (dynamic metadata from extproc) when its stream is done (CONTRACT §7).
+One descriptor tree per kind (``kind=requests``, ``kind=tokens``, ``kind=concurrent``), one
+branch per level (``api_key``, ``tenant``, ``model``) keyed by the ``x-llm-*`` header extproc
+sets (CONTRACT §7):
+
+* admission (when the request starts, after extproc): every requests bucket is charged 1, every
+  token bucket the request's reservation (``hits_addend`` from extproc's dynamic metadata
+  ``llm_reservation``), every concurrency cap one slot, all or nothing. Token and concurrency
+  descriptors carry the request's lease (``llm_lease``, a random id extproc makes) as a control
+  entry, so the ratelimit service remembers the reservation and the slot under it.
+* stream done (Envoy's ``apply_on_stream_done``, which also runs when the client hung up or the
+  upstream reset): the token descriptors carry the tokens the response used (``llm_tokens``,
+  set by extproc only when the usage is known) and the service settles the reservation once;
+  when usage is unknown Envoy sends no token descriptor and the reservation stands. The
+  concurrency descriptors release the lease's slot.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from llm_sidecar.wire_names import (
+    LEASE_ENTRY,
+    LEASE_METADATA_KEY,
+    METADATA_NAMESPACE,
+    RELEASE_ENTRY,
+    RESERVATION_METADATA_KEY,
+    TOKENS_METADATA_KEY,
+    USED_ENTRY,
+)
 from routing.compiled import listed_key_id
 from routing.loader import load_config
 from routing.schema import LevelLimits, Limit, RoutingConfig
 from routing.units import parse_rate
 
+KINDS = ("requests", "tokens", "concurrent")
+
 DOMAIN = "llm-sidecar"
-METADATA_NAMESPACE = "llm_sidecar"
-TOKENS_METADATA_KEY = "llm_tokens"
 LEVEL_HEADERS = {"api_key": "x-llm-key-id", "tenant": "x-llm-tenant", "model": "x-llm-model"}
 _UNITS = (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1))
 
@@ -31,14 +50,11 @@ def _window(window_s: int) -> dict[str, Any]:
     raise AssertionError(window_s)
 
 
-def _limit(rate_text: str, name: str, *, burst: int | None = None,
-           debt: bool = False) -> dict[str, Any]:
+def _limit(rate_text: str, name: str, *, burst: int | None = None) -> dict[str, Any]:
     rate = parse_rate(rate_text)
     out: dict[str, Any] = {"name": name, "requests_per_unit": rate.amount, **_window(rate.window_s)}
     if burst is not None:
         out["burst"] = burst
-    if debt:
-        out["debt"] = True
     return out
 
 
@@ -52,7 +68,9 @@ def _merged(default: Limit | None, override: Limit) -> Limit:
         return override
     requests = override.requests or default.requests
     burst = override.burst if override.requests else (override.burst or default.burst)
-    return Limit(requests=requests, burst=burst, tokens=override.tokens or default.tokens)
+    return Limit(requests=requests, burst=burst, tokens=override.tokens or default.tokens,
+                 concurrent=override.concurrent or default.concurrent,
+                 shadow=override.shadow if override.shadow is not None else default.shadow)
 
 
 def _level_entries(config: RoutingConfig, level: str,
@@ -75,8 +93,7 @@ def descriptor_document(path: str) -> dict[str, Any]:
 
 def descriptors(config: RoutingConfig) -> dict[str, Any]:
     limits = config.rate_limits
-    requests: list[dict[str, Any]] = []
-    tokens: list[dict[str, Any]] = []
+    kinds: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
     if limits is not None:
         for level in LEVEL_HEADERS:
             section: LevelLimits | None = getattr(limits, level)
@@ -86,19 +103,23 @@ def descriptors(config: RoutingConfig) -> dict[str, Any]:
                 base: dict[str, Any] = {"key": level}
                 if value is not None:
                     base["value"] = value
+                if limit.shadow:
+                    base["shadow_mode"] = True
                 if limit.requests:
-                    requests.append({**base, "rate_limit": _limit(
+                    kinds["requests"].append({**base, "rate_limit": _limit(
                         limit.requests, f"{label}:requests", burst=limit.burst)})
                 if limit.tokens:
-                    tokens.append({**base, "rate_limit": _limit(
-                        limit.tokens, f"{label}:tokens", debt=True)})
+                    kinds["tokens"].append({**base, "rate_limit": _limit(
+                        limit.tokens, f"{label}:tokens")})
+                if limit.concurrent:
+                    kinds["concurrent"].append({**base, "rate_limit": {
+                        "name": f"{label}:concurrent", "concurrent": limit.concurrent}})
     doc: dict[str, Any] = {"domain": DOMAIN, "descriptors": []}
     if limits is not None:
         doc["on_backend_error"] = limits.on_backend_error
-    if requests:
-        doc["descriptors"].append({"key": "kind", "value": "requests", "descriptors": requests})
-    if tokens:
-        doc["descriptors"].append({"key": "kind", "value": "tokens", "descriptors": tokens})
+    for kind, entries in kinds.items():
+        if entries:
+            doc["descriptors"].append({"key": "kind", "value": kind, "descriptors": entries})
     return doc
 
 
@@ -117,28 +138,52 @@ def _levels_with(config: RoutingConfig, field: str) -> list[str]:
     return out
 
 
-def _actions(kind: str, level: str) -> list[dict[str, Any]]:
+def _actions(kind: str, level: str, *extra: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {"generic_key": {"descriptor_key": "kind", "descriptor_value": kind}},
         {"request_headers": {"header_name": LEVEL_HEADERS[level], "descriptor_key": level}},
+        *extra,
     ]
 
 
-def route_rate_limits(config: RoutingConfig) -> list[dict[str, Any]]:
-    """The ``rate_limits`` of the routed Envoy route.
+def _from_metadata(descriptor_key: str, metadata_key: str, *, optional: bool = False) -> dict[str, Any]:
+    """A descriptor entry read from extproc's dynamic metadata. Required (the default): when the
+    metadata is absent Envoy sends no descriptor at all; optional: the entry is left out."""
+    action: dict[str, Any] = {
+        "descriptor_key": descriptor_key,
+        "metadata_key": {"key": METADATA_NAMESPACE, "path": [{"key": metadata_key}]},
+        "source": "DYNAMIC",
+    }
+    if optional:
+        action["skip_if_absent"] = True
+    return {"metadata": action}
 
-    Requests cost 1 when the request starts. Token buckets are checked (``hits_addend: 0``: admit
-    while not empty) when it starts, and charged the real usage when the stream is done.
-    """
+
+def route_rate_limits(config: RoutingConfig) -> list[dict[str, Any]]:
+    """The ``rate_limits`` of the routed Envoy route (see the module docstring)."""
+    lease = _from_metadata(LEASE_ENTRY, LEASE_METADATA_KEY)
     out: list[dict[str, Any]] = []
     for level in _levels_with(config, "requests"):
         out.append({"actions": _actions("requests", level)})
     for level in _levels_with(config, "tokens"):
-        out.append({"actions": _actions("tokens", level), "hits_addend": {"number": 0}})
         out.append({
-            "actions": _actions("tokens", level),
-            "apply_on_stream_done": True,
+            "actions": _actions("tokens", level, _from_metadata(LEASE_ENTRY, LEASE_METADATA_KEY,
+                                                                optional=True)),
             "hits_addend": {"format": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:"
-                                      f"{TOKENS_METADATA_KEY})%"},
+                                      f"{RESERVATION_METADATA_KEY})%"},
+        })
+        out.append({
+            "actions": _actions("tokens", level, lease,
+                                _from_metadata(USED_ENTRY, TOKENS_METADATA_KEY)),
+            "apply_on_stream_done": True,
+            "hits_addend": {"number": 0},
+        })
+    for level in _levels_with(config, "concurrent"):
+        out.append({"actions": _actions("concurrent", level, lease)})
+        out.append({
+            "actions": _actions("concurrent", level, lease, {"generic_key": {
+                "descriptor_key": RELEASE_ENTRY, "descriptor_value": "1"}}),
+            "apply_on_stream_done": True,
+            "hits_addend": {"number": 0},
         })
     return out

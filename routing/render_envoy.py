@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from routing.ratelimits import DOMAIN, METADATA_NAMESPACE, route_rate_limits
+from llm_sidecar.wire_names import METADATA_NAMESPACE
+from routing.ratelimits import DOMAIN, route_rate_limits
 from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport

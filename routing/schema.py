@@ -241,6 +241,10 @@ class Limit(Strict):
     """Capacity of the requests bucket (default: the rate's N)."""
     tokens: str | None = None
     """LLM tokens (prompt + completion) per window: 100k/min, 2M/h."""
+    concurrent: int | None = Field(default=None, gt=0)
+    """At most this many requests in flight (streams included); the next gets 429."""
+    shadow: bool | None = None
+    """Evaluate and count what this limit would deny, but never deny (default false)."""
 
     @field_validator("requests", "tokens")
     @classmethod

@@ -92,9 +92,9 @@ def test_per_model_limit(gw: Gateway) -> None:
 
 
 def denied_soon(gw: Gateway, tenant: str) -> openai.RateLimitError:
-    """Envoy charges tokens when the previous stream is done, a moment after the client has
-    read it: a request racing that moment may still pass, so allow a short settle time. Each
-    try uses a fresh key, so only the tenant's token bucket can deny."""
+    """The next request of ``tenant`` (a fresh key, so only the tenant's token bucket can deny),
+    retried briefly: Envoy settles the previous request when its stream is done, a moment after
+    the client has read it."""
     deadline = time.monotonic() + 5
     for attempt in itertools.count():
         try:
@@ -106,18 +106,19 @@ def denied_soon(gw: Gateway, tenant: str) -> openai.RateLimitError:
     raise AssertionError("unreachable")
 
 
-def test_token_limit_denies_after_usage_exhausts_it(gw: Gateway) -> None:
+def test_token_limit_denies_once_reservations_and_usage_exhaust_it(gw: Gateway) -> None:
     c = client(gw, "sk-tok-1", "thrifty")
-    first = chat(c, max_tokens=95).parse()  # prompt + 95 > 100 tokens: the bucket goes into debt
-    assert first.usage.total_tokens > 100
-    assert denied_soon(gw, "thrifty").body["type"] == "tokens"
+    first = chat(c, max_tokens=60).parse()  # reserves prompt + 60 of the 100; uses about as much
+    assert 60 < first.usage.total_tokens < 100
+    err = denied_soon(gw, "thrifty")
+    assert err.body["type"] == "tokens"
 
 
-def test_streamed_usage_is_charged_too(gw: Gateway) -> None:
+def test_a_streamed_request_reserves_its_tokens_too(gw: Gateway) -> None:
     stream = client(gw, "sk-s1", "streamy").chat.completions.create(
-        model="llama-2-13b", messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+        model="llama-2-13b", messages=[{"role": "user", "content": "hi"}], max_tokens=30,
         stream=True)
-    assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) == 60
+    assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) == 30
     assert denied_soon(gw, "streamy").body["type"] == "tokens"
 
 
@@ -126,5 +127,5 @@ def test_rejected_requests_charge_no_tokens(gw: Gateway) -> None:
     for _ in range(3):  # 404s from extproc: nothing served, nothing charged
         with pytest.raises(openai.NotFoundError):
             c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    # The bucket is still whole: a reservation of prompt + 30 of its 50 is admitted.
     assert chat(c, max_tokens=30).parse().usage.total_tokens < 50
-    assert chat(client(gw, "sk-r2", "frugal")).parse().choices

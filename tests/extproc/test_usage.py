@@ -3,7 +3,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from extproc.usage import MAX_JSON_BYTES, Usage, UsageMeter, tokens_to_charge
+from extproc.usage import MAX_JSON_BYTES, Usage, UsageMeter, settled_tokens, tokens_to_charge
 
 
 def sse(*docs: object) -> bytes:
@@ -22,7 +22,7 @@ def test_sse_usage_chunk_wins() -> None:
     for i in range(0, len(body), 7):  # events split across chunks anywhere
         meter.feed(body[i:i + 7])
     usage = meter.finish()
-    assert usage == Usage(5, 2, 7, 2)
+    assert usage == Usage(5, 2, 7, 2, done=True)
     assert tokens_to_charge(usage, 100, 100) == 7
 
 
@@ -76,3 +76,28 @@ def test_done_marks_the_stream_complete() -> None:
     assert not meter.done
     meter.feed(b"data: [DONE]\n\n")
     assert meter.done and meter.finish().streamed_tokens == 1
+
+
+CUT = b"data: " + orjson.dumps(delta("a")) + b"\n\n" + b"data: " + orjson.dumps(delta("b")) + b"\n\n"
+WITH_USAGE = sse(delta("a"), {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1,
+                                                      "total_tokens": 6}})
+ERRORED = sse(delta("a"), {"error": {"message": "engine died", "code": 500}})
+
+
+@pytest.mark.parametrize(("body", "streamed", "status", "expected"), [
+    (WITH_USAGE, True, 200, 6),                      # the usage chunk
+    (sse(delta("x"), delta("y")), True, 200, 12),    # [DONE], no usage: prompt 10 + 2 events
+    (CUT, True, 200, None),                          # cut before [DONE]: unknown
+    (ERRORED, True, 200, None),                      # a mid-stream error: unknown
+    (b'{"usage": {"total_tokens": 9}}', False, 200, 9),
+    (b'{"choices": []}', False, 200, None),          # no usage in a JSON body: unknown
+    (b'{"error": {"message": "bad"}}', False, 400, 0),  # vLLM refused it: nothing served
+    (b"", False, 503, 0),
+])
+def test_settled_tokens_only_when_usage_is_known(body: bytes, streamed: bool, status: int,
+                                                 expected: int | None) -> None:
+    """A reservation is settled with known usage only; a client cannot lower its charge by
+    cutting its own stream."""
+    meter = UsageMeter(streaming=streamed)
+    meter.feed(body)
+    assert settled_tokens(meter.finish(), status, streamed, 10) == expected

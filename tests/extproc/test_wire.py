@@ -4,7 +4,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import wire
 from extproc.actions import Continue, ModeOverride, Reply
-from routing.ratelimits import METADATA_NAMESPACE
+from llm_sidecar.wire_names import METADATA_NAMESPACE
 
 
 def headers_request(**headers: str) -> pb.ProcessingRequest:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from llm_sidecar.redis_client import make_client
-from ratelimit.bucket import BucketSpec, Hit
+from ratelimit.bucket import BucketSpec, Hit, Settle
 from ratelimit.keys import bucket_key
 from ratelimit.memory_store import MemoryStore
 from ratelimit.redis_store import RedisStore
@@ -30,6 +30,20 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[BucketStore]:
     else:
         cluster = request.getfixturevalue("redis_cluster")
         made = RedisStore(make_client(cluster.url, 2.0), margin_s=MARGIN_S)
+    try:
+        yield made
+    finally:
+        await made.aclose()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store_with_short_leases(request: pytest.FixtureRequest) -> AsyncIterator[BucketStore]:
+    """Leases of 0.3 s: a holder that never releases (its Envoy died) frees the slot."""
+    if request.param == "memory":
+        made: BucketStore = MemoryStore(margin_s=MARGIN_S, lease_ttl_s=0.3)
+    else:
+        server = request.getfixturevalue("redis_server")
+        made = RedisStore(make_client(server.url, 2.0), margin_s=MARGIN_S, lease_ttl_s=0.3)
     try:
         yield made
     finally:
@@ -120,3 +134,90 @@ async def test_keys_of_one_request_span_cluster_slots(store: BucketStore) -> Non
     assert not denied.admitted
     for n in names[:5]:
         assert await level(store, n, 3) == pytest.approx(2, abs=1e-3)
+
+
+# Reservations, settlement and concurrency slots (CONTRACT §7): the same on every store.
+
+def reserve(name: str, capacity: float, tokens: int, lease: str) -> Hit:
+    return Hit(key(name), BucketSpec(capacity, SLOW), tokens, lease)
+
+
+def settle(name: str, capacity: float, lease: str, used: int | None) -> Settle:
+    spec = BucketSpec(capacity, SLOW, concurrent=used is None)
+    return Settle(key(name), spec, lease, used)
+
+
+def slot(name: str, slots: int, lease: str, shadow: bool = False) -> Hit:
+    return Hit(key(name), BucketSpec(slots, 0.0, shadow=shadow, concurrent=True), 1, lease)
+
+
+async def test_concurrent_reservations_never_overshoot(store: BucketStore) -> None:
+    """20 requests arrive together, each reserving 250 of a 1000-token bucket: exactly 4 fit."""
+    results = await asyncio.gather(*(
+        store.decide([reserve("tok", 1000, 250, f"lease{i:04d}")]) for i in range(20)))
+    admitted = [i for i, r in enumerate(results) if r.admitted]
+    assert len(admitted) == 4
+    # They finish having used 10 tokens each: 240 each go back, so 3 more reservations fit.
+    await store.settle([settle("tok", 1000, f"lease{i:04d}", 10) for i in admitted])
+    assert await level(store, "tok", 1000) == pytest.approx(1000 - 40, abs=0.01)
+    again = await asyncio.gather(*(
+        store.decide([reserve("tok", 1000, 250, f"again{i:04d}")]) for i in range(5)))
+    assert sum(r.admitted for r in again) == 3
+
+
+async def test_a_reservation_is_settled_exactly_once(store: BucketStore) -> None:
+    assert (await store.decide([reserve("once", 100, 60, "leaseonce")])).admitted
+    for _ in range(3):  # a repeated settle (a retried call, a forged one) changes nothing
+        await store.settle([settle("once", 100, "leaseonce", 0)])
+    assert await level(store, "once", 100) == pytest.approx(100, abs=0.01)
+
+
+async def test_overage_is_charged_as_debt(store: BucketStore) -> None:
+    assert (await store.decide([reserve("over", 100, 30, "leaseover")])).admitted
+    await store.settle([settle("over", 100, "leaseover", 150)])  # used 120 more than reserved
+    assert await level(store, "over", 100) == pytest.approx(-50, abs=0.01)
+    assert not (await store.decide([reserve("over", 100, 1, "leasenext")])).admitted
+
+
+async def test_a_denied_or_unknown_lease_settles_nothing(store: BucketStore) -> None:
+    assert (await store.decide([reserve("deny", 100, 80, "leasefirst")])).admitted
+    assert not (await store.decide([reserve("deny", 100, 80, "leasedenied")])).admitted
+    await store.settle([settle("deny", 100, "leasedenied", 0), settle("deny", 100, "leasenever", 0)])
+    assert await level(store, "deny", 100) == pytest.approx(20, abs=0.01)
+
+
+async def test_a_request_that_does_not_fit_takes_nothing_anywhere(store: BucketStore) -> None:
+    """All or nothing across a requests bucket, a token reservation and a slot."""
+    request = [hit("req", 5), reserve("tokens", 100, 101, "leasebig"), slot("conc", 2, "leasebig")]
+    assert not (await store.decide(request)).admitted
+    assert await level(store, "req", 5) == pytest.approx(5)
+    assert await level(store, "tokens", 100) == pytest.approx(100)
+    both = [slot("conc", 2, "leasea"), slot("conc", 2, "leaseb")]
+    assert all([(await store.decide([s])).admitted for s in both])  # both slots still free
+
+
+async def test_concurrency_slots_are_held_until_released(store: BucketStore) -> None:
+    results = await asyncio.gather(*(store.decide([slot("c3", 3, f"lease{i:04d}")]) for i in range(10)))
+    held = [i for i, r in enumerate(results) if r.admitted]
+    assert len(held) == 3
+    assert not (await store.decide([slot("c3", 3, "leaselate")])).admitted
+    await store.settle([settle("c3", 3, f"lease{held[0]:04d}", None)])
+    await store.settle([settle("c3", 3, f"lease{held[0]:04d}", None)])  # twice frees one slot
+    assert (await store.decide([slot("c3", 3, "leasenew1")])).admitted
+    assert not (await store.decide([slot("c3", 3, "leasenew2")])).admitted
+
+
+async def test_a_shadow_slot_cap_admits_and_counts(store: BucketStore) -> None:
+    assert (await store.decide([slot("sh", 1, "leaseone", shadow=True)])).admitted
+    over = await store.decide([slot("sh", 1, "leasetwo", shadow=True)])
+    assert over.admitted and not over.results[0].admitted
+
+
+async def test_slots_of_a_dead_holder_expire(store_with_short_leases: BucketStore) -> None:
+    store = store_with_short_leases
+    assert (await store.decide([slot("dead", 1, "leasedead")])).admitted
+    assert not (await store.decide([slot("dead", 1, "leasewait")])).admitted
+    deadline = asyncio.get_running_loop().time() + 10
+    while not (await store.decide([slot("dead", 1, "leaselive")])).admitted:
+        assert asyncio.get_running_loop().time() < deadline, "the slot never expired"
+        await asyncio.sleep(0.05)

@@ -11,7 +11,7 @@ from ratelimit.loader import load_document, load_path
 
 CONFIGS = Path(__file__).parent / "configs"
 UNITS = " (expected second, minute, hour, day, week, month, year, or a window like 5m)"
-LIMIT_KEYS = "unit, requests_per_unit, unlimited, name, replaces, burst, unit_multiplier, debt"
+LIMIT_KEYS = "unit, requests_per_unit, unlimited, name, replaces, burst, unit_multiplier, debt, concurrent"
 
 CASES = {
     "unknown_key.yaml": f"7: unknown key 'burts' (expected one of: {LIMIT_KEYS})",

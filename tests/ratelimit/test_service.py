@@ -90,7 +90,11 @@ async def test_ok_statuses_carry_limit_remaining_and_reset(channel: grpc.aio.Cha
     assert status.current_limit.name == "per-key"
     assert status.limit_remaining == 1
     assert status.duration_until_reset.seconds == 1
-    assert not response.raw_body and not response.response_headers_to_add
+    assert not response.raw_body
+    # OpenAI's names for the tightest requests bucket, added to the client's response by Envoy.
+    assert {(h.key, h.value) for h in response.response_headers_to_add} == {
+        ("x-ratelimit-limit-requests", "2"), ("x-ratelimit-remaining-requests", "1"),
+        ("x-ratelimit-reset-requests", "500ms")}
 
 
 async def test_over_limit_has_retry_after_and_openai_body(channel: grpc.aio.Channel) -> None:
@@ -101,7 +105,9 @@ async def test_over_limit_has_retry_after_and_openai_body(channel: grpc.aio.Chan
     assert response.statuses[0].code == Response.OVER_LIMIT
     assert response.statuses[0].limit_remaining == 0
     headers = {h.key: h.value for h in response.response_headers_to_add}
-    assert headers == {"retry-after": "1", "content-type": "application/json"}
+    assert headers == {"retry-after": "1", "content-type": "application/json",
+                       "x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "0",
+                       "x-ratelimit-reset-requests": headers["x-ratelimit-reset-requests"]}
     body = orjson.loads(response.raw_body)
     assert body == {
         "error": {
@@ -131,16 +137,34 @@ async def test_tokens_body_and_multi_unit_limit(channel: grpc.aio.Channel) -> No
     assert int(headers["retry-after"]) in (440, 441)
 
 
+def remaining(response: rls_pb2.RateLimitResponse) -> int:
+    """The bucket's true level, from OpenAI's header (the IETF status is capped at the rate)."""
+    headers = {h.key: h.value for h in response.response_headers_to_add}
+    return int(headers["x-ratelimit-remaining-requests"])
+
+
 async def test_hits_addend_semantics(channel: grpc.aio.Channel) -> None:
     tenant = descriptor(("kind", "requests"), ("tenant", "t"))
-    assert (await ask(channel, tenant)).statuses[0].limit_remaining == 99  # unset: 1
-    assert (await ask(channel, tenant, hits_addend=9)).statuses[0].limit_remaining == 90
+    assert remaining(await ask(channel, tenant)) == 99  # unset: 1
+    assert remaining(await ask(channel, tenant, hits_addend=9)) == 90
     check = descriptor(("kind", "requests"), ("tenant", "t"), hits=0)
-    assert (await ask(channel, check, hits_addend=9)).statuses[0].limit_remaining == 90
+    assert remaining(await ask(channel, check, hits_addend=9)) == 90
     big = descriptor(("kind", "requests"), ("tenant", "t"), hits=2**64 - 1)
     response = await ask(channel, big)
     assert response.overall_code == Response.OVER_LIMIT
-    assert (await ask(channel, check)).statuses[0].limit_remaining == 90
+    assert remaining(await ask(channel, check)) == 90
+
+
+async def test_remaining_never_shows_above_the_limit(channel: grpc.aio.Channel) -> None:
+    """The tenant bucket holds 100 (burst) but refills 20/min: Envoy's x-ratelimit-limit shows
+    20, so x-ratelimit-remaining must not show 99 (OpenAI's headers carry the true numbers)."""
+    response = await ask(channel, descriptor(("kind", "requests"), ("tenant", "burst")))
+    status = response.statuses[0]
+    assert status.current_limit.requests_per_unit == 20
+    assert status.limit_remaining == 20
+    assert remaining(response) == 99
+    headers = {h.key: h.value for h in response.response_headers_to_add}
+    assert headers["x-ratelimit-limit-requests"] == "100"
 
 
 async def test_unknown_domain_unmatched_and_unlimited_are_ok(channel: grpc.aio.Channel) -> None:

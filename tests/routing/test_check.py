@@ -116,7 +116,7 @@ CASES = {
                                ["9: burst is the capacity of the requests bucket: it needs a "
                                 "requests rate"]),
     "empty_limit": (GOOD + "rate_limits:\n  tenant: {default: {}}\n",
-                    ["9: a limit needs requests, tokens or both"]),
+                    ["9: a limit needs requests, tokens, concurrent or a combination"]),
     "bad_endpoint": (GOOD.replace('"10.0.0.11:8000"', '"10.0.0.11"'),
                      ["3: clusters.vllm-short.endpoints: bad address '10.0.0.11': use host:port, "
                       "like 10.0.0.11:8000"]),

@@ -38,7 +38,7 @@ def test_override_inherits_unset_fields_and_names_keys_by_id() -> None:
                                          "requests_per_unit": 50, "unit": "second"}
     tokens = branch(doc, "tokens")
     assert tokens[1]["rate_limit"] == {"name": "api_key:bot:tokens", "requests_per_unit": 100000,
-                                       "unit": "minute", "debt": True}
+                                       "unit": "minute"}
 
 
 def test_multi_unit_windows() -> None:
@@ -46,7 +46,7 @@ def test_multi_unit_windows() -> None:
     assert branch(doc, "requests")[0]["rate_limit"]["unit_multiplier"] == 5
     assert branch(doc, "tokens")[0]["rate_limit"] == {
         "name": "tenant:default:tokens", "requests_per_unit": 1_000_000, "unit": "hour",
-        "unit_multiplier": 2, "debt": True}
+        "unit_multiplier": 2}
 
 
 def test_descriptors_load_in_the_ratelimit_service() -> None:
@@ -57,13 +57,41 @@ def test_descriptors_load_in_the_ratelimit_service() -> None:
     assert list(loaded.domains) == ["llm-sidecar"]
 
 
-def test_actions_check_tokens_at_start_and_charge_at_stream_end() -> None:
+def test_actions_reserve_at_start_and_settle_at_stream_end() -> None:
     actions = route_rate_limits(config({"tenant": {"default": {"requests": "1/s",
                                                                "tokens": "1k/min"}}}))
     assert len(actions) == 3
     assert "hits_addend" not in actions[0]
-    assert actions[1]["hits_addend"] == {"number": 0}
-    assert actions[2]["apply_on_stream_done"] is True
-    assert "DYNAMIC_METADATA(llm_sidecar:llm_tokens)" in actions[2]["hits_addend"]["format"]
+    assert actions[1]["hits_addend"] == {
+        "format": "%DYNAMIC_METADATA(llm_sidecar:llm_reservation)%"}
+    lease = actions[1]["actions"][2]["metadata"]
+    assert lease["descriptor_key"] == "llm_sidecar.lease" and lease["skip_if_absent"] is True
+    done = actions[2]
+    assert done["apply_on_stream_done"] is True
+    # No usage known (client gone, stream cut): Envoy builds no descriptor, the reservation stands.
+    used = done["actions"][3]["metadata"]
+    assert used["descriptor_key"] == "llm_sidecar.used" and "skip_if_absent" not in used
+    assert used["metadata_key"]["path"] == [{"key": "llm_tokens"}]
     headers = [a["actions"][1]["request_headers"]["header_name"] for a in actions]
     assert headers == ["x-llm-tenant"] * 3
+
+
+def test_concurrent_and_shadow_limits() -> None:
+    cfg = config({"api_key": {"default": {"concurrent": 4},
+                              "overrides": {"bot": {"requests": "1/s", "shadow": True}}}})
+    doc = descriptors(cfg)
+    conc = branch(doc, "concurrent")
+    assert conc[0] == {"key": "api_key", "rate_limit": {"name": "api_key:default:concurrent",
+                                                        "concurrent": 4}}
+    # The override inherits the cap and turns both of its limits into shadow limits.
+    assert conc[1]["shadow_mode"] is True and conc[1]["rate_limit"]["concurrent"] == 4
+    assert branch(doc, "requests")[0]["shadow_mode"] is True
+    loaded = load_document(doc, "t.yaml").domains["llm-sidecar"]
+    limit = loaded.match((("kind", "concurrent"), ("api_key", "anyone")))
+    assert limit is not None and limit.concurrent == 4 and not limit.shadow_mode
+    actions = route_rate_limits(cfg)
+    kinds = [(a["actions"][0]["generic_key"]["descriptor_value"], a.get("apply_on_stream_done", False))
+             for a in actions]
+    assert kinds == [("requests", False), ("concurrent", False), ("concurrent", True)]
+    assert actions[2]["actions"][-1] == {"generic_key": {"descriptor_key": "llm_sidecar.release",
+                                                         "descriptor_value": "1"}}

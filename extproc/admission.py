@@ -1,0 +1,30 @@
+"""What extproc hands the rate limiter when a request is routed (CONTRACT §7).
+
+The reservation is charged to every token bucket at admission; the lease names this request's
+reservation and concurrency slots in the ratelimit store, so the stream-done call can settle
+and release exactly them. The lease is random (not the client's ``x-request-id``): a client
+must not be able to name, and so settle or release, another request's lease.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from llm_sidecar.wire_names import LEASE_METADATA_KEY, RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
+
+
+def new_lease() -> str:
+    """96 random bits, hex: unguessable, and inside the service's accepted lease alphabet."""
+    return secrets.token_hex(12)
+
+
+def admission_metadata(reservation: int) -> dict[str, Any]:
+    """Dynamic metadata for the request-body answer of a request that goes upstream."""
+    return {RESERVATION_METADATA_KEY: max(0, reservation), LEASE_METADATA_KEY: new_lease()}
+
+
+def usage_metadata(used: int) -> dict[str, Any]:
+    """Dynamic metadata for the answer that ends a response whose usage is known. A string:
+    Envoy's rate-limit ``metadata`` action reads only string values into a descriptor."""
+    return {TOKENS_METADATA_KEY: str(max(0, used))}
