@@ -38,3 +38,16 @@ def test_bench_runs_one_tiny_scenario(tmp_path: Path) -> None:
     assert cell["errors"] == 0
     assert set(cell["cpu_us_per_request"]) == {"envoy", "extproc", "ratelimit"}
     assert "| full-memory/chat |" in (results.parent / "results.md").read_text(encoding="utf-8")
+
+
+def test_reservation_bench_runs_and_counts_redis_work() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.reservations", "--requests", "40",
+                           "--concurrency", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| Redis |")]
+    assert [row[2].strip() for row in rows] == [
+        "requests only", "check, then charge (before)", "reserve, then settle (after)",
+        "reserve, settle + concurrency caps"]
+    # One EVALSHA per RLS call: admission, then the stream-done settle.
+    assert [float(row[4]) for row in rows] == [1.0, 2.0, 2.0, 2.0]
