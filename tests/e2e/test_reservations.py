@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
+from tests.chaos.replicas import add_to_envoy, start_replica
 from tests.chaos.support import metric
 from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, default_doc, running_gateway
@@ -211,3 +212,39 @@ def test_openai_rate_limit_headers_on_every_answer(gw: Gateway) -> None:
     assert headers["x-ratelimit-reset-tokens"].endswith("s")
     # The IETF header Envoy builds never shows more remaining than its limit.
     assert int(headers["x-ratelimit-remaining"]) <= int(headers["x-ratelimit-limit"].split(",")[0])
+
+
+def test_two_replicas_on_one_redis_enforce_one_global_reservation(
+        tmp_path_factory: pytest.TempPathFactory, redis_server_module: RedisServer | None) -> None:
+    """Envoy spreads decisions over two ratelimit (and two extproc) replicas sharing a Redis:
+    20 requests at once against a bucket that fits 4 reservations still get 4 admissions."""
+    if redis_server_module is None:
+        unavailable("redis")
+    env = {"LLM_SIDECAR_REDIS_URL": redis_server_module.url, "LLM_SIDECAR_REDIS_TIMEOUT_MS": "1000"}
+    d = doc()
+    d["rate_limits"]["tenant"]["overrides"]["global"] = {"tokens": "1200/h"}
+    with running_gateway(d, str(tmp_path_factory.mktemp("gw-res-replicas")), env=env) as gw:
+        extra = [("ratelimit", start_replica(gw, "ratelimit")),
+                 ("extproc", start_replica(gw, "extproc"))]
+        try:
+            add_to_envoy(gw, extra)
+            reserved = reservation(gw)
+            assert 4 * reserved <= 1200 < 5 * reserved, reserved
+
+            def one(_: int) -> bool:
+                try:
+                    chat(gw, "global", extra_headers={"x-context-length": "4000"})
+                except openai.RateLimitError:
+                    return False
+                return True
+
+            with concurrent.futures.ThreadPoolExecutor(20) as pool:
+                admitted = sum(pool.map(one, range(20)))
+            assert admitted == 4
+            served = [metric(url, "ratelimit_requests_total", code="ok")
+                      + metric(url, "ratelimit_requests_total", code="over_limit")
+                      for url in (gw.ratelimit_metrics, extra[0][1].metrics)]
+            assert all(count > 0 for count in served), served
+        finally:
+            for _, replica in extra:
+                replica.child.stop()
