@@ -18,6 +18,10 @@ from routing.units import parse_rate
 DOMAIN = "llm-sidecar"
 METADATA_NAMESPACE = "llm_sidecar"
 TOKENS_METADATA_KEY = "llm_tokens"
+"""Tokens to charge when a generation's stream is done (an int, set on the last response)."""
+RESERVATION_METADATA_KEY = "llm_reservation"
+"""A request's token reservation (an int, CONTRACT §7), set on the request-body answer: counted
+prompt tokens plus requested output x choices, for every prompt."""
 LEVEL_HEADERS = {"api_key": "x-llm-key-id", "tenant": "x-llm-tenant", "model": "x-llm-model"}
 _UNITS = (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1))
 

@@ -156,12 +156,17 @@ HOSTILE: dict[str, bytes] = {
     "nested token ids": b'{"model": "llama-2-13b", "prompt": [[1, 2], [-3], [99999999999999]]}',
     "1M token-id arrays": b'{"model": "bge-m3", "input": [' + b",".join([b"[7]"] * 1_000_000)
                           + b"]}",
+    "1M completions prompts": b'{"model": "llama-2-13b", "max_tokens": 1, "prompt": ['
+                              + b",".join([b"[7]"] * 1_000_000) + b"]}",
+    "n of a million": b'{"model": "llama-2-13b", "n": 1000000, "best_of": 1000000, '
+                      b'"messages": [{"role": "user", "content": "a"}]}',
     "CRLF in every header": big_chat(10),
 }
 HEADERS_OF = {"CRLF in every header": {
     "authorization": "Bearer k\r\nx-llm-cluster: vllm-long", "x-tenant-id": "a\r\nb",
     "x-request-id": "r\r\nset-cookie: x=1", "x-context-length": "10\r\n"}}
 PATH_OF = {"10 MB of token ids": "/v1/completions", "nested token ids": "/v1/completions",
+           "1M completions prompts": "/v1/completions",
            "2M embedding inputs": "/v1/embeddings", "1M token-id arrays": "/v1/embeddings"}
 
 
@@ -197,3 +202,16 @@ def test_an_embeddings_batch_is_capped_at_openais_2048_inputs() -> None:
     answers = run_stream({":path": "/v1/embeddings", ":method": "POST"}, HOSTILE["2M embedding inputs"])
     error = orjson.loads(answers[1].response.immediate_response.body)["error"]
     assert error["param"] == "input" and "2048" in error["message"]
+
+
+@pytest.mark.parametrize(("name", "param"), [
+    ("1M completions prompts", "prompt"), ("10 MB of token ids", "prompt"),
+    ("n of a million", "n"),
+])
+def test_generation_bounds_refuse_the_work_they_cap(name: str, param: str) -> None:
+    """A million one-id prompts used to route as one tier-high request after ~2 s of CPU."""
+    answers = run_stream({":path": PATH_OF.get(name, "/v1/chat/completions"), ":method": "POST"},
+                         HOSTILE[name])
+    assert answers[1].status == 400
+    error = orjson.loads(answers[1].response.immediate_response.body)["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", param)
