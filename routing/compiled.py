@@ -87,9 +87,9 @@ class Snapshot:
     """The tenants of listed keys (a key without ``tenant`` is its own, by name): a tenant header
     naming one of these is not believed (CONTRACT §3 Tenants)."""
     known_tenants: frozenset[str]
-    """The tenant values metric labels use (others become ``other``): ``default``, the listed
-    tenants and those named by ``rate_limits.tenant.overrides``; all come from the config, so the
-    label stays bounded whatever tenant headers callers send."""
+    """The tenant values metric labels use (others become ``other``): ``default`` and the listed
+    tenants. Both come from the config, so the label stays bounded whatever tenant headers
+    callers send."""
 
 
 def listed_key_id(sha256_hex: str) -> str:
@@ -131,8 +131,6 @@ def compile_config(config: RoutingConfig) -> Snapshot:
         for k in config.api_keys
     }
     listed = frozenset(k.effective_tenant for k in config.api_keys)
-    limits = config.rate_limits
-    overridden = frozenset(limits.tenant.overrides) if limits and limits.tenant else frozenset()
     return Snapshot(
         config=config,
         models=MappingProxyType(models),
@@ -143,5 +141,5 @@ def compile_config(config: RoutingConfig) -> Snapshot:
         low_from=config.priority.low_from,
         inject_priority=config.priority.inject,
         listed_tenants=listed,
-        known_tenants=frozenset({"default"}) | listed | overridden,
+        known_tenants=frozenset({"default"}) | listed,
     )

@@ -116,6 +116,5 @@ def test_tenant_sets_of_the_snapshot() -> None:
     """Listed tenants include name-derived ones; metric labels know only configured tenants,
     so callers naming a million tenants still make a bounded label set."""
     assert OPEN.listed_tenants == {"legal", "solo"}
-    assert OPEN.known_tenants == {"default", "legal", "solo", "vip"}
-    assert "acme" not in OPEN.known_tenants
+    assert OPEN.known_tenants == {"default", "legal", "solo"}
     assert {k.tenant for k in OPEN.keys_by_sha256.values()} == {"legal", "solo"}
