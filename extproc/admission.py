@@ -19,9 +19,16 @@ def new_lease() -> str:
     return secrets.token_hex(12)
 
 
+MAX_RESERVATION = 2**32 - 1
+"""Envoy reads ``hits_addend`` as a uint32 and drops a descriptor whose value does not parse,
+which would admit the request unchecked. 32K output x 128 choices x 2048 prompts is 8.6e9: such
+a request reserves this much instead, more than any bucket holds, and is refused."""
+
+
 def admission_metadata(reservation: int) -> dict[str, Any]:
     """Dynamic metadata for the request-body answer of a request that goes upstream."""
-    return {RESERVATION_METADATA_KEY: max(0, reservation), LEASE_METADATA_KEY: new_lease()}
+    return {RESERVATION_METADATA_KEY: min(max(0, reservation), MAX_RESERVATION),
+            LEASE_METADATA_KEY: new_lease()}
 
 
 def usage_metadata(used: int) -> dict[str, Any]:

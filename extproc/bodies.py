@@ -27,12 +27,20 @@ class PromptParts:
 
 @dataclass(frozen=True)
 class GenerationBody:
-    """A chat or completions request, reduced to what routing needs."""
+    """A chat or completions request, reduced to what routing and the reservation need."""
 
     api: Api
     model: str
-    prompt: PromptParts
+    prompts: tuple[PromptParts, ...]
+    """One for chat; one per entry of a batched completions ``prompt`` (vLLM serves each as its
+    own request)."""
     max_output_tokens: int | None
+    """Output tokens asked for per sequence, as vLLM reads them: chat's ``max_completion_tokens``,
+    else ``max_tokens``; a value of 0 or less counts as not set (vLLM's ``or`` falls back the
+    same way). None: the model's ``default_max_tokens``."""
+    choices: int
+    """Sequences generated per prompt: ``n``, or ``best_of`` when larger (vLLM generates
+    ``best_of`` and returns the best ``n``)."""
     stream: bool
     include_usage: bool
     doc: dict[str, Any]
@@ -81,6 +89,17 @@ def _int_field(doc: dict[str, Any], name: str, minimum: int) -> int | None:
     if value < minimum:
         raise bad_request(f"{name} must be at least {minimum}.", param=name)
     return value
+
+
+def _output_field(doc: dict[str, Any], name: str) -> int | None:
+    """An output budget field; 0 or less is "not set", as vLLM treats it (never a 400: a
+    client sending ``max_completion_tokens: 0`` gets the fallback, not a cheap estimate)."""
+    value = doc.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer.", param=name)
+    return value if value > 0 else None
 
 
 def _bool_field(doc: dict[str, Any], name: str) -> bool:
@@ -134,38 +153,79 @@ def _chat_prompt(doc: dict[str, Any]) -> PromptParts:
     return PromptParts(tuple(texts), 0, len(messages))
 
 
-def _completion_prompt(doc: dict[str, Any]) -> PromptParts:
+MAX_CHOICES = 128
+"""Most sequences one request may generate per prompt (``n``, ``best_of``): each is a whole
+generation, so without a cap one request could ask a pool for 100,000 of them."""
+MAX_PROMPTS = 2048
+"""Most prompts in one batched completions request (OpenAI's batch limit, as for embeddings)."""
+MAX_TOKEN_IDS = 1_000_000
+"""Most token ids one request may carry. A million one-id prompts used to cost extproc ~2 s of
+CPU (a type check per id, then a count per prompt) and came out tier ``high``."""
+
+
+def _choices(doc: dict[str, Any]) -> int:
+    """``n``, or ``best_of`` when larger, capped: read before any work that grows with them."""
+    choices = 1
+    for name in ("n", "best_of"):
+        value = _int_field(doc, name, 1)
+        if value is None:
+            continue
+        if value > MAX_CHOICES:
+            raise bad_request(f"{name} may be at most {MAX_CHOICES}; this request asks for "
+                              f"{value}.", param=name)
+        choices = max(choices, value)
+    return choices
+
+
+def _completion_prompts(doc: dict[str, Any]) -> tuple[PromptParts, ...]:
+    """The prompts of a completions body; the batch size and the token-id total are checked
+    before any per-item work (only ``len`` of the lists is read first)."""
     prompt = doc.get("prompt")
     bad = bad_request("prompt must be a string, an array of strings, an array of token ids, "
                       "or an array of token-id arrays.", param="prompt")
     if isinstance(prompt, str):
-        return PromptParts((prompt,), 0, 0)
+        return (PromptParts((prompt,), 0, 0),)
     if not isinstance(prompt, list) or not prompt:
         raise bad
+    flat = isinstance(prompt[0], int)  # one prompt of token ids, else a batch of prompts
+    if not flat and len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"prompt may hold at most {MAX_PROMPTS} prompts; this one has "
+                          f"{len(prompt)}. Split the batch.", param="prompt")
+    ids = len(prompt) if flat else sum(len(p) for p in prompt if isinstance(p, list))
+    if ids > MAX_TOKEN_IDS:
+        raise bad_request(f"A request may carry at most {MAX_TOKEN_IDS} token ids; this one has "
+                          f"{ids}.", param="prompt")
     if all(isinstance(p, str) for p in prompt):
-        return PromptParts(tuple(prompt), 0, 0)
+        return tuple(PromptParts((p,), 0, 0) for p in prompt)
     if _token_list(prompt):
-        return PromptParts((), len(prompt), 0)
+        return (PromptParts((), len(prompt), 0),)
     if all(isinstance(p, list) and p and _token_list(p) for p in prompt):
-        # vLLM treats each entry as its own prompt; the longest one decides the pool.
-        return PromptParts((), max(len(p) for p in prompt), 0)
+        return tuple(PromptParts((), len(p), 0) for p in prompt)
     raise bad
 
 
 def parse_generation(api: Api, raw: bytes) -> GenerationBody:
-    """A chat or completions body; raises :class:`ClientError` on anything malformed."""
+    """A chat or completions body; raises :class:`ClientError` on anything malformed.
+
+    The scalar fields and the bounds come first, so an oversized request is refused before the
+    per-message or per-prompt work that would grow with it.
+    """
     doc = parse_json_object(raw)
     model = model_of(doc)
-    prompt = _chat_prompt(doc) if api == "chat" else _completion_prompt(doc)
-    max_tokens = _int_field(doc, "max_completion_tokens", 0)
+    choices = _choices(doc)
+    # Completions has no max_completion_tokens (OpenAI's legacy API, and vLLM ignores it there):
+    # reading it would let a client claim 1 token of output and ask for thousands.
+    max_tokens = _output_field(doc, "max_completion_tokens") if api == "chat" else None
+    fallback = _output_field(doc, "max_tokens")
     if max_tokens is None:
-        max_tokens = _int_field(doc, "max_tokens", 0)
+        max_tokens = fallback
     stream = _bool_field(doc, "stream")
     options = doc.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object.", param="stream_options")
     include_usage = bool(options and options.get("include_usage") is True)
-    return GenerationBody(api, model, prompt, max_tokens, stream, include_usage, doc)
+    prompts = (_chat_prompt(doc),) if api == "chat" else _completion_prompts(doc)
+    return GenerationBody(api, model, prompts, max_tokens, choices, stream, include_usage, doc)
 
 
 MAX_EMBEDDING_INPUTS = 2048
@@ -208,5 +268,6 @@ def parse_embeddings(raw: bytes) -> EmbeddingsBody:
     return EmbeddingsBody(model, inputs, single, dimensions, encoding, doc)
 
 
-__all__ = ["ClientError", "EmbeddingsBody", "GenerationBody", "PromptParts", "parse_embeddings",
-           "parse_generation", "parse_json_object"]
+__all__ = ["MAX_CHOICES", "MAX_PROMPTS", "MAX_TOKEN_IDS", "ClientError", "EmbeddingsBody",
+           "GenerationBody", "PromptParts", "parse_embeddings", "parse_generation",
+           "parse_json_object"]

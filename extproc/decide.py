@@ -1,4 +1,5 @@
-"""Routing decisions (CONTRACT §5): context length, pool, canary variant and priority tier.
+"""Routing decisions (CONTRACT §5): context length, pool, canary variant, priority tier, and
+the token reservation the rate limiter charges at admission (§7).
 
 Pure functions on frozen values; no I/O, no protobuf.
 """
@@ -15,14 +16,50 @@ CANARY_BUCKETS = 10_000
 
 
 @dataclass(frozen=True)
+class Demand:
+    """What one request asks of a pool, counted."""
+
+    prompt_tokens: tuple[int, ...]
+    """Counted tokens of each prompt: one for chat (and embeddings' longest input), one per
+    entry of a batched completion."""
+    max_output_tokens: int | None
+    """Output tokens per sequence the client asked for; None: the model's default."""
+    choices: int = 1
+    """Sequences generated per prompt (``n``, or ``best_of`` when larger)."""
+
+
+@dataclass(frozen=True)
 class Decision:
     cluster: str
     upstream_model: str
     variant: str
     context_length: int
     prompt_tokens: int
+    """Counted tokens of all prompts."""
     output_tokens: int
+    """Output asked for by all sequences of all prompts."""
     priority: str
+
+    @property
+    def reservation(self) -> int:
+        """Tokens charged at admission (CONTRACT §7): every prompt plus all requested output."""
+        return self.prompt_tokens + self.output_tokens
+
+
+def output_per_sequence(demand: Demand, default_max_tokens: int) -> int:
+    return default_max_tokens if demand.max_output_tokens is None else demand.max_output_tokens
+
+
+def requested_output(demand: Demand, default_max_tokens: int) -> int:
+    """Output of every sequence of every prompt: per-sequence budget x choices x prompts."""
+    return output_per_sequence(demand, default_max_tokens) * demand.choices \
+        * len(demand.prompt_tokens)
+
+
+def reservation(demand: Demand, default_max_tokens: int) -> int:
+    """Counted prompt tokens (all prompts) + requested output (max_completion_tokens, else
+    max_tokens, else the model's default) x choices, for every prompt of a batch."""
+    return sum(demand.prompt_tokens) + requested_output(demand, default_max_tokens)
 
 
 def parse_context_hint(value: str | None) -> int:
@@ -63,7 +100,12 @@ def on_canary(canary: Canary | None, sticky_value: str, model: str) -> bool:
 
 
 def priority_tier(prompt_tokens: int, output_tokens: int, high_below: float, low_from: float) -> str:
-    """``weight = prompt_tokens * max_output_tokens / 1000`` bucketed into high|medium|low."""
+    """``weight = prompt_tokens * max_output_tokens / 1000`` bucketed into high|medium|low.
+
+    For a request, ``prompt_tokens`` is its longest prompt and ``output_tokens`` the output of
+    all its sequences (:func:`requested_output`): asking for many choices or prompts in one
+    request weighs what asking for them one by one would, and never less.
+    """
     weight = prompt_tokens * output_tokens / 1000
     if weight < high_below:
         return "high"
@@ -72,30 +114,37 @@ def priority_tier(prompt_tokens: int, output_tokens: int, high_below: float, low
     return "medium"
 
 
-def decide(model: ModelRoute, prompt_tokens: int, requested_output: int | None, hint: int,
-           sticky_value: str, high_below: float, low_from: float) -> Decision:
-    """Choose pool and variant for one request, or raise the 413 the client should get."""
-    output = model.default_max_tokens if requested_output is None else requested_output
-    length = context_length(prompt_tokens, output, hint)
+def decide(model: ModelRoute, demand: Demand, hint: int, sticky_value: str, high_below: float,
+           low_from: float) -> Decision:
+    """Choose pool and variant for one request, or raise the 413 the client should get.
+
+    Each sequence of each prompt is its own context in vLLM: the longest prompt plus one
+    sequence's output must fit the pool.
+    """
+    longest = max(demand.prompt_tokens, default=0)
+    output = output_per_sequence(demand, model.default_max_tokens)
+    length = context_length(longest, output, hint)
     pool = pick_pool(model.pools, length)
     if pool is None:
-        raise context_length_exceeded(model.name, model.max_context, length, prompt_tokens, output)
+        raise context_length_exceeded(model.name, model.max_context, length, longest, output)
     cluster, upstream, variant = pool.cluster, model.name, "stable"
     canary = model.canary
     # A prompt the canary pool cannot hold stays on stable rather than failing there.
     if canary is not None and canary.max_context >= length \
             and on_canary(canary, sticky_value, model.name):
         cluster, upstream, variant = canary.cluster, canary.model, "canary"
+    total_output = requested_output(demand, model.default_max_tokens)
     return Decision(
         cluster=cluster,
         upstream_model=upstream,
         variant=variant,
         context_length=length,
-        prompt_tokens=prompt_tokens,
-        output_tokens=output,
-        priority=priority_tier(prompt_tokens, output, high_below, low_from),
+        prompt_tokens=sum(demand.prompt_tokens),
+        output_tokens=total_output,
+        priority=priority_tier(longest, total_output, high_below, low_from),
     )
 
 
-__all__ = ["ClientError", "Decision", "canary_bucket", "context_length", "decide",
-           "on_canary", "parse_context_hint", "pick_pool", "priority_tier"]
+__all__ = ["ClientError", "Decision", "Demand", "canary_bucket", "context_length", "decide",
+           "on_canary", "output_per_sequence", "parse_context_hint", "pick_pool", "priority_tier",
+           "requested_output", "reservation"]

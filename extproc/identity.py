@@ -2,6 +2,10 @@
 
 The raw key never leaves this module: listed keys are matched by sha256, unlisted ones become a
 keyed hash (HMAC) so ids are stable across replicas but not reversible.
+
+Trust model: a listed key's tenant comes from the config. Anyone else (open mode only) names its
+own tenant with ``auth.tenant_header``, which is believed unless it names a listed key's tenant:
+an unlisted caller can neither spend a customer's tenant buckets nor hide in them.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from extproc.errors import invalid_api_key
+from extproc.errors import bad_request, invalid_api_key
 from routing.compiled import Snapshot
+from routing.schema import TENANT_RULE, is_tenant
 
 ANONYMOUS = "anonymous"
 DEFAULT_TENANT = "default"
@@ -41,14 +46,22 @@ def unlisted_key_id(secret: bytes, key_sha256: str) -> str:
     return "u" + hmac.new(secret, key_sha256.encode(), hashlib.sha256).hexdigest()[:20]
 
 
-def _clean_tenant(value: str | None) -> str:
-    if not value:
+def claimed_tenant(snapshot: Snapshot, value: str | None) -> str:
+    """The tenant of an unlisted or anonymous caller from its tenant header's ``value``.
+
+    Absent or blank: ``default``. A listed key's tenant: ``default`` too (only that key may
+    spend it). Outside the tenant alphabet (Unicode letters, over 64 characters, a repeated
+    header joined with ","): a 400 naming the header, rather than a silent ``default`` the
+    client would not notice, and never a truncated value that could be a real tenant.
+    """
+    text = (value or "").strip()
+    if not text:
         return DEFAULT_TENANT
-    text = value.strip()[:64]
-    # Tenants end up in headers, metric labels and Redis keys: keep them to a safe alphabet.
-    if text and all(c.isalnum() or c in "._-" for c in text):
-        return text
-    return DEFAULT_TENANT
+    if not is_tenant(text):
+        header = snapshot.tenant_header
+        raise bad_request(f"The {header} header must name a tenant: {TENANT_RULE}.",
+                          param=header, code="invalid_tenant")
+    return DEFAULT_TENANT if text in snapshot.listed_tenants else text
 
 
 def identify(snapshot: Snapshot, headers: Mapping[str, str], secret: bytes) -> Identity:
@@ -61,7 +74,7 @@ def identify(snapshot: Snapshot, headers: Mapping[str, str], secret: bytes) -> I
             return Identity(listed.key_id, listed.tenant, listed.name)
     if snapshot.auth_required:
         raise invalid_api_key()
-    tenant = _clean_tenant(headers.get(snapshot.tenant_header))
+    tenant = claimed_tenant(snapshot, headers.get(snapshot.tenant_header))
     if key is None:
         return Identity(ANONYMOUS, tenant, None)
     return Identity(unlisted_key_id(secret, digest), tenant, None)

@@ -15,10 +15,10 @@ from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply
 from extproc.admission import admission_metadata, usage_metadata
 from extproc.bodies import Api, parse_generation
 from extproc.context import RequestContext
-from extproc.decide import Decision, decide, parse_context_hint
+from extproc.decide import Decision, Demand, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
 from extproc.telemetry import RequestRecord
-from extproc.tokens import PER_MESSAGE_TOKENS, PER_PROMPT_TOKENS, count_texts, counter_for
+from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
 from routing.compiled import ModelRoute
 
@@ -64,13 +64,19 @@ def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) ->
 
 def decide_for(ctx: RequestContext, model: ModelRoute, prompt_tokens: int,
                output_tokens: int | None) -> Decision:
+    """:func:`decide_demand_for` one prompt and one sequence (``output_tokens`` None: the
+    model's default)."""
+    return decide_demand_for(ctx, model, Demand((prompt_tokens,), output_tokens))
+
+
+def decide_demand_for(ctx: RequestContext, model: ModelRoute, demand: Demand) -> Decision:
     """Pool, canary variant and priority of a request to ``model``: the canary this replica's
     guard allows, sticky on the canary's key (else the API key), and the client's
-    ``X-Context-Length`` hint. ``output_tokens`` None: the model's default."""
+    ``X-Context-Length`` hint."""
     hint = parse_context_hint(ctx.headers.get("x-context-length"))
     canary = ctx.canary_for(model)
     routed = model if canary is model.canary else replace(model, canary=canary)
-    return decide(routed, prompt_tokens, output_tokens, hint,
+    return decide(routed, demand, hint,
                   ctx.sticky_value(canary.sticky if canary else "api_key"),
                   ctx.snapshot.high_below, ctx.snapshot.low_from)
 
@@ -185,11 +191,9 @@ class GenerationProcessor(BaseProcessor):
         parsed = parse_generation(self.api, body)
         model = resolve_model(self.ctx, parsed.model, "chat")
         counter = counter_for(model.tokenizer)
-        prompt = parsed.prompt
-        prompt_tokens = count_texts(counter, prompt.texts) + prompt.token_ids
-        if prompt.messages:
-            prompt_tokens += PER_PROMPT_TOKENS + PER_MESSAGE_TOKENS * prompt.messages
-        decision = decide_for(self.ctx, model, prompt_tokens, parsed.max_output_tokens)
+        counts = tuple(count_prompt(counter, prompt) for prompt in parsed.prompts)
+        decision = decide_demand_for(
+            self.ctx, model, Demand(counts, parsed.max_output_tokens, parsed.choices))
         self.decision = decision
         self.model_name = model.name
         self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
@@ -203,8 +207,10 @@ class GenerationProcessor(BaseProcessor):
         headers = route_headers(self.ctx, model, decision)
         if new_body is not None:
             headers += (("content-length", str(len(new_body))),)
+        # The reservation and the lease ride on the request-body answer so the rate-limit
+        # filter, which runs after ext_proc, can charge it at admission (CONTRACT §7).
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,
-                        metadata=admission_metadata(decision.prompt_tokens + decision.output_tokens))
+                        metadata=admission_metadata(decision.reservation))
 
 
 class ModelsProcessor(BaseProcessor):

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from functools import lru_cache
 from typing import Protocol
 
+from extproc.bodies import PromptParts
+
 BYTES_PER_TOKEN = 3
 PER_MESSAGE_TOKENS = 8
 """Allowance for a chat template's role markers per message (Llama-2's ``[INST]`` and kin)."""
@@ -58,3 +60,11 @@ def counter_for(tokenizer_path: str | None) -> Counter:
 
 def count_texts(counter: Counter, texts: Iterable[str]) -> int:
     return sum(counter.count(text) for text in texts)
+
+
+def count_prompt(counter: Counter, prompt: PromptParts) -> int:
+    """One prompt's tokens: its texts, its token ids, and the chat-template allowance."""
+    tokens = count_texts(counter, prompt.texts) + prompt.token_ids
+    if prompt.messages:
+        tokens += PER_PROMPT_TOKENS + PER_MESSAGE_TOKENS * prompt.messages
+    return tokens

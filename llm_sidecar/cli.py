@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--config", required=True, help="routing YAML")
     render.add_argument("--out", required=True, help="output directory")
 
-    check = sub.add_parser("check", help="validate a routing YAML: exit 0, or 1 with one "
+    check = sub.add_parser("check", help="validate a routing YAML: exit 0 (warnings, if any, "
+                                         "on stderr as FILE:LINE: warning: ...), or 1 with one "
                                          "FILE:LINE: message per problem")
     check.add_argument("--config", required=True)
 
@@ -81,8 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "check":
-        from routing.loader import load_config
-        load_config(args.config)
+        from routing.loader import check_config
+        for warning in check_config(args.config):
+            print(str(warning), file=sys.stderr)
         return 0
     if args.command == "schema":
         from routing.jsonschema import schema_text

@@ -83,8 +83,13 @@ class Snapshot:
     high_below: float
     low_from: float
     inject_priority: bool
+    listed_tenants: frozenset[str]
+    """The tenants of listed keys (a key without ``tenant`` is its own, by name): a tenant header
+    naming one of these is not believed (CONTRACT §3 Tenants)."""
     known_tenants: frozenset[str]
-    """Tenants named by listed keys (plus ``default``): the only tenant values metric labels use."""
+    """The tenant values metric labels use (others become ``other``): ``default`` and the listed
+    tenants. Both come from the config, so the label stays bounded whatever tenant headers
+    callers send."""
 
 
 def listed_key_id(sha256_hex: str) -> str:
@@ -122,8 +127,10 @@ def compile_config(config: RoutingConfig) -> Snapshot:
             cache=cache,
         )
     keys = {
-        k.sha256: KeyIdentity(k.name, k.tenant, listed_key_id(k.sha256)) for k in config.api_keys
+        k.sha256: KeyIdentity(k.name, k.effective_tenant, listed_key_id(k.sha256))
+        for k in config.api_keys
     }
+    listed = frozenset(k.effective_tenant for k in config.api_keys)
     return Snapshot(
         config=config,
         models=MappingProxyType(models),
@@ -133,5 +140,6 @@ def compile_config(config: RoutingConfig) -> Snapshot:
         high_below=config.priority.high_below,
         low_from=config.priority.low_from,
         inject_priority=config.priority.inject,
-        known_tenants=frozenset({"default", *(k.tenant for k in config.api_keys)}),
+        listed_tenants=listed,
+        known_tenants=frozenset({"default"}) | listed,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from routing.schema import RoutingConfig
+from routing.schema import TENANT_PATTERN, RoutingConfig
 from routing.units import DURATION_PATTERN, HOSTPORT_PATTERN, RATE_PATTERN
 
 SCHEMA_FILE = "llm-sidecar.schema.json"
@@ -33,7 +33,7 @@ _PATTERNS = {
     ("Limit", "tokens"): RATE_PATTERN,
     ("ApiKey", "sha256"): r"^[0-9a-fA-F]{64}$",
     ("ApiKey", "name"): NAME_PATTERN,
-    ("ApiKey", "tenant"): NAME_PATTERN,
+    ("ApiKey", "tenant"): TENANT_PATTERN,
 }
 
 

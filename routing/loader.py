@@ -1,7 +1,7 @@
 """Reading a routing YAML into a validated :class:`RoutingConfig`, with every problem located.
 
-``load_config`` is what ``llm-sidecar check`` runs: it reports all problems it can find at once,
-each as ``FILE:LINE: message``.
+``check_config`` is what ``llm-sidecar check`` runs: it reports all problems it can find at once,
+each as ``FILE:LINE: message``, and returns the warnings of a config that loads.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from routing.errors import ConfigError, Problem
-from routing.schema import Limit, RoutingConfig
+from routing.schema import TENANT_RULE, Limit, RoutingConfig, is_tenant
 from routing.yamlsrc import Located, Path, read_yaml
 
 
@@ -21,6 +21,25 @@ def load_config(path: str) -> RoutingConfig:
     """Parse, validate and cross-check the routing YAML at ``path``."""
     located = read_yaml(path)
     return validate(located)
+
+
+def check_config(path: str) -> list[Problem]:
+    """What ``llm-sidecar check`` runs: raises :class:`ConfigError` like :func:`load_config`,
+    else returns the warnings (a config that loads but is likely not what was meant)."""
+    located = read_yaml(path)
+    return warnings(validate(located), located)
+
+
+def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
+    """Problems that do not stop the config from running, each ``FILE:LINE: warning: ...``."""
+    out: list[Problem] = []
+    if config.api_keys and not config.auth.required:
+        out.append(located.problem(
+            ("api_keys",),
+            "warning: api_keys are listed but auth.required is false: any other caller is let "
+            f"in and names its own tenant with the {config.auth.tenant_header} header; set "
+            "auth.required: true in production"))
+    return out
 
 
 def validate(located: Located) -> RoutingConfig:
@@ -202,6 +221,11 @@ def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
                     add(("rate_limits", level, "overrides", override),
                         f"rate_limits.{level} overrides unknown {what} {override!r}"
                         f"{_hint(override, known, label)}")
+        for tenant in limits.tenant.overrides if limits.tenant is not None else ():
+            if not is_tenant(tenant):
+                add(("rate_limits", "tenant", "overrides", tenant),
+                    f"rate_limits.tenant overrides {tenant!r}, a tenant no request can have: a "
+                    f"tenant is {TENANT_RULE}")
         for level in ("api_key", "tenant", "model"):
             section = getattr(limits, level)
             if section is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_sidecar.wire_names import METADATA_NAMESPACE
+from llm_sidecar.wire_names import METADATA_NAMESPACE, RESERVATION_METADATA_KEY
 from routing.ratelimits import DOMAIN, route_rate_limits
 from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
 from routing.schema import RoutingConfig
@@ -126,6 +126,8 @@ def access_log() -> list[dict[str, Any]]:
         "upstream_host": "%UPSTREAM_HOST%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
         "model": "%REQ(X-LLM-MODEL)%", "variant": "%REQ(X-LLM-VARIANT)%",
         "tenant": "%REQ(X-LLM-TENANT)%", "key_id": "%REQ(X-LLM-KEY-ID)%",
+        # The tokens extproc reserved for the request (prompt + requested output, CONTRACT §7).
+        "reservation": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{RESERVATION_METADATA_KEY})%",
         "bytes_in": "%BYTES_RECEIVED%", "bytes_out": "%BYTES_SENT%",
         # duration: whole stream; request: until the body was read; first_byte: until the
         # first response byte (time to first token, for a stream).

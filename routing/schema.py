@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from routing.units import parse_duration, parse_hostport, parse_rate, parse_service_address
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
+TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+_TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
+TENANT_RULE = "1 to 64 ASCII letters, digits, '.', '_' or '-'"
 
 
 class Strict(BaseModel):
@@ -27,6 +30,13 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_tenant(value: str) -> bool:
+    """Whether ``value`` may name a tenant (CONTRACT §3). Tenants go into headers, Redis keys,
+    descriptor values and logs, so the alphabet is small and nothing is truncated to fit: a
+    cut-down value could collide with a real tenant."""
+    return _TENANT.fullmatch(value) is not None
 
 
 def _check_name(value: str) -> str:
@@ -205,7 +215,11 @@ class ModelSpec(Strict):
 
 class AuthSection(Strict):
     required: bool = False
+    """true: a key not listed under api_keys gets 401 (the production setting). false (open
+    mode): unlisted keys and anonymous callers name their own tenant with tenant_header."""
     tenant_header: str = "x-tenant-id"
+    """Read only for unlisted keys and anonymous callers; a value naming a listed key's tenant
+    is ignored (the caller gets tenant default), a value outside the tenant alphabet is a 400."""
 
     @field_validator("tenant_header")
     @classmethod
@@ -218,8 +232,11 @@ class AuthSection(Strict):
 
 class ApiKey(Strict):
     name: str
+    """How overrides and logs refer to the key; also its tenant when ``tenant`` is unset."""
     sha256: str
-    tenant: str = "default"
+    tenant: str | None = None
+    """The tenant whose buckets the key spends (unset: the key's own name, so a listed key
+    never shares a tenant with anonymous callers by accident)."""
 
     @field_validator("sha256")
     @classmethod
@@ -228,10 +245,29 @@ class ApiKey(Strict):
             raise ValueError("sha256 must be 64 hex digits: the sha256 of the secret key")
         return value.lower()
 
-    @field_validator("name", "tenant")
+    @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
         return _check_name(value)
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, value: str | None) -> str | None:
+        if value is not None and not is_tenant(value):
+            raise ValueError(f"bad tenant {value!r}: use {TENANT_RULE}")
+        return value
+
+    @model_validator(mode="after")
+    def _name_as_tenant(self) -> ApiKey:
+        if self.tenant is None and not is_tenant(self.name):
+            raise ValueError(f"api key {self.name!r} has no tenant, so its name is its tenant, "
+                             f"and a tenant is {TENANT_RULE}: set tenant, or shorten the name")
+        return self
+
+    @property
+    def effective_tenant(self) -> str:
+        """The tenant the key's requests count against: ``tenant``, else ``name``."""
+        return self.tenant if self.tenant is not None else self.name
 
 
 class Limit(Strict):

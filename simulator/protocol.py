@@ -22,7 +22,8 @@ class GenerationRequest:
     """A chat or text completion request.
 
     ``prompts`` has one ``ChatPrompt`` for chat, one or more text/token prompts for completions.
-    ``max_tokens`` is ``max_completion_tokens`` when a chat request sets it, else ``max_tokens``.
+    ``max_tokens`` is a chat request's ``max_completion_tokens`` when set and not 0, else
+    ``max_tokens``.
     """
 
     model: str | None
@@ -52,10 +53,10 @@ def parse_chat_request(body: object) -> GenerationRequest:
     if not isinstance(raw_messages, list) or not raw_messages:
         raise bad_request("'messages' must be a non-empty list of messages", "messages")
     prompt = ChatPrompt(tuple(_message(m, i) for i, m in enumerate(raw_messages)))
-    max_tokens = _optional_int(fields, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = _optional_int(fields, "max_tokens")
-    return _generation(fields, (prompt,), max_tokens)
+    completion = _optional_int(fields, "max_completion_tokens")
+    legacy = _optional_int(fields, "max_tokens")
+    # vLLM reads ``max_completion_tokens or max_tokens``: a 0 falls back as an absent field does.
+    return _generation(fields, (prompt,), completion or legacy)
 
 
 def parse_completion_request(body: object) -> GenerationRequest:

@@ -164,3 +164,73 @@ def test_a_stream_is_recorded_and_charged_at_done_even_if_its_end_never_arrives(
     # The end of stream, if it still comes, records and charges nothing twice.
     assert state.handle("response_body", None, b"", True) == Continue()
     assert len(records) == 1
+
+
+def test_a_bad_tenant_header_is_an_openai_400_before_the_body() -> None:
+    state = StreamState(snapshot(), SECRET)
+    action = state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+                                              "x-tenant-id": "\uff4c\uff45\uff47\uff41\uff4c"}, b"", False)
+    assert isinstance(action, Reply) and action.status == 400
+    error = orjson.loads(action.body)["error"]
+    assert (error["code"], error["param"]) == ("invalid_tenant", "x-tenant-id")
+    assert dict(action.headers)["content-type"] == "application/json"
+
+
+def routed(path: str, doc: dict[str, object]) -> Continue:
+    action = body(start(path), doc)
+    assert isinstance(action, Continue), action
+    return action
+
+
+# "hello" is ceil(5 / 3) = 2 tokens, plus 8 per message and 8 per chat prompt: 18.
+@pytest.mark.parametrize(("path", "doc", "reservation"), [
+    ("/v1/chat/completions", chat_doc(max_tokens=10), 18 + 10),
+    ("/v1/chat/completions", chat_doc(), 18 + 256),  # the model's default_max_tokens
+    ("/v1/chat/completions", chat_doc(max_completion_tokens=0), 18 + 256),
+    ("/v1/chat/completions", chat_doc(max_completion_tokens=0, max_tokens=7), 18 + 7),
+    ("/v1/chat/completions", chat_doc(max_tokens=10, n=3), 18 + 30),
+    ("/v1/chat/completions", chat_doc(max_tokens=10, n=2, best_of=4), 18 + 40),
+    ("/v1/completions", {"model": "llama-2-13b", "prompt": "abcdef", "max_tokens": 5}, 2 + 5),
+    ("/v1/completions", {"model": "llama-2-13b", "prompt": ["abc", "abcdef"], "max_tokens": 5,
+                         "n": 2}, 1 + 2 + 5 * 2 * 2),
+    ("/v1/completions", {"model": "llama-2-13b", "prompt": [[1, 2, 3], [4]] * 3, "max_tokens": 1},
+     12 + 6),
+])
+def test_the_reservation_is_dynamic_metadata_of_the_request_body(
+        path: str, doc: dict[str, object], reservation: int) -> None:
+    metadata = routed(path, doc).metadata
+    assert metadata["llm_reservation"] == reservation
+    # A fresh random lease per request: no client can name another request's lease.
+    assert len(metadata["llm_lease"]) == 24
+    assert metadata["llm_lease"] != routed(path, doc).metadata["llm_lease"]
+
+
+def test_max_completion_tokens_0_no_longer_buys_high_priority() -> None:
+    # 6000 bytes: 2000 tokens + 16. With output 0 the weight was 0 (high); vLLM reads 0 as
+    # "not set", so the default 256 applies: 2016 x 256 / 1000 = 516 (medium).
+    headers = dict(routed("/v1/chat/completions",
+                          chat_doc("x" * 6000, max_completion_tokens=0)).set_headers)
+    assert (headers["x-llm-priority"], headers["x-llm-context-length"]) == ("medium", "2272")
+
+
+def test_choices_weigh_in_priority_but_not_in_the_context() -> None:
+    # 1500 bytes: 500 + 16 tokens; 516 x 10 / 1000 is high, with n = 128 it is 660: medium.
+    one = dict(routed("/v1/chat/completions", chat_doc("x" * 1500, max_tokens=10)).set_headers)
+    many = dict(routed("/v1/chat/completions",
+                       chat_doc("x" * 1500, max_tokens=10, n=128)).set_headers)
+    assert (one["x-llm-priority"], many["x-llm-priority"]) == ("high", "medium")
+    assert one["x-llm-context-length"] == many["x-llm-context-length"] == "526"
+
+
+@pytest.mark.parametrize(("path", "doc", "param"), [
+    ("/v1/chat/completions", chat_doc(n=100_000), "n"),
+    ("/v1/completions", {"model": "llama-2-13b", "prompt": "x", "best_of": 129}, "best_of"),
+    ("/v1/completions", {"model": "llama-2-13b", "prompt": [[7]] * 1_000_000}, "prompt"),
+    ("/v1/completions", {"model": "llama-2-13b", "prompt": [7] * 1_000_001}, "prompt"),
+])
+def test_bounds_are_openai_400s(path: str, doc: dict[str, object], param: str) -> None:
+    action = body(start(path), doc)
+    assert isinstance(action, Reply) and action.status == 400
+    error = orjson.loads(action.body)["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error", "invalid_request", param)

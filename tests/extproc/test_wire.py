@@ -4,7 +4,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import wire
 from extproc.actions import Continue, ModeOverride, Reply
-from llm_sidecar.wire_names import METADATA_NAMESPACE
+from llm_sidecar.wire_names import METADATA_NAMESPACE, RESERVATION_METADATA_KEY
 
 
 def headers_request(**headers: str) -> pb.ProcessingRequest:
@@ -66,3 +66,16 @@ def test_an_empty_body_replacement_clears_the_chunk() -> None:
     assert replaced.body_mutation.body == b"{}"
     untouched = wire.build("response_body", Continue()).response_body.response
     assert not untouched.HasField("body_mutation")
+
+
+def test_the_reservation_rides_on_the_request_body_answer() -> None:
+    """The rate-limit filter reads it from the ``llm_sidecar`` namespace at admission."""
+    action = Continue(set_headers=(("x-llm-cluster", "a"),), clear_route_cache=True,
+                      metadata={RESERVATION_METADATA_KEY: 2_000_000_123})
+    response = wire.build("request_body", action)
+    assert response.WhichOneof("response") == "request_body"
+    assert response.request_body.response.clear_route_cache
+    namespace = response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value
+    assert list(namespace.fields) == [RESERVATION_METADATA_KEY] == ["llm_reservation"]
+    assert namespace.fields[RESERVATION_METADATA_KEY].number_value == 2_000_000_123
+    assert not wire.build("request_body", Continue()).HasField("dynamic_metadata")

@@ -14,7 +14,7 @@ import pytest
 
 from llm_sidecar.procs import sidecar_command
 from routing.errors import ConfigError
-from routing.loader import load_config
+from routing.loader import check_config, load_config
 
 GOOD = """\
 version: 1
@@ -88,6 +88,21 @@ CASES = {
                                f"  - {{name: a, sha256: '{'b' * 64}'}}\n",
                                ["10: api key name 'a' is used twice (first at line 9): names "
                                 "must be unique"]),
+    "unicode_tenant": (GOOD + f"api_keys:\n  - {{name: a, sha256: '{HEX_A}', tenant: acmé}}\n",
+                       ["9: api_keys.0.tenant: bad tenant 'acmé': use 1 to 64 ASCII letters, "
+                        "digits, '.', '_' or '-'"]),
+    "tenant_over_64": (GOOD + f"api_keys:\n  - {{name: a, sha256: '{HEX_A}', tenant: {'t' * 65}}}\n",
+                       [f"9: api_keys.0.tenant: bad tenant '{'t' * 65}': use 1 to 64 ASCII "
+                        "letters, digits, '.', '_' or '-'"]),
+    "long_key_name_is_no_tenant": (GOOD + f"api_keys:\n  - {{name: {'k' * 65}, sha256: '{HEX_A}'}}\n",
+                                   [f"9: api_keys.0: api key '{'k' * 65}' has no tenant, so its "
+                                    "name is its tenant, and a tenant is 1 to 64 ASCII letters, "
+                                    "digits, '.', '_' or '-': set tenant, or shorten the name"]),
+    "override_of_impossible_tenant": (GOOD + "rate_limits:\n  tenant:\n    overrides:\n"
+                                      "      acme corp: {requests: 1/s}\n",
+                                      ["11: rate_limits.tenant overrides 'acme corp', a tenant no "
+                                       "request can have: a tenant is 1 to 64 ASCII letters, "
+                                       "digits, '.', '_' or '-'"]),
     "bad_sha256": (GOOD + "api_keys:\n  - {name: a, sha256: sk-live-123}\n",
                    ["9: api_keys.0.sha256: sha256 must be 64 hex digits: the sha256 of the "
                     "secret key"]),
@@ -185,3 +200,28 @@ def test_check_command_prints_the_lines_and_exits_1(tmp_path: pathlib.Path) -> N
     result = subprocess.run(sidecar_command("check", "--config", str(good)),
                             capture_output=True, text=True, timeout=60, check=False)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+KEYED = GOOD + f"api_keys:\n  - {{name: bot, sha256: '{HEX_A}'}}\n"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (KEYED, ["8: warning: api_keys are listed but auth.required is false: any other caller is "
+             "let in and names its own tenant with the x-tenant-id header; set auth.required: "
+             "true in production"]),
+    (KEYED + "auth: {required: true}\n", []),
+    (GOOD + "auth: {required: false}\n", []),  # open mode with no keys: nothing to protect
+])
+def test_check_warns_when_keys_are_listed_but_not_required(tmp_path: pathlib.Path, text: str,
+                                                           expected: list[str]) -> None:
+    path = write(tmp_path, "keyed", text)
+    assert [str(p) for p in check_config(str(path))] == [f"{path}:{line}" for line in expected]
+
+
+def test_check_command_prints_warnings_on_stderr_and_exits_0(tmp_path: pathlib.Path) -> None:
+    path = write(tmp_path, "keyed", KEYED)
+    result = subprocess.run(sidecar_command("check", "--config", str(path)),
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert (result.returncode, result.stdout) == (0, "")
+    assert result.stderr.splitlines() == [str(p) for p in check_config(str(path))]
+    assert "warning: api_keys are listed but auth.required is false" in result.stderr

@@ -53,6 +53,22 @@ def test_chat_request_fields() -> None:
 
 
 @pytest.mark.parametrize(
+    ("fields", "max_tokens"),
+    [
+        ({"max_completion_tokens": 0}, None),  # vLLM: ``max_completion_tokens or max_tokens``
+        ({"max_completion_tokens": 0, "max_tokens": 5}, 5),
+        ({"max_completion_tokens": 3, "max_tokens": 5}, 3),
+        ({"max_completion_tokens": None, "max_tokens": 5}, 5),
+    ],
+)
+def test_chat_max_completion_tokens_0_falls_back_as_in_vllm(
+    fields: dict[str, object], max_tokens: int | None
+) -> None:
+    parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **fields})
+    assert parsed.max_tokens == max_tokens
+
+
+@pytest.mark.parametrize(
     ("options", "stream", "usage"),
     [
         (None, True, (False, False)),

@@ -1,0 +1,187 @@
+"""Chat and completions bodies as the router reads them: output budget, choices, prompts, bounds.
+
+Each bound is tried the way a client would try to get around it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+
+from extproc import bodies
+from extproc.bodies import (
+    MAX_CHOICES,
+    MAX_PROMPTS,
+    MAX_TOKEN_IDS,
+    Api,
+    GenerationBody,
+    PromptParts,
+    parse_generation,
+)
+from extproc.errors import ClientError
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> GenerationBody:
+    return parse_generation("chat", orjson.dumps({"model": "m", "messages": MESSAGES, **fields}))
+
+
+def completion(prompt: Any = "hi", **fields: Any) -> GenerationBody:
+    return parse_generation("completions", orjson.dumps({"model": "m", "prompt": prompt, **fields}))
+
+
+def refused(api: Api, doc: dict[str, Any]) -> ClientError:
+    with pytest.raises(ClientError) as caught:
+        parse_generation(api, json.dumps({"model": "m", **doc}).encode())
+    assert (caught.value.status, caught.value.type) == (400, "invalid_request_error")
+    return caught.value
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({}, None),
+    ({"max_tokens": 50}, 50),
+    ({"max_completion_tokens": 10}, 10),
+    ({"max_completion_tokens": 10, "max_tokens": 50}, 10),  # the newer field wins, as in vLLM
+    ({"max_completion_tokens": 0}, None),  # vLLM: "not set", so not a free high priority
+    ({"max_completion_tokens": 0, "max_tokens": 50}, 50),  # vLLM falls back to max_tokens
+    ({"max_completion_tokens": -1, "max_tokens": 50}, 50),
+    ({"max_completion_tokens": None, "max_tokens": 50}, 50),
+    ({"max_tokens": 0}, None),
+    ({"max_tokens": -5}, None),
+    ({"max_completion_tokens": 0, "max_tokens": 0}, None),
+])
+def test_chat_output_budget(fields: dict[str, Any], expected: int | None) -> None:
+    assert chat(**fields).max_output_tokens == expected
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"max_tokens": 2000}, 2000),
+    # vLLM's completions API has no max_completion_tokens (it ignores the field): a client
+    # claiming 1 token of output there must still be weighed by the max_tokens it gets.
+    ({"max_completion_tokens": 1, "max_tokens": 2000}, 2000),
+    ({"max_completion_tokens": 1}, None),
+    ({"max_tokens": 0}, None),
+])
+def test_completions_output_budget(fields: dict[str, Any], expected: int | None) -> None:
+    assert completion(**fields).max_output_tokens == expected
+
+
+@pytest.mark.parametrize("fields", [
+    {"max_tokens": "5"}, {"max_tokens": 1.5}, {"max_tokens": True},
+    {"max_completion_tokens": "0"}, {"max_completion_tokens": 10, "max_tokens": "x"},
+])
+def test_output_budget_types(fields: dict[str, Any]) -> None:
+    assert refused("chat", {"messages": MESSAGES, **fields}).param in fields
+
+
+@pytest.mark.parametrize(("fields", "choices"), [
+    ({}, 1), ({"n": None}, 1), ({"n": 1}, 1), ({"n": 4}, 4), ({"n": MAX_CHOICES}, MAX_CHOICES),
+    ({"best_of": 5}, 5), ({"n": 2, "best_of": 5}, 5), ({"n": 3, "best_of": 1}, 3),
+    ({"n": 2, "best_of": MAX_CHOICES}, MAX_CHOICES),
+])
+def test_choices(fields: dict[str, Any], choices: int) -> None:
+    assert chat(**fields).choices == choices
+    assert completion(**fields).choices == choices
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"n": 129}, "n", "n may be at most 128; this request asks for 129."),
+    ({"n": 100_000}, "n", "n may be at most 128; this request asks for 100000."),
+    ({"n": 2**64 - 1}, "n", f"n may be at most 128; this request asks for {2**64 - 1}."),
+    ({"n": 10**30}, "n", "n must be an integer."),  # JSON parsing makes it a float
+    ({"best_of": 129}, "best_of", "best_of may be at most 128; this request asks for 129."),
+    ({"n": 1, "best_of": 1000}, "best_of", "best_of may be at most 128; this request asks for 1000."),
+    ({"n": 0}, "n", "n must be at least 1."),
+    ({"n": -3}, "n", "n must be at least 1."),
+    ({"n": 2.0}, "n", "n must be an integer."),
+    ({"n": "2"}, "n", "n must be an integer."),
+    ({"n": True}, "n", "n must be an integer."),
+])
+def test_choice_bounds(fields: dict[str, Any], param: str, message: str) -> None:
+    for api, doc in (("chat", {"messages": MESSAGES}), ("completions", {"prompt": "x"})):
+        err = refused(api, {**doc, **fields})
+        assert (err.code, err.param, err.message) == ("invalid_request", param, message)
+
+
+def test_n_is_refused_before_the_messages_are_read() -> None:
+    # A broken message list after a bad n: the cheap bound answers, not the per-message walk.
+    err = refused("chat", {"n": 129, "messages": [{"content": 1}] * 100})
+    assert err.param == "n"
+
+
+@pytest.mark.parametrize(("prompt", "expected"), [
+    ("hi", (PromptParts(("hi",), 0, 0),)),
+    (["a", "bb"], (PromptParts(("a",), 0, 0), PromptParts(("bb",), 0, 0))),
+    ([1, 2, 3], (PromptParts((), 3, 0),)),
+    ([[1], [2, 3]], (PromptParts((), 1, 0), PromptParts((), 2, 0))),
+])
+def test_completion_prompts_are_one_entry_each(prompt: Any,
+                                               expected: tuple[PromptParts, ...]) -> None:
+    assert completion(prompt).prompts == expected
+
+
+def test_a_chat_body_is_one_prompt() -> None:
+    parsed = chat(n=3, max_tokens=7)
+    assert parsed.prompts == (PromptParts(("hi",), 0, 1),)
+    assert (parsed.choices, parsed.max_output_tokens) == (3, 7)
+
+
+@pytest.mark.parametrize(("prompt", "ok"), [
+    (["a"] * MAX_PROMPTS, True),
+    (["a"] * (MAX_PROMPTS + 1), False),
+    ([[7]] * MAX_PROMPTS, True),
+    ([[7]] * (MAX_PROMPTS + 1), False),
+])
+def test_at_most_2048_prompts(prompt: list[Any], ok: bool) -> None:
+    if ok:
+        assert len(completion(prompt).prompts) == MAX_PROMPTS
+        return
+    err = refused("completions", {"prompt": prompt})
+    assert (err.code, err.param) == ("invalid_request", "prompt")
+    assert err.message == "prompt may hold at most 2048 prompts; this one has 2049. Split the batch."
+
+
+@pytest.mark.parametrize(("prompt", "ok"), [
+    ([1] * MAX_TOKEN_IDS, True),  # one prompt of a million ids
+    ([1] * (MAX_TOKEN_IDS + 1), False),
+    ([[1] * (MAX_TOKEN_IDS // 2)] * 2, True),
+    ([[1] * (MAX_TOKEN_IDS // 2), [1] * (MAX_TOKEN_IDS // 2 + 1)], False),  # spread over prompts
+])
+def test_at_most_a_million_token_ids(prompt: list[Any], ok: bool) -> None:
+    if ok:
+        assert sum(p.token_ids for p in completion(prompt).prompts) == MAX_TOKEN_IDS
+        return
+    err = refused("completions", {"prompt": prompt})
+    assert (err.code, err.param) == ("invalid_request", "prompt")
+    assert err.message == ("A request may carry at most 1000000 token ids; this one has "
+                           "1000001.")
+
+
+class CountingScan:
+    """Counts the per-id type scans: the bounds must answer before any of them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.scan = bodies._token_list
+
+    def __call__(self, value: list[Any]) -> bool:
+        self.calls += 1
+        return self.scan(value)
+
+
+@pytest.mark.parametrize(("prompt", "what"), [
+    ([[7]] * 1_000_000, "prompts"),  # a million token-id lists: was tier high, ~2 s of CPU
+    ([["bad"]] * (MAX_PROMPTS + 1), "prompts"),  # the bound, not the shape, answers
+    ([1] * MAX_TOKEN_IDS + ["bad"], "token ids"),
+    ([[1] * 600_000, [1] * 600_000, "bad"], "token ids"),
+])
+def test_bounds_answer_before_any_per_item_work(monkeypatch: pytest.MonkeyPatch,
+                                                prompt: list[Any], what: str) -> None:
+    scan = CountingScan()
+    monkeypatch.setattr(bodies, "_token_list", scan)
+    err = refused("completions", {"prompt": prompt})
+    assert what in err.message and scan.calls == 0
