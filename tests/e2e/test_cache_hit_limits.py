@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -118,16 +119,24 @@ def test_spoofed_routing_headers_do_not_move_a_hit_to_another_bucket(gw: Gateway
 @pytest.mark.parametrize(("deny", "status"), [(False, 200), (True, 503)])
 def test_with_the_rate_limiter_down_a_hit_gets_envoys_failure_policy(
         tmp_path: Any, deny: bool, status: int) -> None:
+    answers = {}
     with running_gateway(doc(ratelimit_failure_mode_deny=deny, ratelimit_timeout_s=1.0),
                          str(tmp_path)) as gw:
         cache_inputs(gw, ["delta"])
-        gw.child("ratelimit").stop()
-        hit_status, headers, body = post(gw, ["delta"], KEY)
-        miss_status, _, miss_body = post(gw, ["not cached"], KEY)
-    assert (hit_status, miss_status) == (status, status)
-    if deny:
-        for answer in (body, miss_body):
-            error = json.loads(answer)["error"]
-            assert (error["type"], error["code"]) == ("server_error", "upstream_unavailable")
-    else:
-        assert headers["x-llm-cache"] == "hit"
+        ratelimit = gw.child("ratelimit")
+        # Hung (accepts connections, never answers: the deadline decides), then dead.
+        ratelimit.process.send_signal(signal.SIGSTOP)
+        try:
+            answers["hung"] = post(gw, ["delta"], KEY), post(gw, ["not cached"], KEY)
+        finally:
+            ratelimit.process.send_signal(signal.SIGCONT)
+        ratelimit.stop()
+        answers["dead"] = post(gw, ["delta"], KEY), post(gw, ["not cached"], KEY)
+    for fault, (hit, miss) in answers.items():
+        assert (hit[0], miss[0]) == (status, status), fault
+        if deny:
+            for _, _, body in (hit, miss):
+                error = json.loads(body)["error"]
+                assert (error["type"], error["code"]) == ("server_error", "upstream_unavailable")
+        else:
+            assert hit[1]["x-llm-cache"] == "hit"
