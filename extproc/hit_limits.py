@@ -19,6 +19,9 @@ from routing.ratelimits import DOMAIN, route_rate_limits
 from routing.schema import RoutingConfig
 
 UNAVAILABLE_DETAILS = "ratelimit_unavailable"
+BACKEND_DENY_HEADER = "x-llm-ratelimit-backend"
+"""What the rate-limit service adds to a denial its store caused (``on_backend_error: deny``);
+Envoy's local-reply mapper turns such a 429 into a 503, and so does :func:`answer`."""
 
 
 def request_descriptors(config: RoutingConfig, headers: Mapping[str, str]) -> tuple[Descriptor, ...]:
@@ -81,7 +84,10 @@ def answer(verdict: Verdict, admitted: Reply, deny_on_failure: bool) -> Reply:
     limits = x_ratelimit_headers(verdict.statuses)
     if verdict.result == "ok":
         return Reply(admitted.status, admitted.body, admitted.headers + limits, admitted.details)
-    return Reply(429, verdict.body, _merge(verdict.headers, limits), details="request_rate_limited")
+    # A denial because the store is down is not the client's rate limit: 503 (CONTRACT §6).
+    status = 503 if any(name == BACKEND_DENY_HEADER for name, _ in verdict.headers) else 429
+    return Reply(status, verdict.body, _merge(verdict.headers, limits),
+                 details="request_rate_limited")
 
 
 def _merge(first: Headers, second: Headers) -> Headers:

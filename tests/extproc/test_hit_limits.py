@@ -12,10 +12,16 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from extproc import rls_wire
 from extproc.actions import Continue, LimitStatus, Lookup, RateCheck, Reply, Verdict
 from extproc.cache_codec import encode_vector
-from extproc.hit_limits import answer, request_descriptors, x_ratelimit_headers
+from extproc.hit_limits import (
+    BACKEND_DENY_HEADER,
+    answer,
+    request_descriptors,
+    x_ratelimit_headers,
+)
 from extproc.stream import StreamState
 from extproc.telemetry import NullTelemetry, RequestRecord, outcome
 from extproc.tokens import counter_for
+from ratelimit import wire as ratelimit_wire
 from ratelimit.descriptors import Limit
 from ratelimit.limiter import DescriptorOutcome, LimitOutcome
 from ratelimit.wire import response_to_proto
@@ -104,6 +110,16 @@ def test_the_answer_follows_the_verdict_and_the_failure_policy(
     if status == 429:
         assert reply.body == b'{"error": 1}' and dict(reply.headers)["retry-after"] == "3"
         assert "x-llm-cache" not in dict(reply.headers)  # a refused hit serves nothing
+
+
+def test_a_denial_the_rate_limiters_store_caused_is_a_503_as_envoy_maps_it() -> None:
+    denied = LimitOutcome(False, (), 1, backend_failed=True)
+    verdict = rls_wire.verdict(response_to_proto(denied))
+    assert dict(verdict.headers)[BACKEND_DENY_HEADER] == "unavailable"
+    assert BACKEND_DENY_HEADER == ratelimit_wire.BACKEND_DENY_HEADER
+    reply = answer(verdict, HIT, deny_on_failure=False)
+    assert reply.status == 503
+    assert orjson.loads(reply.body)["error"]["code"] == "upstream_unavailable"
 
 
 def test_the_wire_reads_the_rate_limit_services_own_429() -> None:
