@@ -208,7 +208,7 @@ class EmbeddingsProcessor(BaseProcessor):
         if status != "200" or end_of_stream or self.decision is None:
             # An error (or nothing) from upstream is passed on as it is: nothing to store,
             # nothing to merge, and no tokens computed to charge.
-            self._record(charged=None if self.decision is None else 0)
+            self._record(charged=0)
             return Continue(set_headers=cache, mode=_SKIP_RESPONSE_BODY)
         self.reading = True
         return Continue(set_headers=cache)
