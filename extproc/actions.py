@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from routing.schema import ServicesTls
+
 Phase = Literal["request_headers", "request_body", "response_headers", "response_body"]
 Headers = tuple[tuple[str, str], ...]
 
@@ -64,15 +66,61 @@ answer in time, and the request bypasses the cache."""
 class Lookup:
     """Not an answer yet: the stream needs the cached values of ``keys`` first.
 
-    The service fetches them (the only I/O a stream asks for) and hands them to
-    :meth:`extproc.stream.StreamState.resume`, which calls ``resume`` for the real answer.
+    The service fetches them and hands them to :meth:`extproc.stream.StreamState.resume`,
+    which calls ``resume`` for the next step.
     """
 
     keys: tuple[str, ...]
-    resume: Callable[[Found], Action]
+    resume: Callable[[Found], Step]
 
 
-Step = Action | Lookup
-"""What a stream returns for a message: an answer, or a lookup to do before answering."""
+Descriptor = tuple[tuple[str, str], ...]
+"""One rate-limit descriptor: its (key, value) entries in order."""
+
+
+@dataclass(frozen=True)
+class LimitStatus:
+    """One descriptor's status in a rate-limit answer (what Envoy's x-ratelimit-* read)."""
+
+    requests_per_unit: int
+    window_s: int
+    """The unit in seconds; 0 for a unit Envoy does not name in its quota policy."""
+    name: str
+    remaining: int
+    reset_s: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The rate-limit service's answer: ``ok``; ``over_limit`` with the body and headers of
+    its 429; or ``unavailable`` (no answer within the deadline, or an error)."""
+
+    result: Literal["ok", "over_limit", "unavailable"]
+    body: bytes = b""
+    headers: Headers = ()
+    statuses: tuple[LimitStatus, ...] = ()
+
+
+@dataclass(frozen=True)
+class RateCheck:
+    """Not an answer yet: the rate-limit service must admit this request first (a request
+    extproc answers itself, which Envoy's rate-limit filter never sees).
+
+    The service asks ``target`` and hands the :class:`Verdict` to
+    :meth:`extproc.stream.StreamState.admit`, which calls ``resume`` for the answer.
+    """
+
+    target: str
+    domain: str
+    descriptors: tuple[Descriptor, ...]
+    timeout_s: float
+    resume: Callable[[Verdict], Action]
+    tls: ServicesTls | None = None
+    """How Envoy reaches the services (``services.tls``); extproc reaches ratelimit the same way."""
+
+
+Step = Action | Lookup | RateCheck
+"""What a stream returns for a message: an answer, or I/O to do before answering (the only
+I/O a stream asks for: a cache lookup, a rate-limit check)."""
 
 PASS = Continue()

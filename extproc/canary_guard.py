@@ -88,6 +88,10 @@ class CanaryGuards:
 
     def observe(self, snapshot: Snapshot, record: RequestRecord) -> str | None:
         """Count one finished request; the reason when this request trips a guard."""
+        if record.aborted:
+            # A client that hangs up says nothing about the variant that served it, and
+            # counting it as an error would let callers who drop streams stop a canary.
+            return None
         model = snapshot.models.get(record.model)
         if model is None or model.canary is None or model.canary.guard is None:
             return None

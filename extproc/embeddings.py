@@ -3,8 +3,10 @@
 For a model with ``cache:`` the request body step returns a :class:`Lookup` of its inputs' keys;
 with the values (see :mod:`extproc.cache_merge`):
 
-* all cached (``hit``): a 200 ImmediateResponse. vLLM is never called, and Envoy's rate-limit
-  filter (after ext_proc in the chain) never sees the request, so no tokens are charged.
+* all cached (``hit``): a 200 ImmediateResponse. vLLM is never called. Envoy's rate-limit
+  filter (after ext_proc in the chain) never sees the request, so extproc asks the rate-limit
+  service itself first (:mod:`extproc.hit_limits`): a hit costs 1 from each request bucket and
+  no tokens, and is refused with the same 429 a miss would get.
 * none cached (``miss``): routed unchanged; the response is copied as it streams past and its
   vectors are stored.
 * some cached (``partial``): the body asks only for the missing inputs; the response is held back
@@ -17,7 +19,10 @@ The response body is STREAMED through extproc, never BUFFERED by Envoy: Envoy an
 :data:`MAX_RESPONSE_BYTES`), and Envoy drops ``content-length`` itself (chunked to HTTP/1.1
 clients), so a merged body of another length needs no header fix-up.
 
-Every embeddings response that reaches vLLM is read to charge its ``usage`` tokens (CONTRACT §7).
+Every embeddings response that reaches vLLM is read to charge its ``usage`` tokens (CONTRACT §7);
+the request-body answer that sends it upstream carries its reservation (the counted tokens of
+the inputs that go upstream) as dynamic metadata. Every request that got past the body step is
+recorded once (:class:`extproc.telemetry.RequestRecord`), as aborted when its stream ends first.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from extproc.actions import (
     ModeOverride,
     Reply,
     Step,
+    Verdict,
 )
-from extproc.admission import usage_metadata
+from extproc.admission import admission_metadata, usage_metadata
 from extproc.bodies import EmbeddingsBody, parse_embeddings
 from extproc.cache_keys import KeyPlan, namespace_for, plan_keys, request_salt
 from extproc.cache_merge import (
@@ -56,6 +62,7 @@ from extproc.cache_merge import (
 from extproc.context import RequestContext
 from extproc.decide import Decision
 from extproc.errors import error_body
+from extproc.hit_limits import answer, hit_check
 from extproc.processors import (
     BaseProcessor,
     body_required,
@@ -63,6 +70,7 @@ from extproc.processors import (
     resolve_model,
     route_headers,
 )
+from extproc.telemetry import RequestRecord
 from extproc.tokens import counter_for
 from llm_sidecar.logs import get_logger
 from routing.compiled import CachePolicy, ModelRoute
@@ -88,8 +96,11 @@ class EmbeddingsProcessor(BaseProcessor):
         self.parsed: EmbeddingsBody | None = None
         self.model: ModelRoute | None = None
         self.decision: Decision | None = None
-        self.prompt_tokens = 0
-        """The request's token estimate: charged when vLLM's answer carries no usage."""
+        self.counts: tuple[int, ...] = ()
+        """The counted tokens of each input, in input order."""
+        self.reserved = 0
+        """The counted tokens of the inputs sent upstream: the request's reservation, and what
+        is charged when vLLM's answer carries no usage."""
         self.plan: KeyPlan | None = None
         self.policy: CachePolicy | None = None
         self.outcome: CacheResult | None = None
@@ -100,6 +111,8 @@ class EmbeddingsProcessor(BaseProcessor):
         self.reading = False
         self.body = bytearray()
         self.too_large = False
+        self.status = 0
+        self.recorded = False
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
         if end_of_stream:
@@ -116,7 +129,7 @@ class EmbeddingsProcessor(BaseProcessor):
                   for item in parsed.inputs]
         decision = decide_for(self.ctx, model, max(counts), 0)
         self.parsed, self.model, self.decision = parsed, model, decision
-        self.prompt_tokens = sum(counts)
+        self.counts = tuple(counts)
         policy = model.cache
         if policy is None:
             return self._forward(None)
@@ -126,8 +139,8 @@ class EmbeddingsProcessor(BaseProcessor):
         self.policy = policy
         return Lookup(self.plan.distinct, self.on_lookup)
 
-    def on_lookup(self, found: Found) -> Action:
-        """The answer to the request body, once the cache has answered the lookup."""
+    def on_lookup(self, found: Found) -> Step:
+        """The next step of the request body, once the cache has answered the lookup."""
         assert self.plan is not None and self.decision is not None
         if found is None:
             self.outcome = "bypass"
@@ -135,15 +148,31 @@ class EmbeddingsProcessor(BaseProcessor):
         resolution = resolve(self.plan, found)
         self.outcome, self.resolution = resolution.outcome, resolution
         if resolution.outcome == "hit":
-            request_id = self.ctx.request_id or "local"
-            return Reply(200, hit_body(resolution, self.decision.upstream_model,
-                                       f"embd-cache-{request_id}"),
-                         headers=(("content-type", "application/json"), (CACHE_HEADER, "hit")))
+            assert self.model is not None
+            check = hit_check(self.ctx.snapshot, route_headers(self.ctx, self.model, self.decision),
+                              self.on_admitted)
+            return self.on_admitted(Verdict("ok")) if check is None else check
         if resolution.outcome == "miss":
             self.sent = self.plan.keys
             return self._forward(None)
         self.sent = resolution.missing
         return self._forward(missing_body(self._upstream_doc(), resolution))
+
+    def _hit(self) -> Reply:
+        """The answer of a request whose every input was cached."""
+        assert self.resolution is not None and self.decision is not None
+        request_id = self.ctx.request_id or "local"
+        return Reply(200, hit_body(self.resolution, self.decision.upstream_model,
+                                   f"embd-cache-{request_id}"),
+                     headers=(("content-type", "application/json"), (CACHE_HEADER, "hit")))
+
+    def on_admitted(self, verdict: Verdict) -> Reply:
+        """A hit's answer once the rate limiter has judged it: as Envoy's filter would have."""
+        reply = answer(verdict, self._hit(),
+                       self.ctx.snapshot.config.services.ratelimit_failure_mode_deny)
+        self.status = reply.status
+        self._record(charged=0)
+        return reply
 
     def _upstream_doc(self) -> dict[str, Any]:
         assert self.parsed is not None and self.decision is not None
@@ -161,16 +190,25 @@ class EmbeddingsProcessor(BaseProcessor):
         if body is not None:
             headers += (("content-length", str(len(body))),)
         self.ctx.telemetry.routed(self.model.name, decision.cluster, decision.variant)
+        if self.outcome == "partial":
+            assert self.plan is not None and self.resolution is not None
+            per_key = dict(zip(self.plan.keys, self.counts, strict=True))
+            self.reserved = sum(per_key[key] for key in self.resolution.missing)
+        else:
+            self.reserved = sum(self.counts)
         # The answer is read (usage, vectors, merge): ask for it uncompressed.
         return Continue(set_headers=headers, remove_headers=("accept-encoding",), body=body,
-                        clear_route_cache=True)
+                        clear_route_cache=True,
+                        metadata=admission_metadata(self.reserved))
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
         status = headers.get(":status", "")
+        self.status = int(status) if status.isdigit() else 0
         cache: Headers = ((CACHE_HEADER, self.outcome),) if self.outcome is not None else ()
         if status != "200" or end_of_stream or self.decision is None:
             # An error (or nothing) from upstream is passed on as it is: nothing to store,
             # nothing to merge, and no tokens computed to charge.
+            self._record(charged=0)
             return Continue(set_headers=cache, mode=_SKIP_RESPONSE_BODY)
         self.reading = True
         return Continue(set_headers=cache)
@@ -207,14 +245,39 @@ class EmbeddingsProcessor(BaseProcessor):
             if merging:
                 # The client has the 200 headers and nothing else; a wrong or partial list of
                 # vectors is worse than a broken stream (Envoy resets it on this late reply).
+                self.status = 502
+                self._record(charged=None)
                 return Reply(502, error_body("The model backend's answer could not be merged "
                                              "with cached embeddings.", "server_error",
                                              "upstream_unavailable"),
                              details="embedding_cache_merge_failed")
-            return Continue(metadata=usage_metadata(self.prompt_tokens))
-        tokens = usage_tokens(doc)
+            self._record(charged=self.reserved)
+            return Continue(metadata=usage_metadata(self.reserved))
+        used = usage_tokens(doc)
+        tokens = self.reserved if used is None else used
         store = None
         if self.policy is not None and fresh:
             store = CacheWrite(entries_to_store(fresh), self.policy.ttl_s)
-        return Continue(body=merged, store=store,
-                        metadata=usage_metadata(self.prompt_tokens if tokens is None else tokens))
+        self._record(charged=tokens, prompt_tokens=tokens)
+        return Continue(body=merged, store=store, metadata=usage_metadata(tokens))
+
+    def on_close(self) -> None:
+        """A request sent upstream whose answer never ended (client gone, upstream reset):
+        recorded as aborted; nothing is settled."""
+        self._record(charged=None, aborted=True)
+
+    def _record(self, charged: int | None, aborted: bool = False,
+                prompt_tokens: int | None = None) -> None:
+        """Report this request once, however it ended."""
+        ctx, decision, model = self.ctx, self.decision, self.model
+        if self.recorded or decision is None or model is None:
+            return
+        self.recorded = True
+        if prompt_tokens is None:
+            prompt_tokens = 0 if self.outcome == "hit" else self.reserved
+        ctx.telemetry.request_done(RequestRecord(
+            request_id=ctx.request_id, model=model.name, cluster=decision.cluster,
+            variant=decision.variant, tenant=ctx.identity.tenant, status=self.status,
+            streamed=False, errored=self.status >= 500, duration_s=ctx.clock() - ctx.started,
+            ttft_s=None, tpot_s=None, prompt_tokens=prompt_tokens,
+            completion_tokens=0, charged_tokens=charged, aborted=aborted, cache=self.outcome))

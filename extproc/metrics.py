@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from extproc.telemetry import RequestRecord
+from extproc.telemetry import RequestRecord, outcome
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
@@ -20,16 +20,6 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 OTHER_TENANT = "other"
-
-
-def outcome(status: int, errored: bool) -> str:
-    if status >= 500 or (errored and status < 400):
-        return "error"
-    if status == 429:
-        return "rate_limited"
-    if status >= 400:
-        return "client_error"
-    return "ok"
 
 
 class ExtprocMetrics:
@@ -57,7 +47,7 @@ class ExtprocMetrics:
             ["model", "variant", "tenant", "token_type"], buckets=TOKEN_BUCKETS,
             registry=registry)
         self.requests = Counter(
-            "llm_sidecar_requests", "Finished chat/completions requests by outcome.",
+            "llm_sidecar_requests", "Routed requests (chat, completions, embeddings) by outcome.",
             [*common, "outcome"], registry=registry)
         self.routes = Counter(
             "llm_sidecar_route_decisions", "Routing decisions by model, cluster and variant.",
@@ -87,13 +77,15 @@ class ExtprocMetrics:
     def request_done(self, record: RequestRecord) -> None:
         tenant = self.tenant(record.tenant)
         labels = (record.model, record.cluster, record.variant, tenant)
-        result = outcome(record.status, record.errored)
+        result = outcome(record)
         self.requests.labels(*labels, result).inc()
         self.duration.labels(*labels, result).observe(record.duration_s)
         if record.ttft_s is not None:
             self.ttft.labels(*labels).observe(record.ttft_s)
         if record.tpot_s is not None:
             self.tpot.labels(*labels).observe(record.tpot_s)
+        # An aborted request's tokens count too: its prompt went upstream, and the completion
+        # tokens streamed before the end were served.
         if record.status < 400:
             self.tokens.labels(record.model, record.variant, tenant, "input") \
                 .observe(record.prompt_tokens)

@@ -30,6 +30,7 @@ class Processor(Protocol):
     def on_request_body(self, body: bytes) -> Step: ...
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action: ...
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action: ...
+    def on_close(self) -> None: ...
 
 
 class BaseProcessor:
@@ -47,6 +48,9 @@ class BaseProcessor:
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
         return PASS
+
+    def on_close(self) -> None:
+        """The ext_proc stream ended (normally or not): record a request left unfinished."""
 
 
 def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) -> Headers:
@@ -158,7 +162,17 @@ class GenerationProcessor(BaseProcessor):
             usage, decision.prompt_tokens, decision.output_tokens))
         return Continue(metadata=usage_metadata(used)) if used is not None else PASS
 
-    def _report(self, usage: Usage, charged: int) -> None:
+    def on_close(self) -> None:
+        """A request routed upstream whose response never ended: the client hung up or the
+        upstream reset (Envoy then resets the ext_proc stream). It is recorded as aborted,
+        with the completion tokens streamed so far; nothing is settled."""
+        if self.decision is None or self.finished:
+            return
+        self.finished = True
+        meter = self.meter if self.meter is not None else UsageMeter(streaming=False)
+        self._report(meter.finish(), None, aborted=True)
+
+    def _report(self, usage: Usage, charged: int | None, aborted: bool = False) -> None:
         ctx, decision = self.ctx, self.decision
         assert decision is not None
         now = ctx.clock()
@@ -184,6 +198,7 @@ class GenerationProcessor(BaseProcessor):
             completion_tokens=usage.completion_tokens if usage.completion_tokens is not None
             else usage.streamed_tokens,
             charged_tokens=charged,
+            aborted=aborted,
         )
         ctx.telemetry.request_done(record)
 

@@ -6,7 +6,7 @@ rate limiter's lines. It never carries the API key: only the key id and tenant.
 
 from __future__ import annotations
 
-from extproc.telemetry import ForwardingTelemetry, RequestRecord
+from extproc.telemetry import ForwardingTelemetry, RequestRecord, outcome
 from llm_sidecar.logs import get_logger
 
 log = get_logger("extproc.request")
@@ -19,7 +19,8 @@ class LoggedTelemetry(ForwardingTelemetry):
         log.info(
             "request_done", request_id=record.request_id, model=record.model,
             cluster=record.cluster, variant=record.variant, tenant=record.tenant,
-            status=record.status, streamed=record.streamed, errored=record.errored,
+            status=record.status, outcome=outcome(record), streamed=record.streamed,
+            errored=record.errored, cache=record.cache,
             duration_ms=round(record.duration_s * 1000, 3),
             ttft_ms=None if record.ttft_s is None else round(record.ttft_s * 1000, 3),
             prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens,

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc import wire
-from extproc.actions import Continue, Lookup, Phase, Step
+from extproc.actions import Continue, Lookup, Phase, Reply, Step
 from extproc.cache_guard import VectorCache, open_vector_cache
 from extproc.cache_metrics import CacheMetrics
 from extproc.cache_store import MemoryVectorStore
@@ -26,6 +26,7 @@ from extproc.canary_guard import CanaryGuards, GuardedTelemetry
 from extproc.canary_report import MIN_SAMPLES, render_all
 from extproc.metrics import ExtprocMetrics
 from extproc.request_log import LoggedTelemetry
+from extproc.rls_client import RateLimitClient
 from extproc.stream import StreamState
 from extproc.telemetry import NULL_TELEMETRY, Telemetry
 from llm_sidecar.grpc_listen import add_port, listen_address
@@ -47,7 +48,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
     def __init__(self, snapshot: Callable[[], Snapshot], settings: Settings,
                  telemetry: Telemetry = NULL_TELEMETRY,
                  guards: CanaryGuards | None = None,
-                 cache: VectorCache | None = None) -> None:
+                 cache: VectorCache | None = None,
+                 limits: RateLimitClient | None = None) -> None:
         self._snapshot = snapshot
         self._secret = settings.key_id_secret.get_secret_value().encode()
         self._telemetry = telemetry
@@ -56,6 +58,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             MemoryVectorStore(settings.cache_memory_bytes), settings.redis_timeout_ms / 1000,
             settings.cache_store_timeout_ms / 1000, settings.redis_breaker_cooldown_ms / 1000,
             CacheMetrics(CollectorRegistry()))
+        self._limits = limits if limits is not None else RateLimitClient(CollectorRegistry())
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -65,31 +68,44 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         state = StreamState(self._snapshot(), self._secret, telemetry=telemetry,
                             guards=self._guards)
         responses_asked = False  # the filter config skips response messages unless asked
-        async for request in request_iterator:
-            started = clock()
-            phase, headers, body, end = wire.read(request)
-            if phase is None:
-                continue  # trailers: not requested by our processing mode
-            step = state.handle(phase, headers, body, end)
-            if isinstance(step, Lookup):
-                step = state.resume(step, await self._cache.lookup(step.keys))
-            response = wire.build(phase, step)
-            telemetry.phase(phase, clock() - started)
-            if isinstance(step, Continue) and step.store is not None:
-                # Scheduled before the yield: code after it does not run if the stream ends here.
-                self._cache.store_later(step.store)
-            yield response
-            if isinstance(step, Continue) and step.mode is not None:
-                responses_asked = step.mode.response_headers or step.mode.response_body != "none"
-            if _last_message(step, phase, end, responses_asked):
-                # Nothing more will come, and Envoy ends the stream by resetting it. grpcio
-                # (grpc/grpc#43360) leaks native memory for a call reset while the server awaits
-                # its next message, or when the server sends its status into a reset it lost the
-                # race to: extproc's RSS grew 17 % over a 200,000-request soak. So wait here,
-                # reading nothing: the reset cancels this wait, and no gRPC operation is left
-                # behind. A client that half-closes without a reset gets the status after it.
-                await asyncio.sleep(LINGER_S)
-                return
+        try:
+            async for request in request_iterator:
+                started = clock()
+                phase, headers, body, end = wire.read(request)
+                if phase is None:
+                    continue  # trailers: not requested by our processing mode
+                step = state.handle(phase, headers, body, end)
+                while not isinstance(step, Continue | Reply):
+                    if isinstance(step, Lookup):
+                        step = state.resume(step, await self._cache.lookup(step.keys))
+                    else:
+                        step = state.admit(step, await self._limits.check(step))
+                response = wire.build(phase, step)
+                telemetry.phase(phase, clock() - started)
+                if isinstance(step, Continue) and step.store is not None:
+                    # Scheduled before the yield: code after it does not run if the stream
+                    # ends here.
+                    self._cache.store_later(step.store)
+                yield response
+                if isinstance(step, Continue) and step.mode is not None:
+                    responses_asked = (step.mode.response_headers
+                                       or step.mode.response_body != "none")
+                if _last_message(step, phase, end, responses_asked):
+                    # Nothing more will come, and Envoy ends the stream by resetting it. grpcio
+                    # (grpc/grpc#43360) leaks native memory for a call reset while the server
+                    # awaits its next message, or when the server sends its status into a reset
+                    # it lost the race to: extproc's RSS grew 17 % over a 200,000-request soak.
+                    # So wait here, reading nothing: the reset cancels this wait, and no gRPC
+                    # operation is left behind. A client that half-closes without a reset gets
+                    # the status after it.
+                    await asyncio.sleep(LINGER_S)
+                    return
+        finally:
+            # However the stream ended: Envoy's reset after the last answer (the request was
+            # recorded already, this does nothing), or a reset before it (client gone, upstream
+            # reset: grpcio cancels this generator, at an await with CancelledError or at the
+            # yield with GeneratorExit), which records the request as aborted.
+            state.close()
 
 
 def _last_message(step: Step, phase: Phase, end: bool, responses_asked: bool) -> bool:
@@ -116,7 +132,8 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     audit_redis(settings.redis_url, settings.dev_mode, registry, "extproc")
     cache = open_vector_cache(settings, CacheMetrics(registry))
     await cache.connect()
-    servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache)
+    limits = RateLimitClient(registry)
+    servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache, limits)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -140,6 +157,7 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=settings.shutdown_grace_s)
         await cache.aclose()
+        await limits.aclose()
         await runner.cleanup()
         log.info("extproc_stopped")
 

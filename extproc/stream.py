@@ -11,7 +11,18 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from extproc.actions import PASS, Action, Continue, Found, Lookup, Phase, Reply, Step
+from extproc.actions import (
+    PASS,
+    Action,
+    Continue,
+    Found,
+    Lookup,
+    Phase,
+    RateCheck,
+    Reply,
+    Step,
+    Verdict,
+)
 from extproc.canary_guard import CanaryGuards
 from extproc.context import RequestContext, spoofed_headers
 from extproc.embeddings import EmbeddingsProcessor
@@ -72,12 +83,34 @@ class StreamState:
         except Exception as exc:
             return self._failed(exc, phase)
 
-    def resume(self, lookup: Lookup, found: Found) -> Action:
-        """The answer to the message that asked for ``lookup``, given what it found."""
+    def resume(self, lookup: Lookup, found: Found) -> Step:
+        """The next step of the message that asked for ``lookup``, given what it found."""
         try:
             return lookup.resume(found)
         except Exception as exc:
             return self._failed(exc, "request_body")
+
+    def admit(self, check: RateCheck, verdict: Verdict) -> Action:
+        """The answer to the message that asked for ``check``, given the rate limiter's verdict."""
+        try:
+            return check.resume(verdict)
+        except Exception as exc:
+            return self._failed(exc, "request_body")
+
+    def close(self) -> None:
+        """The stream is over, however it ended; never raises, and safe to call twice.
+
+        After a normal end the processor has recorded its request already and this does
+        nothing; after a reset (client gone, upstream reset) it records the request as aborted.
+        """
+        processor = self.processor
+        if processor is None:
+            return
+        try:
+            processor.on_close()
+        except Exception:
+            log.exception("extproc_internal_error", phase="close",
+                          request_id=self.ctx.request_id if self.ctx else None)
 
     def _failed(self, exc: Exception, phase: Phase) -> Reply:
         if isinstance(exc, ClientError):

@@ -7,12 +7,19 @@ and tests use :class:`NullTelemetry` or a recording fake.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
+
+Outcome = Literal["ok", "error", "client_error", "rate_limited", "aborted"]
+"""How a request ended: the ``outcome`` of its log line and metric labels (a fixed set)."""
 
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """One finished chat/completions request as the gateway saw it."""
+    """One routed request (chat, completions or embeddings) as the gateway saw it end.
+
+    Exactly one per request that was routed: at the end of its response, or, when the ext_proc
+    stream ends before that (the client hung up, the upstream reset), with ``aborted``.
+    """
 
     request_id: str
     model: str
@@ -30,7 +37,28 @@ class RequestRecord:
     """Mean time between content chunks after the first: the decode side."""
     prompt_tokens: int
     completion_tokens: int
-    charged_tokens: int
+    """From the response's ``usage``, else the content chunks streamed so far."""
+    charged_tokens: int | None
+    """Tokens extproc handed the rate limiter at the end; None when the response never ended
+    (aborted): extproc settled nothing, and what was reserved at admission stands."""
+    aborted: bool = False
+    """The ext_proc stream ended before the response did."""
+    cache: str | None = None
+    """Embeddings with a cache: hit, partial, miss or bypass."""
+
+
+def outcome(record: RequestRecord) -> Outcome:
+    """The one place a record's outcome is decided (log line and metrics agree)."""
+    if record.aborted:
+        return "aborted"
+    status = record.status
+    if status >= 500 or (record.errored and status < 400):
+        return "error"
+    if status == 429:
+        return "rate_limited"
+    if status >= 400:
+        return "client_error"
+    return "ok"
 
 
 class Telemetry(Protocol):

@@ -244,30 +244,31 @@ def test_the_openai_sdk_gets_identical_results_cached_and_uncached(
     assert [d.embedding for d in floats.data] == expected
 
 
-def test_hits_charge_no_tokens_misses_charge_what_vllm_used(
+def test_hits_reserve_no_tokens_misses_reserve_their_inputs(
         gw: Gateway, fresh: RedisServer) -> None:
     text = "word " * 150  # ~190 tokens: more than a 100/min bucket holds
     embeddings(gw, "bge-m3", [text])
     wait_stored(fresh, 1)
-    for _ in range(5):  # hits: the rate limiter never sees them
+    for _ in range(5):  # hits: they cost a request each, and no tokens
         status, headers, _ = post(gw, {"model": "bge-m3", "input": [text]}, **{
             "x-tenant-id": "frugal"})
         assert status == 200 and headers["x-llm-cache"] == "hit"
     status, _, _ = post(gw, {"model": "bge-m3-plain", "input": ["small"]}, **{
         "x-tenant-id": "frugal"})
     assert status == 200  # the token bucket is untouched
-    status, headers, _ = post(gw, {"model": "bge-m3", "input": [text + "!"]}, **{
+    # A miss reserves its counted input: ~190 tokens can never fit a 100-token bucket.
+    status, _, body = post(gw, {"model": "bge-m3", "input": [text + "!"]}, **{
+        "x-tenant-id": "thrifty"})
+    assert status == 429 and body["error"]["type"] == "tokens"
+    assert "can ever hold (100)" in body["error"]["message"]
+    # One of ~65 fits; it is settled to what vLLM used, and a second no longer fits.
+    half = "word " * 50
+    status, headers, _ = post(gw, {"model": "bge-m3", "input": [half]}, **{
         "x-tenant-id": "thrifty"})
     assert status == 200 and headers["x-llm-cache"] == "miss"
-    deadline = time.monotonic() + 2  # the charge lands when the stream is done
-    while True:
-        status, _, body = post(gw, {"model": "bge-m3-plain", "input": ["small"]}, **{
-            "x-tenant-id": "thrifty"})
-        if status == 429:
-            assert body["error"]["type"] == "tokens"
-            break
-        assert time.monotonic() < deadline, "the miss was never charged"
-        time.sleep(0.05)
+    status, _, body = post(gw, {"model": "bge-m3", "input": [half + "!"]}, **{
+        "x-tenant-id": "thrifty"})
+    assert status == 429 and body["error"]["type"] == "tokens"
 
 
 def test_metrics_count_lookups_by_result(gw: Gateway, fresh: RedisServer) -> None:

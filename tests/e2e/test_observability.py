@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -99,6 +100,11 @@ def test_metrics_count_exactly_what_was_sent(gw: Gateway) -> None:
     ext = scrape(gw.extproc_metrics)
     assert total(ext, "llm_sidecar_requests_total", model="llama-2-13b", outcome="ok") == 11
     assert total(ext, "llm_sidecar_requests_total", outcome="rate_limited") == 2
+    # Envoy resets each ext_proc stream after its last answer: a normal end, not an abort.
+    assert total(ext, "llm_sidecar_requests_total", outcome="aborted") == 0
+    # One request_done line per routed request, with the same outcome as its metrics.
+    lines = [json.loads(line) for line in gw.logs().splitlines() if '"request_done"' in line]
+    assert sorted(line["outcome"] for line in lines) == ["ok"] * 11 + ["rate_limited"] * 2
     assert total(ext, "llm_sidecar_requests_total", outcome="rate_limited", tenant="other") == 2
     assert total(ext, "llm_sidecar_rejections_total", status="413",
                  code="context_length_exceeded") == 3

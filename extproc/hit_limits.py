@@ -1,0 +1,122 @@
+"""Rate limits for requests extproc answers itself (an embeddings request wholly from the cache).
+
+Envoy's rate-limit filter runs after ext_proc, so an ImmediateResponse never reaches it: extproc
+asks the rate-limit service itself, with the domain and the request descriptors Envoy would
+have built from the routed ``x-llm-*`` headers (read off :func:`routing.ratelimits
+.route_rate_limits`, so the two cannot drift), and answers from the verdict as Envoy would.
+Pure: the call itself is :mod:`extproc.rls_client`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from extproc.actions import Action, Descriptor, Headers, LimitStatus, RateCheck, Reply, Verdict
+from extproc.errors import error_body
+from routing.compiled import Snapshot
+from routing.ratelimits import DOMAIN, route_rate_limits
+from routing.schema import RoutingConfig
+
+UNAVAILABLE_DETAILS = "ratelimit_unavailable"
+BACKEND_DENY_HEADER = "x-llm-ratelimit-backend"
+"""What the rate-limit service adds to a denial its store caused (``on_backend_error: deny``);
+Envoy's local-reply mapper turns such a 429 into a 503, and so does :func:`answer`."""
+
+
+def request_descriptors(config: RoutingConfig, headers: Mapping[str, str]) -> tuple[Descriptor, ...]:
+    """The descriptors Envoy sends for the ``kind=requests`` limits of a request whose headers
+    (after extproc's mutations) are ``headers``.
+
+    Token checks are left out: a request answered from the cache costs no tokens. As in Envoy,
+    a descriptor whose header is absent is not sent.
+    """
+    out: list[Descriptor] = []
+    for rate_limit in route_rate_limits(config):
+        if rate_limit.get("apply_on_stream_done") or not _requests_kind(rate_limit["actions"]):
+            continue
+        entries = _entries(rate_limit["actions"], headers)
+        if entries is not None:
+            out.append(entries)
+    return tuple(out)
+
+
+def _requests_kind(actions: list[dict[str, Any]]) -> bool:
+    """Is this a ``kind=requests`` rate limit (token and concurrency ones carry metadata
+    actions extproc has no reason to evaluate)?"""
+    return any(action.get("generic_key") == {"descriptor_key": "kind", "descriptor_value": "requests"}
+               for action in actions)
+
+
+def _entries(actions: list[dict[str, Any]], headers: Mapping[str, str]) -> Descriptor | None:
+    entries: list[tuple[str, str]] = []
+    for action in actions:
+        if "generic_key" in action:
+            key = action["generic_key"]
+            entries.append((key.get("descriptor_key", "generic_key"), key["descriptor_value"]))
+        elif "request_headers" in action:
+            spec = action["request_headers"]
+            value = headers.get(spec["header_name"])
+            if value is None:
+                return None
+            entries.append((spec["descriptor_key"], value))
+        else:
+            raise ValueError(f"an Envoy rate-limit action extproc cannot evaluate: {action}")
+    return tuple(entries)
+
+
+def hit_check(snapshot: Snapshot, headers: Headers,
+              resume: Callable[[Verdict], Action]) -> RateCheck | None:
+    """The check a cache hit must pass; None when no request limit applies to it."""
+    config = snapshot.config
+    if config.rate_limits is None:
+        return None
+    descriptors = request_descriptors(config, dict(headers))
+    if not descriptors:
+        return None
+    return RateCheck(config.services.ratelimit, DOMAIN, descriptors,
+                     config.services.ratelimit_timeout_s, resume, config.services.tls)
+
+
+def answer(verdict: Verdict, admitted: Reply, deny_on_failure: bool) -> Reply:
+    """What the client gets: ``admitted`` (with Envoy's x-ratelimit-* headers), the service's
+    own 429 (body and headers as Envoy would send them for a request it limited), or, when
+    the service did not answer, Envoy's failure policy: admit, or 503 ``upstream_unavailable``."""
+    if verdict.result == "unavailable":
+        if not deny_on_failure:
+            return admitted
+        return Reply(503, error_body("The model backend or a gateway service is unavailable "
+                                     "(rate limiting did not answer).", "server_error",
+                                     "upstream_unavailable"), details=UNAVAILABLE_DETAILS)
+    limits = x_ratelimit_headers(verdict.statuses)
+    if verdict.result == "ok":
+        return Reply(admitted.status, admitted.body,
+                     admitted.headers + _merge(verdict.headers, limits), admitted.details)
+    # A denial because the store is down is not the client's rate limit: 503 (CONTRACT §6).
+    status = 503 if any(name == BACKEND_DENY_HEADER for name, _ in verdict.headers) else 429
+    return Reply(status, verdict.body, _merge(verdict.headers, limits),
+                 details="request_rate_limited")
+
+
+def _merge(first: Headers, second: Headers) -> Headers:
+    names = {name for name, _ in second}
+    return tuple((n, v) for n, v in first if n not in names) + second
+
+
+def x_ratelimit_headers(statuses: tuple[LimitStatus, ...]) -> Headers:
+    """``x-ratelimit-limit``/``-remaining``/``-reset`` as Envoy's ``DRAFT_VERSION_03`` writes
+    them: the descriptor with the least remaining, and each limit's quota policy."""
+    tightest: LimitStatus | None = None
+    policy = ""
+    for status in statuses:
+        if tightest is None or status.remaining < tightest.remaining:
+            tightest = status
+        if status.window_s:
+            policy += f", {status.requests_per_unit};w={status.window_s}"
+            if status.name:
+                policy += f';name="{status.name}"'
+    if tightest is None:
+        return ()
+    return (("x-ratelimit-limit", f"{tightest.requests_per_unit}{policy}"),
+            ("x-ratelimit-remaining", str(tightest.remaining)),
+            ("x-ratelimit-reset", str(tightest.reset_s)))

@@ -1,0 +1,46 @@
+"""Envoy RLS v3 protobuf for the checks extproc makes itself; the one module that builds them."""
+
+from __future__ import annotations
+
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2
+
+from extproc.actions import Descriptor, LimitStatus, RateCheck, Verdict
+
+_Response = rls_pb2.RateLimitResponse
+_WINDOWS = {
+    # The units Envoy names in its quota policy (ratelimit_headers.cc); others count as 0.
+    _Response.RateLimit.SECOND: 1,
+    _Response.RateLimit.MINUTE: 60,
+    _Response.RateLimit.HOUR: 3600,
+    _Response.RateLimit.DAY: 86400,
+    _Response.RateLimit.MONTH: 30 * 86400,
+    _Response.RateLimit.YEAR: 365 * 86400,
+}
+
+
+def request(check: RateCheck) -> rls_pb2.RateLimitRequest:
+    """The request as Envoy sends it: no ``hits_addend`` anywhere, so each descriptor costs 1."""
+    return rls_pb2.RateLimitRequest(domain=check.domain,
+                                    descriptors=[_descriptor(d) for d in check.descriptors])
+
+
+def _descriptor(descriptor: Descriptor) -> ratelimit_pb2.RateLimitDescriptor:
+    return ratelimit_pb2.RateLimitDescriptor(entries=[
+        ratelimit_pb2.RateLimitDescriptor.Entry(key=key, value=value) for key, value in descriptor
+    ])
+
+
+def verdict(response: rls_pb2.RateLimitResponse) -> Verdict:
+    statuses = tuple(
+        LimitStatus(s.current_limit.requests_per_unit, _WINDOWS.get(s.current_limit.unit, 0),
+                    s.current_limit.name, s.limit_remaining, s.duration_until_reset.seconds)
+        for s in response.statuses if s.HasField("current_limit"))
+    # Envoy adds the service's headers to the client's answer either way (OpenAI's
+    # x-ratelimit-*-requests names among them).
+    headers = tuple((h.key.lower(), h.value) for h in response.response_headers_to_add)
+    if response.overall_code == _Response.OVER_LIMIT:
+        return Verdict("over_limit", response.raw_body, headers, statuses)
+    if response.overall_code == _Response.OK:
+        return Verdict("ok", headers=headers, statuses=statuses)
+    return Verdict("unavailable")  # UNKNOWN: Envoy's filter treats it as an error too

@@ -1,0 +1,188 @@
+"""Every routed request is recorded exactly once, also when its stream ends before its response.
+
+The stream state is fed ext_proc messages, then closed as the service closes it when Envoy
+resets the stream (client gone, upstream reset) or after the last answer.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.actions import Continue, Lookup
+from extproc.metrics import ExtprocMetrics
+from extproc.stream import StreamState
+from extproc.telemetry import NullTelemetry, RequestRecord, outcome
+from llm_sidecar.wire_names import RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
+from tests.extproc.helpers import snapshot
+
+SECRET = b"test-secret"
+SSE = {":status": "200", "content-type": "text/event-stream"}
+
+
+class Recorder(NullTelemetry):
+    def __init__(self) -> None:
+        self.records: list[RequestRecord] = []
+
+    def request_done(self, record: RequestRecord) -> None:
+        self.records.append(record)
+
+
+def chat(recorder: Recorder, **doc: object) -> StreamState:
+    state = StreamState(snapshot(), SECRET, telemetry=recorder)
+    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+                                     "x-request-id": "r1"}, b"", False)
+    body = {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}], **doc}
+    assert isinstance(state.handle("request_body", None, orjson.dumps(body), True), Continue)
+    return state
+
+
+def token(text: str) -> bytes:
+    return b"data: " + orjson.dumps({"choices": [{"delta": {"content": text}}]}) + b"\n\n"
+
+
+def test_a_stream_reset_mid_response_is_recorded_as_aborted_with_its_streamed_tokens() -> None:
+    recorder = Recorder()
+    state = chat(recorder, max_tokens=100, stream=True)
+    state.handle("response_headers", SSE, b"", False)
+    for text in ("a", "b", "c"):
+        assert state.handle("response_body", None, token(text), False) == Continue()
+    assert recorder.records == []
+    state.close()
+    (record,) = recorder.records
+    assert outcome(record) == "aborted" and record.aborted
+    assert record.status == 200 and record.streamed
+    assert record.completion_tokens == 3
+    assert record.prompt_tokens > 0
+    assert record.charged_tokens is None  # nothing settled: the reservation stands
+    assert record.ttft_s is not None and record.request_id == "r1"
+    state.close()
+    assert len(recorder.records) == 1  # closing twice records nothing twice
+
+
+def test_a_chunk_split_across_messages_is_counted_only_when_complete() -> None:
+    recorder = Recorder()
+    state = chat(recorder, stream=True)
+    state.handle("response_headers", SSE, b"", False)
+    whole = token("a") + token("b")
+    state.handle("response_body", None, whole[:-5], False)
+    state.close()
+    assert recorder.records[0].completion_tokens == 1
+
+
+def test_a_reset_before_the_response_headers_is_aborted_with_no_completion() -> None:
+    recorder = Recorder()
+    state = chat(recorder, max_tokens=5)
+    state.close()
+    (record,) = recorder.records
+    assert outcome(record) == "aborted" and record.status == 0
+    assert record.completion_tokens == 0 and not record.streamed
+
+
+@pytest.mark.parametrize("ending", ["done", "end_of_stream", "headers_only"])
+def test_after_a_normal_end_closing_records_nothing_more(ending: str) -> None:
+    recorder = Recorder()
+    state = chat(recorder, stream=True)
+    if ending == "headers_only":
+        state.handle("response_headers", {":status": "503"}, b"", True)
+    else:
+        state.handle("response_headers", SSE, b"", False)
+        state.handle("response_body", None, token("a"), False)
+        last = b"data: [DONE]\n\n" if ending == "done" else b""
+        state.handle("response_body", None, last, ending == "end_of_stream")
+    state.close()
+    (record,) = recorder.records
+    assert not record.aborted and record.charged_tokens is not None
+
+
+def test_a_request_never_routed_is_not_a_request_record() -> None:
+    recorder = Recorder()
+    state = StreamState(snapshot(), SECRET, telemetry=recorder)
+    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
+                 False)
+    state.close()  # the client left before sending its body
+    state2 = StreamState(snapshot(), SECRET, telemetry=recorder)
+    state2.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
+                  False)
+    state2.handle("request_body", None, b"{nope", True)  # a 400: counted as a rejection
+    state2.close()
+    StreamState(snapshot(), SECRET, telemetry=recorder).close()  # no message at all
+    assert recorder.records == []
+
+
+def test_aborted_requests_count_in_the_metrics_with_their_tokens() -> None:
+    registry = CollectorRegistry()
+    metrics = ExtprocMetrics(registry, lambda: frozenset({"default"}))
+    state = StreamState(snapshot(), SECRET, telemetry=metrics)
+    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
+                 False)
+    state.handle("request_body", None, orjson.dumps(
+        {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}],
+         "stream": True}), True)
+    state.handle("response_headers", SSE, b"", False)
+    for text in "abcd":
+        state.handle("response_body", None, token(text), False)
+    state.close()
+    labels = {"model": "llama-2-13b", "cluster": "vllm-short", "variant": "stable",
+              "tenant": "default"}
+    assert registry.get_sample_value("llm_sidecar_requests_total",
+                                     {**labels, "outcome": "aborted"}) == 1
+    assert registry.get_sample_value(
+        "gen_ai_client_token_usage_sum",
+        {"model": "llama-2-13b", "variant": "stable", "tenant": "default",
+         "token_type": "output"}) == 4
+
+
+# Embeddings -------------------------------------------------------------------------------
+
+CACHED = {"kind": "embedding", "clusters": ["embed"], "cache": {"namespace": "bge", "ttl": "1h"}}
+
+
+def embeddings(recorder: Recorder, inputs: list[str], model: str = "bge-m3") -> StreamState:
+    snap = snapshot(models={"bge-m3": CACHED,
+                            "plain": {"kind": "embedding", "clusters": ["embed"]}})
+    state = StreamState(snap, SECRET, telemetry=recorder)
+    state.handle("request_headers", {":path": "/v1/embeddings", ":method": "POST"}, b"", False)
+    step = state.handle("request_body", None, orjson.dumps({"model": model, "input": inputs}),
+                        True)
+    if isinstance(step, Lookup):
+        step = state.resume(step, tuple(None for _ in step.keys))  # all missing
+    assert isinstance(step, Continue)
+    assert step.metadata[RESERVATION_METADATA_KEY] > 0
+    return state
+
+
+@pytest.mark.parametrize("model", ["bge-m3", "plain"])
+def test_an_embeddings_request_reset_while_upstream_is_recorded_as_aborted(model: str) -> None:
+    recorder = Recorder()
+    state = embeddings(recorder, ["alpha", "beta"], model)
+    state.handle("response_headers", {":status": "200"}, b"", False)
+    state.handle("response_body", None, b'{"data": [', False)
+    state.close()
+    (record,) = recorder.records
+    assert outcome(record) == "aborted" and record.model == model
+    assert record.cache == ("miss" if model == "bge-m3" else None)
+    assert record.prompt_tokens > 0 and record.charged_tokens is None
+
+
+def test_a_finished_embeddings_request_is_recorded_once_with_vllms_usage() -> None:
+    recorder = Recorder()
+    state = embeddings(recorder, ["alpha"])
+    state.handle("response_headers", {":status": "200"}, b"", False)
+    answer = orjson.dumps({"data": [{"object": "embedding", "index": 0, "embedding": [0.5]}],
+                           "usage": {"prompt_tokens": 7, "total_tokens": 7}})
+    last = state.handle("response_body", None, answer, True)
+    assert isinstance(last, Continue) and last.metadata == {TOKENS_METADATA_KEY: "7"}
+    state.close()
+    (record,) = recorder.records
+    assert outcome(record) == "ok" and record.prompt_tokens == 7 and record.charged_tokens == 7
+
+
+def test_an_embeddings_error_from_upstream_is_recorded_as_such() -> None:
+    recorder = Recorder()
+    state = embeddings(recorder, ["alpha"])
+    state.handle("response_headers", {":status": "429"}, b"", False)
+    state.close()
+    (record,) = recorder.records
+    assert outcome(record) == "rate_limited" and record.charged_tokens == 0
