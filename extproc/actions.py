@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Phase = Literal["request_headers", "request_body", "response_headers", "response_body"]
+Phase = Literal["request_headers", "request_body", "request_trailers", "response_headers",
+                "response_body"]
 Headers = tuple[tuple[str, str], ...]
 
 

@@ -69,7 +69,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             started = clock()
             phase, headers, body, end = wire.read(request)
             if phase is None:
-                continue  # trailers: not requested by our processing mode
+                continue  # response trailers: not requested by our processing mode
             step = state.handle(phase, headers, body, end)
             if isinstance(step, Lookup):
                 step = state.resume(step, await self._cache.lookup(step.keys))

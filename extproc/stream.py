@@ -22,10 +22,12 @@ from extproc.processors import (
     GenerationProcessor,
     ModelsProcessor,
     Processor,
+    body_required,
 )
 from extproc.telemetry import NULL_TELEMETRY, Telemetry
 from llm_sidecar.logs import get_logger
 from routing.compiled import Snapshot
+from routing.ratelimits import CLUSTER_METADATA_KEY
 
 log = get_logger("extproc.stream")
 
@@ -35,6 +37,17 @@ _POST_ROUTES = {
     "/v1/embeddings": EmbeddingsProcessor,
 }
 _GET_ROUTES = {"/v1/models": ModelsProcessor}
+
+
+def routed(action: Action) -> Action:
+    """``action`` with the pool it names in ``x-llm-cluster`` also given as dynamic metadata:
+    Envoy's routes to a pool match only that (a client can send a header, never metadata)."""
+    if not isinstance(action, Continue):
+        return action
+    cluster = next((v for k, v in action.set_headers if k == "x-llm-cluster"), None)
+    if cluster is None:
+        return action
+    return replace(action, metadata={**action.metadata, CLUSTER_METADATA_KEY: cluster})
 
 
 def choose_processor(ctx: RequestContext) -> Processor:
@@ -63,6 +76,7 @@ class StreamState:
         self.telemetry = telemetry
         self.processor: Processor | None = None
         self.ctx: RequestContext | None = None
+        self.body_seen = False
 
     def handle(self, phase: Phase, headers: Mapping[str, str] | None, body: bytes,
                end_of_stream: bool) -> Step:
@@ -75,7 +89,7 @@ class StreamState:
     def resume(self, lookup: Lookup, found: Found) -> Action:
         """The answer to the message that asked for ``lookup``, given what it found."""
         try:
-            return lookup.resume(found)
+            return routed(lookup.resume(found))
         except Exception as exc:
             return self._failed(exc, "request_body")
 
@@ -97,7 +111,14 @@ class StreamState:
         if processor is None:
             return PASS
         if phase == "request_body":
-            return processor.on_request_body(body)
+            self.body_seen = True
+            step = processor.on_request_body(body)
+            return step if isinstance(step, Lookup) else routed(step)
+        if phase == "request_trailers":
+            # HTTP/2 (or chunked HTTP/1.1) headers then trailers, no body: every processor
+            # that let the headers through needs the body, so this is decided here, not left
+            # to go on undecided (Envoy sends no body message when there was none).
+            return PASS if self.body_seen else body_required()
         if phase == "response_headers":
             return processor.on_response_headers(dict(headers or {}), end_of_stream)
         return processor.on_response_body(body, end_of_stream)

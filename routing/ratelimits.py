@@ -18,6 +18,8 @@ from routing.units import parse_rate
 DOMAIN = "llm-sidecar"
 METADATA_NAMESPACE = "llm_sidecar"
 TOKENS_METADATA_KEY = "llm_tokens"
+CLUSTER_METADATA_KEY = "cluster"
+"""The pool extproc chose: the only thing Envoy's routes to a pool match on."""
 LEVEL_HEADERS = {"api_key": "x-llm-key-id", "tenant": "x-llm-tenant", "model": "x-llm-model"}
 _UNITS = (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1))
 

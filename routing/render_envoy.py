@@ -2,15 +2,21 @@
 
 Cold path, built without ``envoy-data-plane``: every config rendered here is checked by
 ``envoy --mode validate`` in the tests. The filter chain is health_check (``/healthz``) →
-ext_proc → ratelimit → router; the router picks the cluster named by ``x-llm-cluster``, which
-only extproc sets. Clusters are built in :mod:`routing.render_clusters`.
+ext_proc → ratelimit → router; the router takes the pool extproc decided, named in dynamic
+metadata only a filter can set (``x-llm-cluster`` carries the same name, for logs and pods).
+Clusters are built in :mod:`routing.render_clusters`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from routing.ratelimits import DOMAIN, METADATA_NAMESPACE, route_rate_limits
+from routing.ratelimits import (
+    CLUSTER_METADATA_KEY,
+    DOMAIN,
+    METADATA_NAMESPACE,
+    route_rate_limits,
+)
 from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport
@@ -167,7 +173,9 @@ def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
                 "request_body_mode": "BUFFERED",
                 "response_header_mode": "SKIP",
                 "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
+                # Trailers with no body before them (HTTP/2 HEADERS, then trailers) would
+                # otherwise reach no extproc step that decides the request.
+                "request_trailer_mode": "SEND",
                 "response_trailer_mode": "SKIP",
             },
             "allow_mode_override": True,
@@ -206,10 +214,10 @@ def ratelimit_filter(config: RoutingConfig) -> dict[str, Any]:
 def strip_llm_headers() -> dict[str, Any]:
     """Drop every client-sent ``x-llm-*`` header before routing or any filter sees it.
 
-    extproc does this itself; this covers requests that fail open past an unreachable
-    extproc, which would otherwise let a client pick its pool (``x-llm-cluster``) or its
-    tenant's buckets. An early header mutation (not an HTTP filter): it runs before the route
-    is chosen, so the route cache never saw the client's header.
+    An early header mutation (not an HTTP filter): it runs before the route is chosen, so no
+    route is ever picked on a client's ``x-llm-*`` header, whatever extproc later answers (or
+    does not: a request failing open past an unreachable extproc, or one extproc never saw a
+    body of). extproc also drops them itself (Istio setups that do not merge this patch).
     """
     return {
         "name": "envoy.http.early_header_mutation.header_mutation",
@@ -220,11 +228,9 @@ def strip_llm_headers() -> dict[str, Any]:
     }
 
 
-def early_header_mutations(config: RoutingConfig) -> dict[str, Any]:
-    """The connection manager's ``early_header_mutation_extensions`` (none when extproc fails
-    closed: then it strips the headers itself on every request that gets through)."""
-    if not config.services.failure_mode_allow:
-        return {}
+def early_header_mutations() -> dict[str, Any]:
+    """The connection manager's ``early_header_mutation_extensions``: always rendered (extproc
+    failing closed is no protection for a request whose route was chosen before it answered)."""
     return {"early_header_mutation_extensions": [strip_llm_headers()]}
 
 
@@ -248,20 +254,36 @@ def _upstream(config: RoutingConfig, target: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def routed_match(cluster: str) -> dict[str, Any]:
+    """The match of the route to pool ``cluster``: extproc's decision, carried as dynamic
+    metadata (``llm_sidecar.cluster``) that only a filter can set, never a client."""
+    return {"prefix": "/", "dynamic_metadata": [{
+        "filter": METADATA_NAMESPACE,
+        "path": [{"key": CLUSTER_METADATA_KEY}],
+        "value": {"string_match": {"exact": cluster}},
+    }]}
+
+
 def routes(config: RoutingConfig) -> list[dict[str, Any]]:
-    routed = {
-        "name": "llm-routed",
-        "match": {"prefix": "/", "headers": [{"name": "x-llm-cluster", "present_match": True}]},
-        "route": _upstream(config, {"cluster_header": "x-llm-cluster"}),
-    }
+    """One route per pool, taken only on extproc's decision; then the fallback or a 503.
+
+    No route names its cluster from a header: a request reaches a pool only when extproc
+    decided it (its body answer sets the metadata and clears the route cache), and a sidecar
+    cluster (extproc, ratelimit) is never a route's target.
+    """
+    routed = [
+        {"name": f"llm-routed-{name}", "match": routed_match(name),
+         "route": _upstream(config, {"cluster": name})}
+        for name in config.clusters
+    ]
     fallback = config.services.fallback_cluster
     if fallback is not None and config.services.failure_mode_allow:
         # extproc was unreachable and the filter failed open: serve from the fallback pool
         # (unchecked, unlimited by token counts extproc would have read) rather than 503.
-        return [routed, {"name": "llm-fallback", "match": {"prefix": "/"},
+        return [*routed, {"name": "llm-fallback", "match": {"prefix": "/"},
                          "route": _upstream(config, {"cluster": fallback})}]
     return [
-        routed,
+        *routed,
         {
             "name": "llm-unrouted",
             "match": {"prefix": "/"},
@@ -287,7 +309,7 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "stream_idle_timeout": f"{parse_duration(config.envoy.stream_idle_timeout)}s",
         "request_timeout": f"{parse_duration(config.envoy.request_timeout)}s",
         "request_headers_timeout": "10s",
-        **early_header_mutations(config),
+        **early_header_mutations(),
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),
         "route_config": {"name": "llm", "virtual_hosts": [

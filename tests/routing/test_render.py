@@ -84,7 +84,7 @@ def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
     assert [f["name"] for f in hcm["http_filters"]] == [
         "envoy.filters.http.health_check", "envoy.filters.http.ext_proc",
         "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
-    # failure_mode_allow: a client's own x-llm-* headers are dropped before routing
+    # a client's own x-llm-* headers are dropped before routing (always, not only failing open)
     assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
         {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
     assert hcm["stream_idle_timeout"] == "300s"
@@ -105,3 +105,38 @@ def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
     for grpc in ("llm-sidecar-extproc", "llm-sidecar-ratelimit"):
         assert "grpc_health_check" in clusters[grpc]["health_checks"][0]
         assert clusters[grpc]["circuit_breakers"]["thresholds"][0]["max_requests"] >= 10_000
+
+
+@pytest.mark.parametrize("name", ["example", *variants()])
+def test_no_route_reaches_a_pool_without_extprocs_decision(name: str,
+                                                           tmp_path: pathlib.Path) -> None:
+    """Every route to a pool matches extproc's dynamic metadata (no client can send that), no
+    route takes its cluster from a header, and no route leads to a sidecar service."""
+    bootstrap = yaml.safe_load(render(name, tmp_path)["envoy.yaml"].read_text())
+    hcm = hcm_of(bootstrap)
+    assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
+        {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
+    assert "cluster_header" not in str(hcm["route_config"])
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext_proc["typed_config"]["processing_mode"]["request_trailer_mode"] == "SEND"
+    pools = {c["name"] for c in bootstrap["static_resources"]["clusters"]
+             if not c["name"].startswith("llm-sidecar-")}
+    fallback = bootstrap_fallback(hcm)
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        target = route.get("route", {}).get("cluster")
+        if target is None:
+            assert "direct_response" in route
+            continue
+        assert target in pools
+        if route["name"] == "llm-fallback":
+            assert target == fallback
+            continue
+        assert route["match"]["dynamic_metadata"] == [{
+            "filter": "llm_sidecar", "path": [{"key": "cluster"}],
+            "value": {"string_match": {"exact": target}}}]
+
+
+def bootstrap_fallback(hcm: dict[str, Any]) -> str | None:
+    """The fallback pool of a fail-open config (extproc unreachable: the operator's choice)."""
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    return next((r["route"]["cluster"] for r in routes if r["name"] == "llm-fallback"), None)

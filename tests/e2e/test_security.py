@@ -1,0 +1,89 @@
+"""Security guarantees, tried the way an attacker would, through real Envoy.
+
+HTTP/2 (h2c) requests sent frame by frame: no request reaches a pool, or a sidecar service,
+without extproc's decision, whatever headers, body or trailers it carries.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.harness.gateway import Gateway, default_doc, running_gateway
+from tests.harness.h2c import h2_request
+
+CHAT = json.dumps({"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}],
+                   "max_tokens": 1}).encode()
+SIDECARS = ("llm-sidecar-ratelimit", "llm-sidecar-extproc")
+
+
+def doc() -> dict[str, Any]:
+    d = default_doc()
+    d["rate_limits"] = {"api_key": {"default": {"requests": "1000/s"}}}
+    return d
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with running_gateway(doc(), str(tmp_path_factory.mktemp("gw-security"))) as gateway:
+        yield gateway
+
+
+def listen(gw: Gateway) -> str:
+    return gw.url.removeprefix("http://")
+
+
+def chat_headers(**extra: str) -> list[tuple[str, str]]:
+    return [(":method", "POST"), (":scheme", "http"), (":authority", "llm"),
+            (":path", "/v1/chat/completions"), ("content-type", "application/json"),
+            ("authorization", "Bearer sk-h2-attacker"), *extra.items()]
+
+
+def served(gw: Gateway) -> dict[str, int]:
+    return {name: len(gw.sim_requests(name)) for name in gw.sims}
+
+
+@pytest.mark.parametrize("target", ["vllm-long", *SIDECARS])
+def test_h2_headers_then_trailers_only_is_decided_by_extproc(gw: Gateway, target: str) -> None:
+    """HEADERS without END_STREAM, then trailers only: extproc never gets a body message, yet
+    the request is answered by it (400), not routed on the client's x-llm-cluster."""
+    gw.clear_sims()
+    resp = h2_request(listen(gw), chat_headers(**{"x-llm-cluster": target, "x-llm-tenant": "x"}),
+                      trailers=[("x-llm-cluster", target), ("x-trailer", "1")])
+    assert resp.status == 400, (resp.status, resp.body)
+    error = json.loads(resp.body)["error"]
+    assert error["code"] == "invalid_json"
+    assert served(gw) == {name: 0 for name in gw.sims}
+
+
+@pytest.mark.parametrize("target", ["vllm-long", *SIDECARS])
+def test_h2_headers_alone_never_reach_a_pool(gw: Gateway, target: str) -> None:
+    gw.clear_sims()
+    resp = h2_request(listen(gw), chat_headers(**{"x-llm-cluster": target}))
+    assert resp.status == 400, (resp.status, resp.body)
+    assert served(gw) == {name: 0 for name in gw.sims}
+
+
+@pytest.mark.parametrize("target", ["vllm-long", *SIDECARS])
+def test_h2_body_and_trailers_go_where_extproc_decides(gw: Gateway, target: str) -> None:
+    """A real request sent with trailers is still decided and limited: a short prompt goes to
+    the short pool whatever x-llm-cluster the client sent, with the rate limiter's headers."""
+    gw.clear_sims()
+    resp = h2_request(listen(gw), chat_headers(**{"x-llm-cluster": target}), body=CHAT,
+                      trailers=[("x-llm-cluster", target)])
+    assert resp.status == 200, (resp.status, resp.body)
+    assert resp.headers["x-sim-name"] == "vllm-short"
+    assert resp.headers["x-ratelimit-limit"].startswith("1000")
+    [seen] = gw.sim_requests("vllm-short")
+    assert seen["headers"]["x-llm-cluster"] == "vllm-short"
+    assert served(gw)["vllm-long"] == 0
+
+
+def test_h2_body_without_trailers_is_routed(gw: Gateway) -> None:
+    gw.clear_sims()
+    resp = h2_request(listen(gw), chat_headers(), body=CHAT)
+    assert resp.status == 200, (resp.status, resp.body)
+    assert resp.headers["x-sim-name"] == "vllm-short"
