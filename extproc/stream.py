@@ -39,15 +39,21 @@ _POST_ROUTES = {
 _GET_ROUTES = {"/v1/models": ModelsProcessor}
 
 
+CLIENT_CREDENTIALS = ("authorization", "x-api-key")
+
+
 def routed(action: Action) -> Action:
-    """``action`` with the pool it names in ``x-llm-cluster`` also given as dynamic metadata:
-    Envoy's routes to a pool match only that (a client can send a header, never metadata)."""
+    """``action`` with the pool it names in ``x-llm-cluster`` also given as dynamic metadata
+    (Envoy's routes to a pool match only that: a client can send a header, never metadata), and
+    without the client's credentials, which no pool gets (the rendered routes remove them too;
+    this covers Istio, whose routes ``render`` does not write)."""
     if not isinstance(action, Continue):
         return action
     cluster = next((v for k, v in action.set_headers if k == "x-llm-cluster"), None)
     if cluster is None:
         return action
-    return replace(action, metadata={**action.metadata, CLUSTER_METADATA_KEY: cluster})
+    return replace(action, metadata={**action.metadata, CLUSTER_METADATA_KEY: cluster},
+                   remove_headers=(*action.remove_headers, *CLIENT_CREDENTIALS))
 
 
 def choose_processor(ctx: RequestContext) -> Processor:

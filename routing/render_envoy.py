@@ -239,11 +239,29 @@ def router_filter() -> dict[str, Any]:
             "typed_config": {TYPE: API + "extensions.filters.http.router.v3.Router"}}
 
 
-def _upstream(config: RoutingConfig, target: dict[str, str]) -> dict[str, Any]:
-    """Route settings to a vLLM pool (``target`` names it: a header or a fixed cluster)."""
+CLIENT_CREDENTIALS = ("authorization", "x-api-key")
+"""Removed from every request to a pool: a client's key is the gateway's business, not vLLM's
+(every pod would log or keep it)."""
+
+
+def upstream_credentials(config: RoutingConfig, cluster: str) -> dict[str, Any]:
+    """The route's header changes: the client's credentials out, the pool's own key in (read by
+    Envoy from its environment at each request, so it is in no file and no other process)."""
+    out: dict[str, Any] = {"request_headers_to_remove": list(CLIENT_CREDENTIALS)}
+    env = config.clusters[cluster].upstream_api_key_env
+    if env is not None:
+        out["request_headers_to_add"] = [{
+            "header": {"key": "authorization", "value": f"Bearer %ENVIRONMENT({env})%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }]
+    return out
+
+
+def _upstream(config: RoutingConfig, cluster: str) -> dict[str, Any]:
+    """Route settings to the vLLM pool ``cluster``."""
     idle = f"{parse_duration(config.envoy.stream_idle_timeout)}s"
     return {
-        **target,
+        "cluster": cluster,
         # No whole-request timeout may cut a long generation or an SSE stream: an idle
         # timeout ends stuck ones instead.
         "timeout": "0s",
@@ -273,7 +291,7 @@ def routes(config: RoutingConfig) -> list[dict[str, Any]]:
     """
     routed = [
         {"name": f"llm-routed-{name}", "match": routed_match(name),
-         "route": _upstream(config, {"cluster": name})}
+         "route": _upstream(config, name), **upstream_credentials(config, name)}
         for name in config.clusters
     ]
     fallback = config.services.fallback_cluster
@@ -281,7 +299,8 @@ def routes(config: RoutingConfig) -> list[dict[str, Any]]:
         # extproc was unreachable and the filter failed open: serve from the fallback pool
         # (unchecked, unlimited by token counts extproc would have read) rather than 503.
         return [*routed, {"name": "llm-fallback", "match": {"prefix": "/"},
-                         "route": _upstream(config, {"cluster": fallback})}]
+                         "route": _upstream(config, fallback),
+                         **upstream_credentials(config, fallback)}]
     return [
         *routed,
         {

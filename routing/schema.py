@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from routing.units import parse_duration, parse_hostport, parse_rate, parse_service_address
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
 class Strict(BaseModel):
@@ -138,6 +139,18 @@ class ClusterSpec(Strict):
     """The longest context (prompt + output) the pool serves: its vLLM --max-model-len."""
     simulate: bool | SimulateSpec = False
     """true (or simulator settings): ``llm-sidecar up`` runs a vLLM simulator on each endpoint."""
+    upstream_api_key_env: str | None = None
+    """Name of the environment variable, in Envoy's process, holding this pool's own vLLM API
+    key (``vllm serve --api-key``): sent upstream as ``Authorization: Bearer``. Clients'
+    credentials never reach a pool either way."""
+
+    @field_validator("upstream_api_key_env")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME.match(value):
+            raise ValueError(f"bad upstream_api_key_env {value!r}: an environment variable "
+                             "name, letters, digits and '_', not starting with a digit")
+        return value
 
     @property
     def simulator(self) -> SimulateSpec | None:

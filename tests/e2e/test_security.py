@@ -1,12 +1,15 @@
 """Security guarantees, tried the way an attacker would, through real Envoy.
 
-HTTP/2 (h2c) requests sent frame by frame: no request reaches a pool, or a sidecar service,
-without extproc's decision, whatever headers, body or trailers it carries.
+- HTTP/2 (h2c) requests sent frame by frame: no request reaches a pool, or a sidecar service,
+  without extproc's decision, whatever headers, body or trailers it carries.
+- No client credential reaches a pool; a pool with ``upstream_api_key_env`` gets its own key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,16 +23,27 @@ CHAT = json.dumps({"model": "llama-2-13b", "messages": [{"role": "user", "conten
 SIDECARS = ("llm-sidecar-ratelimit", "llm-sidecar-extproc")
 
 
+POOL_KEY_ENV = "LLM_SIDECAR_TEST_POOL_KEY"
+POOL_KEY = "sk-vllm-short-own-key"
+
+
 def doc() -> dict[str, Any]:
     d = default_doc()
     d["rate_limits"] = {"api_key": {"default": {"requests": "1000/s"}}}
+    d["clusters"]["vllm-short"]["upstream_api_key_env"] = POOL_KEY_ENV
     return d
 
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    with running_gateway(doc(), str(tmp_path_factory.mktemp("gw-security"))) as gateway:
+    with running_gateway(doc(), str(tmp_path_factory.mktemp("gw-security")),
+                         env={POOL_KEY_ENV: POOL_KEY}) as gateway:
         yield gateway
+
+
+def fingerprint(value: str) -> str:
+    """What the simulator's journal keeps of a credential header (simulator/journal.py)."""
+    return "redacted sha256:" + hashlib.sha256(value.encode()).hexdigest()[:12]
 
 
 def listen(gw: Gateway) -> str:
@@ -87,3 +101,36 @@ def test_h2_body_without_trailers_is_routed(gw: Gateway) -> None:
     resp = h2_request(listen(gw), chat_headers(), body=CHAT)
     assert resp.status == 200, (resp.status, resp.body)
     assert resp.headers["x-sim-name"] == "vllm-short"
+
+
+def post(gw: Gateway, path: str, doc: dict[str, Any], **headers: str) -> dict[str, str]:
+    request = urllib.request.Request(f"{gw.url}{path}", data=json.dumps(doc).encode(),
+                                     headers={"content-type": "application/json", **headers})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert resp.status == 200
+        return dict(resp.headers)
+
+
+CLIENT = {"authorization": "Bearer sk-client-secret", "x-api-key": "sk-client-other"}
+
+
+def test_client_credentials_never_reach_a_pool_and_a_pool_gets_its_own_key(gw: Gateway) -> None:
+    gw.clear_sims()
+    chat = {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1}
+    post(gw, "/v1/chat/completions", chat, **CLIENT)  # the short pool: has its own key
+    post(gw, "/v1/chat/completions", chat, **CLIENT, **{"x-context-length": "4000"})  # long
+    post(gw, "/v1/embeddings", {"model": "bge-m3", "input": ["hello"]}, **CLIENT)
+    h2 = h2_request(listen(gw), [*chat_headers(), ("x-api-key", "sk-client-other")],
+                    body=CHAT)
+    assert h2.status == 200
+    [short, short_h2] = gw.sim_requests("vllm-short")
+    [long] = gw.sim_requests("vllm-long")
+    [embed] = gw.sim_requests("embed")
+    for seen in (short, short_h2):
+        assert seen["headers"]["authorization"] == fingerprint(f"Bearer {POOL_KEY}")
+    for seen in (long, embed):
+        assert "authorization" not in seen["headers"]
+    for seen in (short, short_h2, long, embed):
+        assert "x-api-key" not in seen["headers"]
+        assert seen["headers"]["x-llm-key-id"] != "anonymous"  # the key was read, then removed

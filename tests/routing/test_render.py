@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from llm_sidecar.procs import envoy_binary
-from llm_sidecar.up import example_config_path
+from llm_sidecar.up import example_config_path, missing_upstream_keys
 from routing.loader import load_config
 from routing.render import write_all
 from tests.harness import istio_patch
@@ -140,3 +140,36 @@ def bootstrap_fallback(hcm: dict[str, Any]) -> str | None:
     """The fallback pool of a fail-open config (extproc unreachable: the operator's choice)."""
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     return next((r["route"]["cluster"] for r in routes if r["name"] == "llm-fallback"), None)
+
+
+def test_pool_routes_drop_client_credentials_and_add_the_pools_own_key(
+        tmp_path: pathlib.Path) -> None:
+    doc = default_doc()
+    doc["clusters"]["vllm-long"]["upstream_api_key_env"] = "VLLM_LONG_KEY"
+    doc["services"].update(failure_mode_allow=True, fallback_cluster="vllm-long")
+    source = tmp_path / "routing.yaml"
+    source.write_text(yaml.safe_dump(doc))
+    [envoy_yaml, *_] = write_all(load_config(str(source)), str(tmp_path / "out"))
+    validate(pathlib.Path(envoy_yaml))
+    hcm = hcm_of(yaml.safe_load(pathlib.Path(envoy_yaml).read_text()))
+    routes = {r["name"]: r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]}
+    own_key = [{"header": {"key": "authorization", "value": "Bearer %ENVIRONMENT(VLLM_LONG_KEY)%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    for name in ("llm-routed-vllm-long", "llm-fallback"):  # the fallback pool gets it too
+        assert routes[name]["request_headers_to_remove"] == ["authorization", "x-api-key"]
+        assert routes[name]["request_headers_to_add"] == own_key
+    short = routes["llm-routed-vllm-short"]
+    assert short["request_headers_to_remove"] == ["authorization", "x-api-key"]
+    assert "request_headers_to_add" not in short
+
+
+def test_up_refuses_to_start_a_pool_whose_key_is_not_set(tmp_path: pathlib.Path) -> None:
+
+    doc = default_doc()
+    doc["clusters"]["vllm-long"]["upstream_api_key_env"] = "VLLM_LONG_KEY"
+    source = tmp_path / "routing.yaml"
+    source.write_text(yaml.safe_dump(doc))
+    config = load_config(str(source))
+    assert missing_upstream_keys(config, {}) == [("vllm-long", "VLLM_LONG_KEY")]
+    assert missing_upstream_keys(config, {"VLLM_LONG_KEY": ""}) == [("vllm-long", "VLLM_LONG_KEY")]
+    assert missing_upstream_keys(config, {"VLLM_LONG_KEY": "sk"}) == []
