@@ -22,7 +22,8 @@ class RequestRecord:
     status: int
     streamed: bool
     errored: bool
-    """5xx, or a vLLM error body/event: what the canary comparison counts as an error."""
+    """5xx, or an error body/event (a vLLM 400's included): see
+    :func:`extproc.canary_guard.canary_error` for what the canary guard counts."""
     duration_s: float
     ttft_s: float | None
     """Request start to the first content chunk (streamed responses only): the prefill side."""
@@ -31,6 +32,8 @@ class RequestRecord:
     prompt_tokens: int
     completion_tokens: int
     charged_tokens: int
+    limited: bool = False
+    """The gateway's rate limiter answered (429, or 503 with its store down): no pool saw it."""
 
 
 class Telemetry(Protocol):

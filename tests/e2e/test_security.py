@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -134,3 +135,51 @@ def test_client_credentials_never_reach_a_pool_and_a_pool_gets_its_own_key(gw: G
     for seen in (short, short_h2, long, embed):
         assert "x-api-key" not in seen["headers"]
         assert seen["headers"]["x-llm-key-id"] != "anonymous"  # the key was read, then removed
+
+
+def guarded_canary_doc() -> dict[str, Any]:
+    d = default_doc()
+    d["models"]["llama-2-13b"]["canary"] = {
+        "model": "llama-2-13b-v2", "cluster": "vllm-canary", "percent": 50, "sticky": "api_key",
+        "guard": {"min_samples": 5}}
+    # Three requests per key, then 429s from the gateway's own rate limiter.
+    d["rate_limits"] = {"api_key": {"default": {"requests": "3/h"}}}
+    return d
+
+
+def status_of(gw: Gateway, key: str, **extra: Any) -> tuple[int, str]:
+    body = {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1, **extra}
+    request = urllib.request.Request(f"{gw.url}/v1/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json",
+                                              "authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, resp.headers["x-sim-name"]
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers.get("x-sim-name", "")
+
+
+def test_429s_and_bad_requests_of_clients_never_stop_the_canary(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    with running_gateway(guarded_canary_doc(), str(tmp_path_factory.mktemp("gw-guard"))) as gw:
+        pools: dict[str, list[str]] = {"vllm-short": [], "vllm-canary": []}
+        i = 0
+        while min(len(keys) for keys in pools.values()) < 8:
+            key = f"sk-guard-{i}"
+            i += 1
+            status, pool = status_of(gw, key)
+            assert status == 200
+            pools[pool].append(key)
+        # Each canary key: a request vLLM refuses (the simulator serves n=1 only), then a flood
+        # of 429s from the rate limiter: 8 OK, 8 x 400, 8 x 1 OK, 8 x 10 x 429 on the canary.
+        for key in pools["vllm-canary"]:
+            assert status_of(gw, key, n=2) == (400, "vllm-canary")
+            assert status_of(gw, key) == (200, "vllm-canary")
+            assert {status_of(gw, key)[0] for _ in range(10)} == {429}
+        metrics = urllib.request.urlopen(f"{gw.extproc_metrics}/metrics", timeout=5).read()
+        assert b"llm_sidecar_canary_guard_tripped{" not in metrics
+        # Still on: a fresh key that hashes to the canary is served by it.
+        served = {status_of(gw, f"sk-guard-after-{j}")[1] for j in range(16)}
+        assert "vllm-canary" in served
