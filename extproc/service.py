@@ -29,6 +29,7 @@ from extproc.request_log import LoggedTelemetry
 from extproc.stream import StreamState
 from extproc.telemetry import NULL_TELEMETRY, Telemetry
 from llm_sidecar.grpc_listen import add_port, listen_address
+from llm_sidecar.key_audit import audit_key_id_secret
 from llm_sidecar.logs import get_logger
 from llm_sidecar.ops_http import start_ops_server
 from llm_sidecar.redis_audit import audit_redis
@@ -114,6 +115,7 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     guards = CanaryGuards()
     telemetry = GuardedTelemetry(LoggedTelemetry(metrics), guards, snapshot, metrics.canary_tripped)
     audit_redis(settings.redis_url, settings.dev_mode, registry, "extproc")
+    audit_key_id_secret(settings.key_id_secret, settings.dev_mode, registry)
     cache = open_vector_cache(settings, CacheMetrics(registry))
     await cache.connect()
     servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache)

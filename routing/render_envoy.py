@@ -228,10 +228,36 @@ def strip_llm_headers() -> dict[str, Any]:
     }
 
 
+CLIENT_REQUEST_ID = "x-client-request-id"
+
+
+def own_request_id() -> dict[str, Any]:
+    """Move a client's ``x-request-id`` to ``x-client-request-id``, so Envoy generates the id.
+
+    Envoy keeps a client's id whenever it does not count the request as coming from the edge
+    (``use_remote_address`` off, or a client on a private network, whatever
+    ``preserve_external_request_id`` says): a client could then choose its id, and with it its
+    ``sticky: request`` canary variant, or collide with another request's id in the logs. The
+    client's value still travels (to the pool, for tracing) under another name.
+    """
+    return {
+        "name": "envoy.http.early_header_mutation.header_mutation.request_id",
+        "typed_config": {
+            TYPE: API + "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [
+                {"append": {"header": {"key": CLIENT_REQUEST_ID, "value": "%REQ(x-request-id)%"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}},
+                {"remove": "x-request-id"},
+            ],
+        },
+    }
+
+
 def early_header_mutations() -> dict[str, Any]:
-    """The connection manager's ``early_header_mutation_extensions``: always rendered (extproc
-    failing closed is no protection for a request whose route was chosen before it answered)."""
-    return {"early_header_mutation_extensions": [strip_llm_headers()]}
+    """The connection manager's ``early_header_mutation_extensions``, run before routing and
+    before Envoy makes the request id: always rendered (extproc failing closed is no
+    protection for a request whose route was chosen before it answered)."""
+    return {"early_header_mutation_extensions": [strip_llm_headers(), own_request_id()]}
 
 
 def router_filter() -> dict[str, Any]:

@@ -183,3 +183,21 @@ def test_429s_and_bad_requests_of_clients_never_stop_the_canary(
         # Still on: a fresh key that hashes to the canary is served by it.
         served = {status_of(gw, f"sk-guard-after-{j}")[1] for j in range(16)}
         assert "vllm-canary" in served
+
+
+def test_a_client_request_id_is_kept_for_tracing_but_never_used_as_the_id(gw: Gateway) -> None:
+    """Envoy's own HCM keeps a client's x-request-id (use_remote_address off, or a client on a
+    private network): `sticky: request` would let the client pick its canary variant. The id
+    Envoy generates is the request's id; the client's travels on as x-client-request-id."""
+    gw.clear_sims()
+    chat = {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1}
+    chosen = "client-chosen-id-0001"
+    answered = post(gw, "/v1/chat/completions", chat, **{"x-request-id": chosen})
+    bare = post(gw, "/v1/chat/completions", chat)
+    [seen, seen_bare] = gw.sim_requests("vllm-short")
+    assert answered["x-request-id"] != chosen and len(answered["x-request-id"]) >= 32
+    assert seen["headers"]["x-request-id"] == answered["x-request-id"]
+    assert seen["headers"]["x-client-request-id"] == chosen
+    assert "x-client-request-id" not in seen_bare["headers"]
+    assert seen_bare["headers"]["x-request-id"] == bare["x-request-id"]

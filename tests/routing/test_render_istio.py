@@ -86,7 +86,8 @@ def test_client_llm_headers_are_stripped_before_routing(tmp_path: pathlib.Path,
     inbound = next(x for x in patched["static_resources"]["listeners"]
                    if x["name"] == "virtualInbound")
     hcm = inbound["filter_chains"][0]["filters"][0]["typed_config"]
-    [mutation] = hcm["early_header_mutation_extensions"]
+    mutation, request_id = hcm["early_header_mutation_extensions"]
+    assert request_id["typed_config"]["mutations"][-1] == {"remove": "x-request-id"}
     assert mutation["typed_config"]["mutations"] == [
         {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
     path = tmp_path / "sidecar-open.yaml"
