@@ -196,6 +196,9 @@ class CacheSpec(Strict):
     share_with_canary: bool = False
     """true: the model's canary reads and writes this namespace too (same weights, new server);
     false: the canary gets ``<namespace>@<canary model>`` of its own."""
+    scope: Literal["shared", "tenant"] = "shared"
+    """shared: every tenant reads what any tenant cached (more hits, but ``x-llm-cache`` tells
+    a tenant whether another embedded an input); tenant: entries are per tenant."""
 
     @field_validator("ttl")
     @classmethod

@@ -32,6 +32,9 @@ def doc() -> dict[str, Any]:
     d = default_doc()
     d["rate_limits"] = {"api_key": {"default": {"requests": "1000/s"}}}
     d["clusters"]["vllm-short"]["upstream_api_key_env"] = POOL_KEY_ENV
+    d["models"]["bge-m3"]["cache"] = {"namespace": "bge-private", "scope": "tenant"}
+    d["models"]["bge-shared"] = {"kind": "embedding", "clusters": ["embed"],
+                                 "cache": {"namespace": "bge-shared"}}
     return d
 
 
@@ -201,3 +204,17 @@ def test_a_client_request_id_is_kept_for_tracing_but_never_used_as_the_id(gw: Ga
     assert seen["headers"]["x-client-request-id"] == chosen
     assert "x-client-request-id" not in seen_bare["headers"]
     assert seen_bare["headers"]["x-request-id"] == bare["x-request-id"]
+
+
+def cache_says(gw: Gateway, model: str, text: str, tenant: str) -> str:
+    return post(gw, "/v1/embeddings", {"model": model, "input": [text]},
+                **{"x-tenant-id": tenant})["x-llm-cache"]
+
+
+def test_a_tenant_scoped_cache_tells_no_tenant_what_another_embedded(gw: Gateway) -> None:
+    """scope: tenant: tenant B's miss on what A embedded (no oracle); shared: B's hit."""
+    assert cache_says(gw, "bge-m3", "merger plan for ACME", "legal") == "miss"
+    assert cache_says(gw, "bge-m3", "merger plan for ACME", "legal") == "hit"
+    assert cache_says(gw, "bge-m3", "merger plan for ACME", "sales") == "miss"
+    assert cache_says(gw, "bge-shared", "merger plan for ACME", "legal") == "miss"
+    assert cache_says(gw, "bge-shared", "merger plan for ACME", "sales") == "hit"
