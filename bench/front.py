@@ -71,15 +71,16 @@ def _hcm(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _route_by_bench_header(hcm: dict[str, Any]) -> None:
-    """The routed route takes every request and picks the cluster from ``x-bench-cluster``
-    when extproc did not set ``x-llm-cluster``."""
+    """The pool routes (extproc's decision) stay first; every other request picks its cluster
+    from ``x-bench-cluster`` (a bench-only front: the gateway itself never routes on a header)."""
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    routed = routes[0]
-    fallback = copy.deepcopy(routed)
+    routed = [r for r in routes if r["name"].startswith("llm-routed-")]
+    fallback = copy.deepcopy(routed[0])
     fallback["name"] = "bench-fallback"
     fallback["match"] = {"prefix": "/"}
+    del fallback["route"]["cluster"]
     fallback["route"]["cluster_header"] = BENCH_CLUSTER_HEADER
-    routes[:] = [routed, fallback]
+    routes[:] = [*routed, fallback]
 
 
 def front_bootstrap(config: RoutingConfig, variant: Variant) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from routing.schema import ServicesTls
 
-Phase = Literal["request_headers", "request_body", "response_headers", "response_body"]
+Phase = Literal["request_headers", "request_body", "request_trailers", "response_headers",
+                "response_body"]
 Headers = tuple[tuple[str, str], ...]
 
 

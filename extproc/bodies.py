@@ -92,13 +92,16 @@ def _int_field(doc: dict[str, Any], name: str, minimum: int) -> int | None:
 
 
 def _output_field(doc: dict[str, Any], name: str) -> int | None:
-    """An output budget field; 0 or less is "not set", as vLLM treats it (never a 400: a
-    client sending ``max_completion_tokens: 0`` gets the fallback, not a cheap estimate)."""
+    """An output budget field; 0 is "not set", as vLLM's ``max_completion_tokens or
+    max_tokens`` treats it (a client sending ``max_completion_tokens: 0`` gets the fallback,
+    not a cheap estimate). A negative value is a 400, as vLLM answers it: never sent on."""
     value = doc.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"{name} must be an integer.", param=name)
+    if value < 0:
+        raise bad_request(f"{name} must be at least 1.", param=name)
     return value if value > 0 else None
 
 

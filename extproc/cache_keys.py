@@ -29,16 +29,23 @@ Item = str | tuple[int, ...]
 _NOT_OPTIONS = frozenset({"model", "input", "dimensions", "encoding_format", "user", "priority"})
 
 
-def namespace_for(policy: CachePolicy, variant: str, upstream_model: str) -> str:
+def namespace_for(policy: CachePolicy, variant: str, upstream_model: str,
+                  tenant: str = "") -> str:
     """The namespace a request reads and writes.
 
     A canary model gets a namespace of its own (``<namespace>@<canary model>``): its vectors may
     differ from the stable model's, and mixing them would hide exactly what the canary tests.
     ``share_with_canary: true`` opts out, for a canary that serves the same weights.
+    With ``scope: tenant`` each tenant gets ``<namespace>#<tenant>``: a hit or miss then says
+    nothing about what other tenants embedded (tenant names are ``[A-Za-z0-9._-]``, so the
+    ``#`` cannot be forged by one).
     """
+    namespace = policy.namespace
     if variant == "canary" and not policy.share_with_canary:
-        return f"{policy.namespace}@{upstream_model}"
-    return policy.namespace
+        namespace = f"{namespace}@{upstream_model}"
+    if policy.scope == "tenant":
+        namespace = f"{namespace}#{tenant}"
+    return namespace
 
 
 def request_salt(dimensions: int | None, encoding_format: str, doc: dict[str, Any]) -> bytes:

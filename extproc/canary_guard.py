@@ -24,6 +24,20 @@ WINDOW = 2000
 ERROR_FLOOR = 0.01
 
 
+def canary_error(record: RequestRecord) -> bool:
+    """Is this request a failure of the pool that served it? Pure.
+
+    Only what a client cannot cause on purpose counts: a 5xx (vLLM's own, or Envoy's for a
+    pool it could not reach or that reset before answering) and an error a 2xx response
+    carried (an error event mid-stream). A 4xx never counts, nor anything the gateway's rate
+    limiter answered: a client sending bad requests or too many of them would otherwise stop
+    the canary for everyone.
+    """
+    if record.limited or 400 <= record.status < 500:
+        return False
+    return record.status >= 500 or record.errored
+
+
 def p99(values: deque[float]) -> float:
     ordered = sorted(values)
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
@@ -37,7 +51,7 @@ class Window:
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def add(self, record: RequestRecord) -> None:
-        self.errors.append(record.errored)
+        self.errors.append(canary_error(record))
         if record.ttft_s is not None:
             self.ttfts.append(record.ttft_s)
 

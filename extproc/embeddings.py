@@ -133,7 +133,8 @@ class EmbeddingsProcessor(BaseProcessor):
         policy = model.cache
         if policy is None:
             return self._forward(None)
-        namespace = namespace_for(policy, decision.variant, decision.upstream_model)
+        namespace = namespace_for(policy, decision.variant, decision.upstream_model,
+                                  self.ctx.identity.tenant)
         salt = request_salt(parsed.dimensions, parsed.encoding_format, parsed.doc)
         self.plan = plan_keys(namespace, salt, parsed.inputs)
         self.policy = policy

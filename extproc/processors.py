@@ -116,6 +116,7 @@ class GenerationProcessor(BaseProcessor):
         self.status = 0
         self.meter: UsageMeter | None = None
         self.streamed = False
+        self.limited = False
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.token_events = 0
@@ -130,6 +131,8 @@ class GenerationProcessor(BaseProcessor):
         status = headers.get(":status", "0")
         self.status = int(status) if status.isdigit() else 0
         self.streamed = headers.get("content-type", "").startswith("text/event-stream")
+        # The rate limiter's own replies (429, or 503 when its store is down) mark themselves.
+        self.limited = "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers
         self.meter = UsageMeter(self.streamed)
         return self._finish() if end_of_stream else PASS
 
@@ -199,6 +202,7 @@ class GenerationProcessor(BaseProcessor):
             else usage.streamed_tokens,
             charged_tokens=charged,
             aborted=aborted,
+            limited=self.limited,
         )
         ctx.telemetry.request_done(record)
 

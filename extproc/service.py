@@ -30,6 +30,7 @@ from extproc.rls_client import RateLimitClient
 from extproc.stream import StreamState
 from extproc.telemetry import NULL_TELEMETRY, Telemetry
 from llm_sidecar.grpc_listen import add_port, listen_address
+from llm_sidecar.key_audit import audit_key_id_secret
 from llm_sidecar.logs import get_logger
 from llm_sidecar.ops_http import start_ops_server
 from llm_sidecar.redis_audit import audit_redis
@@ -73,7 +74,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 started = clock()
                 phase, headers, body, end = wire.read(request)
                 if phase is None:
-                    continue  # trailers: not requested by our processing mode
+                    continue  # response trailers: not requested by our processing mode
                 step = state.handle(phase, headers, body, end)
                 while not isinstance(step, Continue | Reply):
                     if isinstance(step, Lookup):
@@ -130,6 +131,7 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     guards = CanaryGuards()
     telemetry = GuardedTelemetry(LoggedTelemetry(metrics), guards, snapshot, metrics.canary_tripped)
     audit_redis(settings.redis_url, settings.dev_mode, registry, "extproc")
+    audit_key_id_secret(settings.key_id_secret, settings.dev_mode, registry)
     cache = open_vector_cache(settings, CacheMetrics(registry))
     await cache.connect()
     limits = RateLimitClient(registry)

@@ -33,9 +33,11 @@ from extproc.processors import (
     GenerationProcessor,
     ModelsProcessor,
     Processor,
+    body_required,
 )
 from extproc.telemetry import NULL_TELEMETRY, Telemetry
 from llm_sidecar.logs import get_logger
+from llm_sidecar.wire_names import CLUSTER_METADATA_KEY
 from routing.compiled import Snapshot
 
 log = get_logger("extproc.stream")
@@ -46,6 +48,23 @@ _POST_ROUTES = {
     "/v1/embeddings": EmbeddingsProcessor,
 }
 _GET_ROUTES = {"/v1/models": ModelsProcessor}
+
+
+CLIENT_CREDENTIALS = ("authorization", "x-api-key")
+
+
+def routed(action: Step) -> Step:
+    """``action`` with the pool it names in ``x-llm-cluster`` also given as dynamic metadata
+    (Envoy's routes to a pool match only that: a client can send a header, never metadata), and
+    without the client's credentials, which no pool gets (the rendered routes remove them too;
+    this covers Istio, whose routes ``render`` does not write)."""
+    if not isinstance(action, Continue):
+        return action
+    cluster = next((v for k, v in action.set_headers if k == "x-llm-cluster"), None)
+    if cluster is None:
+        return action
+    return replace(action, metadata={**action.metadata, CLUSTER_METADATA_KEY: cluster},
+                   remove_headers=(*action.remove_headers, *CLIENT_CREDENTIALS))
 
 
 def choose_processor(ctx: RequestContext) -> Processor:
@@ -74,6 +93,7 @@ class StreamState:
         self.telemetry = telemetry
         self.processor: Processor | None = None
         self.ctx: RequestContext | None = None
+        self.body_seen = False
 
     def handle(self, phase: Phase, headers: Mapping[str, str] | None, body: bytes,
                end_of_stream: bool) -> Step:
@@ -86,7 +106,7 @@ class StreamState:
     def resume(self, lookup: Lookup, found: Found) -> Step:
         """The next step of the message that asked for ``lookup``, given what it found."""
         try:
-            return lookup.resume(found)
+            return routed(lookup.resume(found))
         except Exception as exc:
             return self._failed(exc, "request_body")
 
@@ -130,7 +150,13 @@ class StreamState:
         if processor is None:
             return PASS
         if phase == "request_body":
-            return processor.on_request_body(body)
+            self.body_seen = True
+            return routed(processor.on_request_body(body))
+        if phase == "request_trailers":
+            # HTTP/2 (or chunked HTTP/1.1) headers then trailers, no body: every processor
+            # that let the headers through needs the body, so this is decided here, not left
+            # to go on undecided (Envoy sends no body message when there was none).
+            return PASS if self.body_seen else body_required()
         if phase == "response_headers":
             return processor.on_response_headers(dict(headers or {}), end_of_stream)
         return processor.on_response_body(body, end_of_stream)

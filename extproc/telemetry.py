@@ -29,7 +29,8 @@ class RequestRecord:
     status: int
     streamed: bool
     errored: bool
-    """5xx, or a vLLM error body/event: what the canary comparison counts as an error."""
+    """5xx, or an error body/event (a vLLM 400's included): see
+    :func:`extproc.canary_guard.canary_error` for what the canary guard counts."""
     duration_s: float
     ttft_s: float | None
     """Request start to the first content chunk (streamed responses only): the prefill side."""
@@ -45,6 +46,8 @@ class RequestRecord:
     """The ext_proc stream ended before the response did."""
     cache: str | None = None
     """Embeddings with a cache: hit, partial, miss or bypass."""
+    limited: bool = False
+    """The gateway's rate limiter answered (429, or 503 with its store down): no pool saw it."""
 
 
 def outcome(record: RequestRecord) -> Outcome:

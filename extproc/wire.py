@@ -44,6 +44,8 @@ def read(request: pb.ProcessingRequest) -> tuple[Phase | None, dict[str, str] | 
     if which == "request_body" or which == "response_body":
         msg = getattr(request, which)
         return which, None, msg.body, msg.end_of_stream
+    if which == "request_trailers":  # always the request's last message
+        return which, None, b"", True
     return None, None, b"", False
 
 
@@ -63,6 +65,7 @@ def _mode(mode: ModeOverride) -> processing_mode_pb2.ProcessingMode:
     out = processing_mode_pb2.ProcessingMode()
     out.request_header_mode = processing_mode_pb2.ProcessingMode.SEND
     out.request_body_mode = processing_mode_pb2.ProcessingMode.BUFFERED
+    out.request_trailer_mode = processing_mode_pb2.ProcessingMode.SEND
     out.response_header_mode = (
         processing_mode_pb2.ProcessingMode.SEND if mode.response_headers
         else processing_mode_pb2.ProcessingMode.SKIP
@@ -89,6 +92,8 @@ def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
         return response
     holder = getattr(response, phase)
     holder.SetInParent()  # an empty CommonResponse still has to be present to say "continue"
+    if phase == "request_trailers":  # a TrailersResponse holds no CommonResponse
+        return response
     common = holder.response
     if action.set_headers or action.remove_headers:
         _header_mutation(common.header_mutation, action.set_headers, action.remove_headers)

@@ -9,7 +9,7 @@ a Redis URL without a password logs a warning at start-up (unless ``dev_mode``) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CollectorRegistry, Gauge
 from pydantic import SecretStr
@@ -29,10 +29,13 @@ class RedisExposure:
 
 
 def exposure(url: str) -> RedisExposure:
+    """What ``url`` says; a password counts in either form redis-py reads (``:PASSWORD@`` or
+    the ``?password=`` parameter)."""
     parts = urlsplit(url)
     host = (parts.hostname or "").lower()
+    in_query = any(value for value in parse_qs(parts.query).get("password", []))
     return RedisExposure(
-        password=bool(parts.password),
+        password=bool(parts.password) or in_query,
         tls=parts.scheme.startswith("rediss"),
         loopback=host in ("localhost", "::1") or host.startswith("127."),
     )

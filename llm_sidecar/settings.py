@@ -5,8 +5,17 @@ Every service reads one :class:`Settings`; nothing else looks at the environment
 
 from __future__ import annotations
 
+import re
+
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SECRET_URL_PARAMETERS = frozenset({"password", "ssl_password"})
+"""redis-py URL query parameters that carry a secret (``?password=`` is as good as
+``:PASSWORD@`` to redis-py, and ``ssl_password`` unlocks the client's TLS key)."""
+DEFAULT_KEY_ID_SECRET = "llm-sidecar-dev-key-id-secret"
+PUBLIC_KEY_ID_SECRETS = frozenset({DEFAULT_KEY_ID_SECRET, "change-me"})
+"""Secrets anyone can read in this repository: the default, and the compose file's fallback."""
 
 
 class Settings(BaseSettings):
@@ -50,21 +59,38 @@ class Settings(BaseSettings):
     dev_mode: bool = False
     """Quiets production-only warnings (for example a Redis without a password)."""
 
-    key_id_secret: SecretStr = SecretStr("llm-sidecar-dev-key-id-secret")
-    """HMAC key that turns unlisted API keys into ids; set it in production."""
+    key_id_secret: SecretStr = SecretStr(DEFAULT_KEY_ID_SECRET)
+    """HMAC key that turns unlisted API keys into ids; set it in production (left at this
+    public default, anyone can compute a key's id, and extproc warns at start-up)."""
 
     reload_interval_s: float = 0.5
     """How often the routing YAML is checked for changes."""
 
 
+
+
+_SECRET_PARAMETER = re.compile(
+    r"([?&](?:" + "|".join(sorted(SECRET_URL_PARAMETERS)) + r")=)[^&#]*", re.IGNORECASE)
+
+
 def redis_url_for_logs(url: SecretStr | None) -> str:
-    """The Redis URL with any password masked, safe for logs."""
+    """The Redis URL with every credential masked, safe for logs: the password of
+    ``USER:PASSWORD@`` or ``:PASSWORD@`` and the ``password``/``ssl_password`` parameters, in
+    every scheme redis-py reads (``redis``, ``rediss``, ``unix``, and the cluster forms).
+
+    Masks generously where a URL is ambiguous (``?``, ``@`` or ``:`` inside a password): two
+    passes over the whole text, never a parse that a strange password could fool.
+    """
     if url is None:
         return "memory"
     raw = url.get_secret_value()
     scheme, sep, rest = raw.partition("://")
-    if not sep or "@" not in rest:
-        return raw
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0] if ":" in creds else ""
-    return f"{scheme}://{user}:***@{host}"
+    if not sep:
+        return "***"  # not a URL redis-py reads: show nothing rather than guess
+    rest, hash_sep, _ = rest.partition("#")
+    creds, at, location = rest.rpartition("@")
+    if at:
+        user, colon, _ = creds.partition(":")
+        rest = f"{user}:***@{location}" if colon else f"{user}@{location}"
+    masked = _SECRET_PARAMETER.sub(r"\1***", f"{scheme}://{rest}")
+    return masked + ("#***" if hash_sep else "")

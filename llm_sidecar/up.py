@@ -47,16 +47,29 @@ def _wait_service(address: str, child: Child) -> None:
         wait_tcp(_connect_host(host), port, 30, child)
 
 
+def missing_upstream_keys(config: RoutingConfig,
+                          environ: dict[str, str]) -> list[tuple[str, str]]:
+    """(cluster, variable) of every ``upstream_api_key_env`` unset or empty in ``environ``:
+    Envoy would send ``Bearer -`` and the pool would refuse every request."""
+    return [(name, spec.upstream_api_key_env) for name, spec in config.clusters.items()
+            if spec.upstream_api_key_env and not environ.get(spec.upstream_api_key_env)]
+
+
 def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
               extproc_metrics_port: int = 9101, ratelimit_metrics_port: int = 9102,
               env: dict[str, str] | None = None, log_dir: str | None = None) -> list[Child]:
     """Start every process of the gateway and wait for each to be ready.
 
-    ``env`` (for example ``LLM_SIDECAR_REDIS_URL``) is added to the environment of extproc and
-    ratelimit; with ``log_dir``, Envoy, extproc and ratelimit write their output to
-    ``LOG_DIR/NAME.log`` instead of this process's stdout/stderr.
+    ``env`` (for example ``LLM_SIDECAR_REDIS_URL``, or a pool's ``upstream_api_key_env``) is
+    added to the environment of extproc, ratelimit and Envoy; with ``log_dir``, Envoy, extproc
+    and ratelimit write their output to ``LOG_DIR/NAME.log`` instead of this process's
+    stdout/stderr.
     """
     child_env = {**os.environ, **env} if env else None
+    missing = missing_upstream_keys(config, child_env or dict(os.environ))
+    if missing:
+        raise SystemExit("llm-sidecar up: Envoy would send no key to "
+                         + ", ".join(f"{c} (set {v})" for c, v in missing))
 
     def log_path(name: str) -> str | None:
         return os.path.join(log_dir, f"{name}.log") if log_dir else None
@@ -97,7 +110,7 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
             _wait_service(config.services.ratelimit, ratelimit)
         envoy = start("envoy", [envoy_binary(), "-c", os.path.join(workdir, "envoy.yaml"),
                                 "--log-level", "warn", "--disable-hot-restart"],
-                      log_path=log_path("envoy"))
+                      env=child_env, log_path=log_path("envoy"))
         children.append(envoy)
         admin_host, admin_port = parse_hostport(config.envoy.admin)
         wait_http_ok(f"http://{_connect_host(admin_host)}:{admin_port}/ready", 30, envoy)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 METADATA_NAMESPACE = "llm_sidecar"
 """Envoy dynamic metadata namespace extproc writes and the rate-limit actions read."""
+CLUSTER_METADATA_KEY = "cluster"
+"""The pool extproc chose: the only thing Envoy's routes to a pool match on."""
 TOKENS_METADATA_KEY = "llm_tokens"
 """The tokens a response used, set at its end only when known (absent: the reservation stands)."""
 RESERVATION_METADATA_KEY = "llm_reservation"

@@ -45,6 +45,8 @@ class CachePolicy:
     namespace: str
     ttl_s: int
     share_with_canary: bool = False
+    scope: str = "shared"
+    """``shared`` or ``tenant`` (each tenant a namespace of its own)."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ def compile_config(config: RoutingConfig) -> Snapshot:
         cache = None
         if spec.cache is not None:
             cache = CachePolicy(spec.cache.namespace, parse_duration(spec.cache.ttl),
-                                spec.cache.share_with_canary)
+                                spec.cache.share_with_canary, spec.cache.scope)
         models[name] = ModelRoute(
             name=name,
             kind=spec.kind,

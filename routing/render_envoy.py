@@ -2,15 +2,16 @@
 
 Cold path, built without ``envoy-data-plane``: every config rendered here is checked by
 ``envoy --mode validate`` in the tests. The filter chain is health_check (``/healthz``) →
-ext_proc → ratelimit → router; the router picks the cluster named by ``x-llm-cluster``, which
-only extproc sets. Clusters are built in :mod:`routing.render_clusters`.
+ext_proc → ratelimit → router; the router takes the pool extproc decided, named in dynamic
+metadata only a filter can set (``x-llm-cluster`` carries the same name, for logs and pods).
+Clusters are built in :mod:`routing.render_clusters`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from llm_sidecar.wire_names import METADATA_NAMESPACE, RESERVATION_METADATA_KEY
+from llm_sidecar.wire_names import CLUSTER_METADATA_KEY, METADATA_NAMESPACE, RESERVATION_METADATA_KEY
 from routing.ratelimits import DOMAIN, route_rate_limits
 from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
 from routing.schema import RoutingConfig
@@ -170,7 +171,9 @@ def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
                 "request_body_mode": "BUFFERED",
                 "response_header_mode": "SKIP",
                 "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
+                # Trailers with no body before them (HTTP/2 HEADERS, then trailers) would
+                # otherwise reach no extproc step that decides the request.
+                "request_trailer_mode": "SEND",
                 "response_trailer_mode": "SKIP",
             },
             "allow_mode_override": True,
@@ -209,10 +212,10 @@ def ratelimit_filter(config: RoutingConfig) -> dict[str, Any]:
 def strip_llm_headers() -> dict[str, Any]:
     """Drop every client-sent ``x-llm-*`` header before routing or any filter sees it.
 
-    extproc does this itself; this covers requests that fail open past an unreachable
-    extproc, which would otherwise let a client pick its pool (``x-llm-cluster``) or its
-    tenant's buckets. An early header mutation (not an HTTP filter): it runs before the route
-    is chosen, so the route cache never saw the client's header.
+    An early header mutation (not an HTTP filter): it runs before the route is chosen, so no
+    route is ever picked on a client's ``x-llm-*`` header, whatever extproc later answers (or
+    does not: a request failing open past an unreachable extproc, or one extproc never saw a
+    body of). extproc also drops them itself (Istio setups that do not merge this patch).
     """
     return {
         "name": "envoy.http.early_header_mutation.header_mutation",
@@ -223,12 +226,36 @@ def strip_llm_headers() -> dict[str, Any]:
     }
 
 
-def early_header_mutations(config: RoutingConfig) -> dict[str, Any]:
-    """The connection manager's ``early_header_mutation_extensions`` (none when extproc fails
-    closed: then it strips the headers itself on every request that gets through)."""
-    if not config.services.failure_mode_allow:
-        return {}
-    return {"early_header_mutation_extensions": [strip_llm_headers()]}
+CLIENT_REQUEST_ID = "x-client-request-id"
+
+
+def own_request_id() -> dict[str, Any]:
+    """Move a client's ``x-request-id`` to ``x-client-request-id``, so Envoy generates the id.
+
+    Envoy keeps a client's id whenever it does not count the request as coming from the edge
+    (``use_remote_address`` off, or a client on a private network, whatever
+    ``preserve_external_request_id`` says): a client could then choose its id, and with it its
+    ``sticky: request`` canary variant, or collide with another request's id in the logs. The
+    client's value still travels (to the pool, for tracing) under another name.
+    """
+    return {
+        "name": "envoy.http.early_header_mutation.header_mutation.request_id",
+        "typed_config": {
+            TYPE: API + "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [
+                {"append": {"header": {"key": CLIENT_REQUEST_ID, "value": "%REQ(x-request-id)%"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}},
+                {"remove": "x-request-id"},
+            ],
+        },
+    }
+
+
+def early_header_mutations() -> dict[str, Any]:
+    """The connection manager's ``early_header_mutation_extensions``, run before routing and
+    before Envoy makes the request id: always rendered (extproc failing closed is no
+    protection for a request whose route was chosen before it answered)."""
+    return {"early_header_mutation_extensions": [strip_llm_headers(), own_request_id()]}
 
 
 def router_filter() -> dict[str, Any]:
@@ -236,11 +263,29 @@ def router_filter() -> dict[str, Any]:
             "typed_config": {TYPE: API + "extensions.filters.http.router.v3.Router"}}
 
 
-def _upstream(config: RoutingConfig, target: dict[str, str]) -> dict[str, Any]:
-    """Route settings to a vLLM pool (``target`` names it: a header or a fixed cluster)."""
+CLIENT_CREDENTIALS = ("authorization", "x-api-key")
+"""Removed from every request to a pool: a client's key is the gateway's business, not vLLM's
+(every pod would log or keep it)."""
+
+
+def upstream_credentials(config: RoutingConfig, cluster: str) -> dict[str, Any]:
+    """The route's header changes: the client's credentials out, the pool's own key in (read by
+    Envoy from its environment at each request, so it is in no file and no other process)."""
+    out: dict[str, Any] = {"request_headers_to_remove": list(CLIENT_CREDENTIALS)}
+    env = config.clusters[cluster].upstream_api_key_env
+    if env is not None:
+        out["request_headers_to_add"] = [{
+            "header": {"key": "authorization", "value": f"Bearer %ENVIRONMENT({env})%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }]
+    return out
+
+
+def _upstream(config: RoutingConfig, cluster: str) -> dict[str, Any]:
+    """Route settings to the vLLM pool ``cluster``."""
     idle = f"{parse_duration(config.envoy.stream_idle_timeout)}s"
     return {
-        **target,
+        "cluster": cluster,
         # No whole-request timeout may cut a long generation or an SSE stream: an idle
         # timeout ends stuck ones instead.
         "timeout": "0s",
@@ -251,20 +296,37 @@ def _upstream(config: RoutingConfig, target: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def routed_match(cluster: str) -> dict[str, Any]:
+    """The match of the route to pool ``cluster``: extproc's decision, carried as dynamic
+    metadata (``llm_sidecar.cluster``) that only a filter can set, never a client."""
+    return {"prefix": "/", "dynamic_metadata": [{
+        "filter": METADATA_NAMESPACE,
+        "path": [{"key": CLUSTER_METADATA_KEY}],
+        "value": {"string_match": {"exact": cluster}},
+    }]}
+
+
 def routes(config: RoutingConfig) -> list[dict[str, Any]]:
-    routed = {
-        "name": "llm-routed",
-        "match": {"prefix": "/", "headers": [{"name": "x-llm-cluster", "present_match": True}]},
-        "route": _upstream(config, {"cluster_header": "x-llm-cluster"}),
-    }
+    """One route per pool, taken only on extproc's decision; then the fallback or a 503.
+
+    No route names its cluster from a header: a request reaches a pool only when extproc
+    decided it (its body answer sets the metadata and clears the route cache), and a sidecar
+    cluster (extproc, ratelimit) is never a route's target.
+    """
+    routed = [
+        {"name": f"llm-routed-{name}", "match": routed_match(name),
+         "route": _upstream(config, name), **upstream_credentials(config, name)}
+        for name in config.clusters
+    ]
     fallback = config.services.fallback_cluster
     if fallback is not None and config.services.failure_mode_allow:
         # extproc was unreachable and the filter failed open: serve from the fallback pool
         # (unchecked, unlimited by token counts extproc would have read) rather than 503.
-        return [routed, {"name": "llm-fallback", "match": {"prefix": "/"},
-                         "route": _upstream(config, {"cluster": fallback})}]
+        return [*routed, {"name": "llm-fallback", "match": {"prefix": "/"},
+                         "route": _upstream(config, fallback),
+                         **upstream_credentials(config, fallback)}]
     return [
-        routed,
+        *routed,
         {
             "name": "llm-unrouted",
             "match": {"prefix": "/"},
@@ -290,7 +352,7 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "stream_idle_timeout": f"{parse_duration(config.envoy.stream_idle_timeout)}s",
         "request_timeout": f"{parse_duration(config.envoy.request_timeout)}s",
         "request_headers_timeout": "10s",
-        **early_header_mutations(config),
+        **early_header_mutations(),
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),
         "route_config": {"name": "llm", "virtual_hosts": [

@@ -5,8 +5,9 @@ Istio builds the listeners; the EnvoyFilter patches them, for one context (``ist
 1. inserts the ext_proc filter, then the ratelimit filter, each before ``envoy.filters.http.router``
    in every HTTP connection manager of the context, so the order is ext_proc → ratelimit → router;
 2. adds the two gRPC clusters (extproc, ratelimit) those filters call;
-3. merges OpenAI-JSON local replies into the HTTP connection manager, and with
-   ``services.failure_mode_allow`` the early removal of client-sent ``x-llm-*`` headers.
+3. merges OpenAI-JSON local replies into the HTTP connection manager, and the early removal of
+   client-sent ``x-llm-*`` headers (always: Istio's routes match ``x-llm-cluster`` before
+   extproc answers, and cannot match extproc's dynamic metadata as ``render``'s bootstrap does).
 
 The route ``rate_limits`` travel inside the ratelimit filter's own config: Envoy applies
 filter-level ``rate_limits`` to every route, and honours ``hits_addend`` (token charging) only
@@ -59,9 +60,9 @@ def config_patches(config: RoutingConfig) -> list[dict[str, Any]]:
          "patch": {"operation": "ADD", "value": cluster}}
         for cluster in service_clusters(config)
     ]
-    # Failing open past extproc must not let a client's own x-llm-cluster pick the pool (the
-    # VirtualService routes on it) or its x-llm-tenant pick the buckets.
-    hcm = {TYPE: HCM_TYPE, "local_reply_config": local_reply_config(), **early_header_mutations(config)}
+    # No client's own x-llm-cluster may pick the pool (the VirtualService routes on it, before
+    # extproc answers or when it never sees a body) nor its x-llm-tenant the buckets.
+    hcm = {TYPE: HCM_TYPE, "local_reply_config": local_reply_config(), **early_header_mutations()}
     patches.append({
         "applyTo": "NETWORK_FILTER", "match": _listener_match(config, None),
         "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": hcm}},

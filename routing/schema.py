@@ -18,6 +18,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
 TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 TENANT_RULE = "1 to 64 ASCII letters, digits, '.', '_' or '-'"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
 class Strict(BaseModel):
@@ -148,6 +149,18 @@ class ClusterSpec(Strict):
     """The longest context (prompt + output) the pool serves: its vLLM --max-model-len."""
     simulate: bool | SimulateSpec = False
     """true (or simulator settings): ``llm-sidecar up`` runs a vLLM simulator on each endpoint."""
+    upstream_api_key_env: str | None = None
+    """Name of the environment variable, in Envoy's process, holding this pool's own vLLM API
+    key (``vllm serve --api-key``): sent upstream as ``Authorization: Bearer``. Clients'
+    credentials never reach a pool either way."""
+
+    @field_validator("upstream_api_key_env")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME.match(value):
+            raise ValueError(f"bad upstream_api_key_env {value!r}: an environment variable "
+                             "name, letters, digits and '_', not starting with a digit")
+        return value
 
     @property
     def simulator(self) -> SimulateSpec | None:
@@ -193,6 +206,9 @@ class CacheSpec(Strict):
     share_with_canary: bool = False
     """true: the model's canary reads and writes this namespace too (same weights, new server);
     false: the canary gets ``<namespace>@<canary model>`` of its own."""
+    scope: Literal["shared", "tenant"] = "shared"
+    """shared: every tenant reads what any tenant cached (more hits, but ``x-llm-cache`` tells
+    a tenant whether another embedded an input); tenant: entries are per tenant."""
 
     @field_validator("ttl")
     @classmethod

@@ -8,10 +8,15 @@ oldest first, each entry::
 
 ``headers`` has lowercase names (repeated headers joined with ``", "``); ``body`` is the parsed
 JSON, or ``null`` when there was no body or it was not JSON. ``DELETE /sim/requests`` empties it.
+
+Credentials (``authorization``, ``x-api-key``, ``proxy-authorization``, ``cookie``) are never
+kept: the journal holds ``redacted sha256:<first 12 hex digits>`` of the value instead, enough
+for a test to tell which key arrived, useless to whoever reads the journal.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from collections import deque
@@ -19,6 +24,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 DEFAULT_LIMIT = 10_000
+CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie"})
+
+
+def redacted(value: str) -> str:
+    """What the journal keeps of a credential: a short fingerprint, never the value."""
+    return "redacted sha256:" + hashlib.sha256(value.encode()).hexdigest()[:12]
 
 
 def header_dict(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -53,7 +64,8 @@ class RequestJournal:
                 "method": method,
                 "path": path,
                 "query": dict(query),
-                "headers": dict(headers),
+                "headers": {k: redacted(v) if k.lower() in CREDENTIAL_HEADERS else v
+                            for k, v in headers.items()},
                 "body": body,
             }
         )

@@ -99,11 +99,13 @@ def test_no_password_in_logs_metrics_keys_or_error_bodies(tls_gw: Gateway,
     assert ":***@" in texts["logs"], "the Redis URL should be logged with its password masked"
 
 
-def run_service(kind: str, config: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
+def run_service(kind: str, config: Path, env: dict[str, str],
+                base: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     metrics_port = free_port()
     args = [sys.executable, "-m", "llm_sidecar", kind, "--config", str(config),
             "--port", str(free_port()), "--metrics-port", str(metrics_port)]
-    process = subprocess.Popen(args, env={**os.environ, **env}, cwd=ROOT,
+    process = subprocess.Popen(args, env={**(os.environ if base is None else base), **env},
+                               cwd=ROOT,
                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     return process, metrics_port
 
@@ -198,6 +200,8 @@ async def test_a_certificate_from_another_ca_is_refused(tmp_path: Path, tls_redi
 
 def test_exposure_reads_only_the_url() -> None:
     assert exposure("redis://10.0.0.5:6379/0").password is False
+    assert exposure("redis://10.0.0.5:6379/0?password=pw").password is True
+    assert exposure("redis://10.0.0.5:6379/0?password=").password is False
     assert exposure("redis://default@10.0.0.5:6379/0").password is False
     found = exposure("rediss://:pw@redis.llm.svc:6380/0?ssl_ca_certs=/etc/ca.pem")
     assert (found.password, found.tls, found.loopback) == (True, True, False)
@@ -226,3 +230,60 @@ async def test_tls_context_is_made_once_per_client(tls_files: TlsFiles, scheme: 
         assert time.perf_counter() - started < 0.005
     finally:
         await client.aclose()
+
+
+URL_PARAMETER_PASSWORD = "qp-redis-pass-Zx81"
+
+
+@pytest.fixture(scope="module")
+def password_redis() -> Iterator[ProcessRedis]:
+    with process_redis(password=URL_PARAMETER_PASSWORD) as server:
+        yield server
+
+
+@pytest.mark.parametrize("dev_mode", [False, True])
+def test_a_password_given_as_a_url_parameter_is_masked_and_counts(
+        tmp_path: Path, password_redis: ProcessRedis, dev_mode: bool) -> None:
+    """``?password=`` is as good as ``:PASSWORD@`` to redis-py: it must be masked in the logs
+    and must not make the services claim the Redis has no password. The key-id secret left at
+    its public default is loud outside dev mode, and its gauge is set either way."""
+    import yaml
+
+    config = tmp_path / "routing.yaml"
+    config.write_text(yaml.safe_dump(chaos_doc()))
+    url = (f"redis://127.0.0.1:{password_redis.port}/0?password={URL_PARAMETER_PASSWORD}"
+           "&socket_keepalive=true")
+    env = {"LLM_SIDECAR_REDIS_URL": url, "LLM_SIDECAR_DEV_MODE": "true" if dev_mode else "false"}
+    env.pop("LLM_SIDECAR_KEY_ID_SECRET", None)
+    base = {k: v for k, v in os.environ.items() if k != "LLM_SIDECAR_KEY_ID_SECRET"}
+    for kind in ("extproc", "ratelimit"):
+        process, metrics_port = run_service(kind, config, env, base=base)
+        metrics = f"http://127.0.0.1:{metrics_port}"
+        try:
+            wait_http_ok(f"{metrics}/healthz", 30)
+            unauthenticated = metric(metrics, "llm_sidecar_redis_unauthenticated")
+            secret_default = metric(metrics, "llm_sidecar_key_id_secret_default") \
+                if kind == "extproc" else None
+        finally:
+            stderr = stop(process)
+        assert URL_PARAMETER_PASSWORD not in stderr, kind
+        assert "password=***" in stderr, (kind, stderr[-1500:])
+        assert unauthenticated == 0 and UNAUTH_EVENT not in stderr, kind
+        if kind == "extproc":
+            assert secret_default == 1
+            assert ("key_id_secret_default" in stderr) is not dev_mode
+
+
+def test_a_secret_key_id_secret_is_quiet(tmp_path: Path) -> None:
+    import yaml
+
+    config = tmp_path / "routing.yaml"
+    config.write_text(yaml.safe_dump(chaos_doc()))
+    process, metrics_port = run_service("extproc", config, {
+        "LLM_SIDECAR_KEY_ID_SECRET": "a-real-random-secret-9f2c"})
+    try:
+        wait_http_ok(f"http://127.0.0.1:{metrics_port}/healthz", 30)
+        gauge = metric(f"http://127.0.0.1:{metrics_port}", "llm_sidecar_key_id_secret_default")
+    finally:
+        stderr = stop(process)
+    assert gauge == 0 and "key_id_secret_default" not in stderr

@@ -48,10 +48,8 @@ def refused(api: Api, doc: dict[str, Any]) -> ClientError:
     ({"max_completion_tokens": 10, "max_tokens": 50}, 10),  # the newer field wins, as in vLLM
     ({"max_completion_tokens": 0}, None),  # vLLM: "not set", so not a free high priority
     ({"max_completion_tokens": 0, "max_tokens": 50}, 50),  # vLLM falls back to max_tokens
-    ({"max_completion_tokens": -1, "max_tokens": 50}, 50),
     ({"max_completion_tokens": None, "max_tokens": 50}, 50),
     ({"max_tokens": 0}, None),
-    ({"max_tokens": -5}, None),
     ({"max_completion_tokens": 0, "max_tokens": 0}, None),
 ])
 def test_chat_output_budget(fields: dict[str, Any], expected: int | None) -> None:
@@ -185,3 +183,12 @@ def test_bounds_answer_before_any_per_item_work(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(bodies, "_token_list", scan)
     err = refused("completions", {"prompt": prompt})
     assert what in err.message and scan.calls == 0
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": -5}, {"max_completion_tokens": -1, "max_tokens": 50}])
+def test_a_negative_output_budget_is_refused_before_vllm(fields: dict[str, Any]) -> None:
+    """vLLM's fallback covers 0 only (-1 is truthy): it answers a negative budget with a 400,
+    and so does the gateway, before anything is sent."""
+    with pytest.raises(ClientError) as caught:
+        parse_generation("chat", orjson.dumps({"model": "m", "messages": [], **fields}))
+    assert caught.value.status == 400 and "must be at least 1" in caught.value.message

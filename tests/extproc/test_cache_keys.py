@@ -71,3 +71,17 @@ def test_canary_reads_its_own_namespace_unless_shared(share: bool, variant: str,
     policy = CachePolicy("bge", 60, share_with_canary=share)
     upstream = "bge-v2" if variant == "canary" else "bge-m3"
     assert namespace_for(policy, variant, upstream) == expected
+
+
+@pytest.mark.parametrize(("scope", "variant", "tenant", "expected"), [
+    ("shared", "stable", "legal", "bge"),
+    ("shared", "stable", "sales", "bge"),
+    ("tenant", "stable", "legal", "bge#legal"),
+    ("tenant", "stable", "sales", "bge#sales"),
+    ("tenant", "canary", "legal", "bge@bge-v2#legal"),
+])
+def test_tenant_scope_gives_each_tenant_its_own_namespace(scope: str, variant: str, tenant: str,
+                                                          expected: str) -> None:
+    policy = CachePolicy("bge", 60, scope=scope)
+    upstream = "bge-v2" if variant == "canary" else "bge-m3"
+    assert namespace_for(policy, variant, upstream, tenant) == expected

@@ -91,7 +91,8 @@ def test_miss_routes_unchanged_then_stores_each_distinct_vector() -> None:
     assert len(lookup.keys) == 2 and all(k.startswith(f"{KEY_PREFIX}bge:") for k in lookup.keys)
     action = state.resume(lookup, (None, None))
     assert isinstance(action, Continue) and action.body is None and action.clear_route_cache
-    assert action.remove_headers == ("accept-encoding",)  # the answer is read: no gzip
+    # the answer is read: no gzip; and no client credential goes to the pool
+    assert action.remove_headers == ("accept-encoding", "authorization", "x-api-key")
     assert dict(action.set_headers)["x-llm-cluster"] == "embed"
     headers, middle, last = respond(state, answer(["a", "b", "a"]))
     assert headers.set_headers == (("x-llm-cache", "miss"),)

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from extproc.canary_guard import CanaryGuards, Window, verdict
+from extproc.canary_guard import CanaryGuards, Window, canary_error, verdict
 from extproc.telemetry import RequestRecord
 from routing.schema import GuardSpec
 from tests.extproc.helpers import snapshot
@@ -32,6 +32,45 @@ def window(n: int, errors: int = 0, ttft: float = 0.01) -> Window:
 ])
 def test_verdicts(stable: Window, canary: Window, tripped: bool) -> None:
     assert (verdict(SPEC, stable, canary) is not None) == tripped
+
+
+@pytest.mark.parametrize(("status", "errored", "limited", "counts"), [
+    (200, False, False, False),
+    (200, True, False, True),    # an error event in a 200 stream: the pool failed mid-stream
+    (500, True, False, True),    # vLLM's own 5xx
+    (503, True, False, True),    # Envoy: pool unreachable, or reset before answering
+    (504, True, False, True),    # Envoy: the pool timed out
+    (400, True, False, False),   # vLLM refusing a bad request: the client's doing
+    (413, True, False, False),
+    (429, True, True, False),    # the gateway's rate limiter
+    (429, True, False, False),   # a 429 from anywhere: never the canary's fault
+    (503, True, True, False),    # the rate limiter's store is down
+])
+def test_only_pool_failures_count_against_the_canary(status: int, errored: bool, limited: bool,
+                                                     counts: bool) -> None:
+    record = replace(BASE, status=status, errored=errored, limited=limited)
+    assert canary_error(record) is counts
+
+
+def test_a_client_flooding_the_canary_with_429s_cannot_trip_it() -> None:
+    canary = {"model": "v2", "cluster": "vllm-canary", "percent": 50,
+              "guard": {"min_samples": 3}}
+    snap = snapshot(models={"llama-2-13b": {"clusters": ["vllm-short", "vllm-long"],
+                                            "canary": canary},
+                            "bge-m3": {"kind": "embedding", "clusters": ["embed"]}})
+    guards = CanaryGuards()
+    for _ in range(3):
+        guards.observe(snap, BASE)
+    for _ in range(50):
+        assert guards.observe(snap, replace(BASE, variant="canary", status=429, errored=True,
+                                            limited=True)) is None
+        assert guards.observe(snap, replace(BASE, variant="canary", status=400,
+                                            errored=True)) is None
+    assert guards.effective(snap.models["llama-2-13b"]) is not None
+    # Real pool failures still count: the 3rd 502 among 100 canary samples is 2.9% > 2 x 1%.
+    reasons = [guards.observe(snap, replace(BASE, variant="canary", status=502, errored=True))
+               for _ in range(3)]
+    assert reasons[:2] == [None] * 2 and reasons[2] is not None and "error rate" in reasons[2]
 
 
 def test_guard_stops_the_canary_until_its_config_changes() -> None:

@@ -39,6 +39,24 @@ def test_chat_sets_every_routing_header_and_clears_the_route() -> None:
     assert headers["x-llm-tenant"] == "default"
     assert headers["x-llm-key-id"] == "anonymous"
     assert action.clear_route_cache and action.body is None
+    # Envoy's pool routes match this metadata, never the header a client could send.
+    assert action.metadata["cluster"] == "vllm-short"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+def test_trailers_without_a_body_are_a_400(path: str) -> None:
+    """HTTP/2 HEADERS then trailers only: no body message ever comes, the trailers decide."""
+    state = start(path)
+    action = state.handle("request_trailers", None, b"", True)
+    assert isinstance(action, Reply) and action.status == 400
+    assert orjson.loads(action.body)["error"]["code"] == "invalid_json"
+
+
+def test_trailers_after_a_body_pass() -> None:
+    state = start()
+    routed = body(state, chat_doc())
+    assert isinstance(routed, Continue) and routed.metadata["cluster"] == "vllm-short"
+    assert state.handle("request_trailers", None, b"", True) == Continue()
 
 
 def test_spoofed_llm_headers_are_removed_and_ignored() -> None:

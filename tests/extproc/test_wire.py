@@ -32,6 +32,23 @@ def test_read_body() -> None:
     assert wire.read(request) == ("request_body", None, b"{}", True)
 
 
+def test_request_trailers_are_read_and_answered() -> None:
+    request = pb.ProcessingRequest()
+    trailer = request.request_trailers.trailers.headers.add()
+    trailer.key, trailer.raw_value = "x-llm-cluster", b"vllm-long"
+    assert wire.read(request) == ("request_trailers", None, b"", True)
+    response = wire.build("request_trailers", Continue())
+    assert response.WhichOneof("response") == "request_trailers"
+    assert not response.request_trailers.HasField("header_mutation")
+    reply = wire.build("request_trailers", Reply(400, b"{}"))
+    assert reply.immediate_response.status.code == 400
+
+
+def test_a_mode_override_keeps_request_trailers_sent() -> None:
+    response = wire.build("request_headers", Continue(mode=ModeOverride()))
+    assert response.mode_override.request_trailer_mode == 1  # SEND
+
+
 def test_empty_continue_still_names_the_phase() -> None:
     response = wire.build("request_headers", Continue())
     assert response.WhichOneof("response") == "request_headers"

@@ -9,8 +9,10 @@ import re
 
 import yaml
 from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
 
 from extproc.metrics import ExtprocMetrics
+from llm_sidecar.key_audit import audit_key_id_secret
 from llm_sidecar.redis_audit import audit_redis
 from ratelimit.metrics import RateLimitMetrics
 
@@ -28,6 +30,7 @@ def exported() -> set[str]:
     ExtprocMetrics(registry, lambda: frozenset())
     RateLimitMetrics(registry)
     audit_redis(None, True, registry, "any")  # llm_sidecar_redis_unauthenticated, both services
+    audit_key_id_secret(SecretStr("x"), True, registry)  # extproc
     cache_metrics = importlib.util.find_spec("extproc.cache_metrics")
     if cache_metrics is not None:
         module = importlib.import_module("extproc.cache_metrics")

@@ -59,6 +59,11 @@ CASES = {
                              ["7: model 'llama-2-13b' has 2 clusters with max_context 2048: pools "
                               "overlap, give each pool of a model its own max_context",
                               "7: model 'llama-2-13b' lists a cluster twice"]),
+    "bad_upstream_key_env": (GOOD.replace("max_context: 2048}", "max_context: 2048, "
+                                          "upstream_api_key_env: 'VLLM KEY'}"),
+                             ["3: clusters.vllm-short.upstream_api_key_env: bad "
+                              "upstream_api_key_env 'VLLM KEY': an environment variable name, "
+                              "letters, digits and '_', not starting with a digit"]),
     "bad_rate": (GOOD + "rate_limits:\n  tenant: {default: {requests: 10/fortnight}}\n",
                  ["9: rate_limits.tenant.default.requests: bad rate '10/fortnight': use N/s, "
                   "N/min, N/h, N/d or N/5m-style windows, with an optional k or M suffix, "

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from llm_sidecar.procs import envoy_binary
-from llm_sidecar.up import example_config_path
+from llm_sidecar.up import example_config_path, missing_upstream_keys
 from routing.loader import load_config
 from routing.render import write_all
 from tests.harness import istio_patch
@@ -84,7 +84,7 @@ def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
     assert [f["name"] for f in hcm["http_filters"]] == [
         "envoy.filters.http.health_check", "envoy.filters.http.ext_proc",
         "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
-    # failure_mode_allow: a client's own x-llm-* headers are dropped before routing
+    # a client's own x-llm-* headers are dropped before routing (always, not only failing open)
     assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
         {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
     assert hcm["stream_idle_timeout"] == "300s"
@@ -105,3 +105,71 @@ def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
     for grpc in ("llm-sidecar-extproc", "llm-sidecar-ratelimit"):
         assert "grpc_health_check" in clusters[grpc]["health_checks"][0]
         assert clusters[grpc]["circuit_breakers"]["thresholds"][0]["max_requests"] >= 10_000
+
+
+@pytest.mark.parametrize("name", ["example", *variants()])
+def test_no_route_reaches_a_pool_without_extprocs_decision(name: str,
+                                                           tmp_path: pathlib.Path) -> None:
+    """Every route to a pool matches extproc's dynamic metadata (no client can send that), no
+    route takes its cluster from a header, and no route leads to a sidecar service."""
+    bootstrap = yaml.safe_load(render(name, tmp_path)["envoy.yaml"].read_text())
+    hcm = hcm_of(bootstrap)
+    assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
+        {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
+    assert "cluster_header" not in str(hcm["route_config"])
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext_proc["typed_config"]["processing_mode"]["request_trailer_mode"] == "SEND"
+    pools = {c["name"] for c in bootstrap["static_resources"]["clusters"]
+             if not c["name"].startswith("llm-sidecar-")}
+    fallback = bootstrap_fallback(hcm)
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        target = route.get("route", {}).get("cluster")
+        if target is None:
+            assert "direct_response" in route
+            continue
+        assert target in pools
+        if route["name"] == "llm-fallback":
+            assert target == fallback
+            continue
+        assert route["match"]["dynamic_metadata"] == [{
+            "filter": "llm_sidecar", "path": [{"key": "cluster"}],
+            "value": {"string_match": {"exact": target}}}]
+
+
+def bootstrap_fallback(hcm: dict[str, Any]) -> str | None:
+    """The fallback pool of a fail-open config (extproc unreachable: the operator's choice)."""
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    return next((r["route"]["cluster"] for r in routes if r["name"] == "llm-fallback"), None)
+
+
+def test_pool_routes_drop_client_credentials_and_add_the_pools_own_key(
+        tmp_path: pathlib.Path) -> None:
+    doc = default_doc()
+    doc["clusters"]["vllm-long"]["upstream_api_key_env"] = "VLLM_LONG_KEY"
+    doc["services"].update(failure_mode_allow=True, fallback_cluster="vllm-long")
+    source = tmp_path / "routing.yaml"
+    source.write_text(yaml.safe_dump(doc))
+    [envoy_yaml, *_] = write_all(load_config(str(source)), str(tmp_path / "out"))
+    validate(pathlib.Path(envoy_yaml))
+    hcm = hcm_of(yaml.safe_load(pathlib.Path(envoy_yaml).read_text()))
+    routes = {r["name"]: r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]}
+    own_key = [{"header": {"key": "authorization", "value": "Bearer %ENVIRONMENT(VLLM_LONG_KEY)%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    for name in ("llm-routed-vllm-long", "llm-fallback"):  # the fallback pool gets it too
+        assert routes[name]["request_headers_to_remove"] == ["authorization", "x-api-key"]
+        assert routes[name]["request_headers_to_add"] == own_key
+    short = routes["llm-routed-vllm-short"]
+    assert short["request_headers_to_remove"] == ["authorization", "x-api-key"]
+    assert "request_headers_to_add" not in short
+
+
+def test_up_refuses_to_start_a_pool_whose_key_is_not_set(tmp_path: pathlib.Path) -> None:
+
+    doc = default_doc()
+    doc["clusters"]["vllm-long"]["upstream_api_key_env"] = "VLLM_LONG_KEY"
+    source = tmp_path / "routing.yaml"
+    source.write_text(yaml.safe_dump(doc))
+    config = load_config(str(source))
+    assert missing_upstream_keys(config, {}) == [("vllm-long", "VLLM_LONG_KEY")]
+    assert missing_upstream_keys(config, {"VLLM_LONG_KEY": ""}) == [("vllm-long", "VLLM_LONG_KEY")]
+    assert missing_upstream_keys(config, {"VLLM_LONG_KEY": "sk"}) == []

@@ -74,16 +74,20 @@ def test_gateway_patches_validate_and_reach_only_the_chosen_port(tmp_path: pathl
     assert not any(istio_patch.apply(other, other_contexts, "gateway", resource)[1][:2])
 
 
-def test_failing_open_also_strips_client_llm_headers(tmp_path: pathlib.Path) -> None:
-    assert "early_header_mutation_extensions" not in str(envoy_filter(config()))
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_client_llm_headers_are_stripped_before_routing(tmp_path: pathlib.Path,
+                                                         fail_open: bool) -> None:
+    """Failing closed is no protection: Istio's VirtualService routes on x-llm-cluster before
+    extproc answers, so the client's copy goes before any route is chosen, in either mode."""
     bootstrap, contexts = istio_patch.sidecar_bootstrap()
-    resource = envoy_filter(config(failure_mode_allow=True))
+    resource = envoy_filter(config(failure_mode_allow=fail_open))
     patched, applied = istio_patch.apply(bootstrap, contexts, "sidecar", resource)
     assert all(applied), applied
     inbound = next(x for x in patched["static_resources"]["listeners"]
                    if x["name"] == "virtualInbound")
     hcm = inbound["filter_chains"][0]["filters"][0]["typed_config"]
-    [mutation] = hcm["early_header_mutation_extensions"]
+    mutation, request_id = hcm["early_header_mutation_extensions"]
+    assert request_id["typed_config"]["mutations"][-1] == {"remove": "x-request-id"}
     assert mutation["typed_config"]["mutations"] == [
         {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
     path = tmp_path / "sidecar-open.yaml"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -199,6 +201,24 @@ async def test_journal_records_api_requests_only(start_sim: StartSim, http: aioh
         assert await response.json() == {"deleted": 2}
     async with http.get(sim.url + "/sim/requests") as response:
         assert await response.json() == []
+
+
+async def test_journal_never_serves_credentials(start_sim: StartSim,
+                                                http: aiohttp.ClientSession) -> None:
+    """GET /sim/requests is reachable by whoever reaches the pool: it must not hand out keys."""
+    sim = await start_sim()
+    secrets = {"Authorization": "Bearer sk-client-secret", "X-Api-Key": "sk-other-secret",
+               "Cookie": "session=s3cr3t", "Proxy-Authorization": "Basic cHJveHk="}
+    async with http.post(sim.url + "/v1/embeddings", json={"input": ["a"], "model": "e"},
+                         headers=secrets):
+        pass
+    async with http.get(sim.url + "/sim/requests") as response:
+        text = await response.text()
+    for value in secrets.values():
+        assert value not in text and value.split()[-1] not in text
+    [entry] = json.loads(text)
+    digest = hashlib.sha256(b"Bearer sk-client-secret").hexdigest()[:12]
+    assert entry["headers"]["authorization"] == f"redacted sha256:{digest}"
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
