@@ -1,3 +1,25 @@
-"""Fixtures shared by every test folder live in tests/harness; this file only registers them."""
+"""Fixtures shared by every test folder live in tests/harness; this file registers them and
+marks the slow tiers, so ``pytest -m "not e2e and not fuzz"`` is the fast edit loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
 
 pytest_plugins: list[str] = ["tests.harness.redis_fixtures"]
+
+_TESTS = Path(__file__).resolve().parent
+_TIERS = {"e2e": "e2e", "chaos": "e2e", "bench": "e2e", "fuzz": "fuzz"}
+"""Top-level test folder → the marker its every test carries (real Envoy, or long fuzzing)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            folder = Path(str(item.path)).resolve().relative_to(_TESTS).parts[0]
+        except ValueError:
+            continue
+        marker = _TIERS.get(folder)
+        if marker is not None:
+            item.add_marker(marker)
