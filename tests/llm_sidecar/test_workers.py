@@ -9,9 +9,16 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_sidecar.cli import _parser, main
+from llm_sidecar.cli import _dispatch, _parser
 from llm_sidecar.metrics_merge import Scrape, exposition, merge
+from llm_sidecar.settings import Settings
 from llm_sidecar.workers import port_in_use, workers_problem
+
+def main(argv: list[str]) -> int:
+    """``llm-sidecar ARGV`` in this process, without configuring logging (which would keep
+    pytest's captured stderr after the test)."""
+    return _dispatch(_parser().parse_args(argv), Settings())
+
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "llm_sidecar" / "example.yaml")
 
