@@ -14,6 +14,7 @@ from llm_sidecar.metrics_merge import Scrape, exposition, merge
 from llm_sidecar.settings import Settings
 from llm_sidecar.workers import port_in_use, workers_problem
 
+
 def main(argv: list[str]) -> int:
     """``llm-sidecar ARGV`` in this process, without configuring logging (which would keep
     pytest's captured stderr after the test)."""
