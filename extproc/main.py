@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 import uvloop
 from prometheus_client import CollectorRegistry
 
-from extproc.service import install_stop_handlers, serve
+from extproc.service import canary_text, install_stop_handlers, serve
 from llm_sidecar.grpc_listen import metrics_host
-from llm_sidecar.logs import get_logger
+from llm_sidecar.logs import bind_worker, get_logger
+from llm_sidecar.procs import sidecar_command
 from llm_sidecar.reload import Reloader
 from llm_sidecar.reload_metrics import ReloadMetrics
 from llm_sidecar.settings import Settings
+from llm_sidecar.workers import add_worker_arguments, supervise, workers_problem
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
 from routing.units import parse_service_address
@@ -33,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gRPC port (default: the port under services.extproc)")
     parser.add_argument("--metrics-port", type=int, default=9101,
                         help="HTTP port for /metrics and /healthz (default 9101)")
+    add_worker_arguments(parser)
+
+
+def listen_on(args: argparse.Namespace) -> tuple[str, int]:
+    """The gRPC host and port: the flags, else ``services.extproc`` of the routing YAML."""
+    host, port = parse_service_address(load_config(args.config).services.extproc)
+    return args.host or host, args.port if args.port is not None else port
 
 
 async def main_async(args: argparse.Namespace, settings: Settings) -> int:
@@ -47,7 +57,7 @@ async def main_async(args: argparse.Namespace, settings: Settings) -> int:
     watcher = asyncio.create_task(holder.watch(stop))
     try:
         await serve(holder.current, settings, host, port, metrics_host(host), args.metrics_port,
-                    registry, stop)
+                    registry, stop, args.worker_ops_socket)
     finally:
         stop.set()
         await watcher
@@ -55,5 +65,31 @@ async def main_async(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    if args.worker_ops_socket is not None:
+        bind_worker(args.worker_index)
+    else:
+        workers = args.workers if args.workers is not None else settings.workers
+        if workers != 1:
+            return run_workers(args, settings, workers)
     # uvloop: about 7% less CPU per ext_proc stream than asyncio's own loop (bench/README.md).
     return uvloop.run(main_async(args, settings))
+
+
+def run_workers(args: argparse.Namespace, settings: Settings, workers: int) -> int:
+    host, port = listen_on(args)
+    problem = workers_problem("extproc", workers, host, port, needs_shared_store=False)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    if settings.redis_url is None:
+        log.warning("extproc_workers_memory_cache", workers=workers,
+                    detail="no LLM_SIDECAR_REDIS_URL: every worker keeps its own embedding "
+                           "cache (up to LLM_SIDECAR_CACHE_MEMORY_BYTES each), so hits are "
+                           "rarer; set a Redis URL to share one")
+    base = ["extproc", "--config", args.config, "--host", host, "--port", str(port)]
+    return supervise(
+        "extproc", workers,
+        lambda index, socket: sidecar_command(*base, "--worker-ops-socket", socket,
+                                              "--worker-index", str(index)),
+        (host, port), (metrics_host(host), args.metrics_port), settings.shutdown_grace_s,
+        {"/canary": canary_text})

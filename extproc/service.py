@@ -29,7 +29,7 @@ from extproc.request_log import LoggedTelemetry
 from extproc.rls_client import RateLimitClient
 from extproc.stream import StreamState
 from extproc.telemetry import NULL_TELEMETRY, Telemetry
-from llm_sidecar.grpc_listen import add_port, listen_address
+from llm_sidecar.grpc_listen import add_port, listen_address, reuse_port_option
 from llm_sidecar.key_audit import audit_key_id_secret
 from llm_sidecar.logs import get_logger
 from llm_sidecar.ops_http import start_ops_server
@@ -120,12 +120,16 @@ def _last_message(step: Step, phase: Phase, end: bool, responses_asked: bool) ->
 
 async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str, port: int,
                 metrics_host: str, metrics_port: int, registry: CollectorRegistry,
-                stop: asyncio.Event) -> None:
-    """Run the gRPC server and the ops HTTP server until ``stop`` is set, then drain."""
+                stop: asyncio.Event, worker_ops_socket: str | None = None) -> None:
+    """Run the gRPC server and the ops HTTP server until ``stop`` is set, then drain.
+
+    ``worker_ops_socket``: this process is one of ``--workers N``: the gRPC port is shared
+    (SO_REUSEPORT) and /metrics and /healthz go to that Unix socket, for the supervisor.
+    """
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ("grpc.so_reuseport", 0),
+        reuse_port_option(worker_ops_socket is not None),
     ])
     metrics = ExtprocMetrics(registry, lambda: snapshot().known_tenants)
     guards = CanaryGuards()
@@ -145,9 +149,11 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     runner = await start_ops_server(metrics_host, metrics_port, registry,
                                     lambda: not stop.is_set(),
-                                    {"/canary": lambda query: canary_page(registry, query)})
+                                    {"/canary": lambda query: canary_page(registry, query)},
+                                    unix_path=worker_ops_socket)
     log.info("extproc_listening", grpc=listen_address(host, bound),
-             tls=settings.grpc_tls_cert_file is not None, metrics=f"{metrics_host}:{metrics_port}")
+             tls=settings.grpc_tls_cert_file is not None,
+             metrics=worker_ops_socket or f"{metrics_host}:{metrics_port}")
     try:
         await stop.wait()
     finally:
@@ -174,7 +180,12 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
 
 def canary_page(registry: CollectorRegistry, query: Mapping[str, str]) -> str:
     """``GET /canary[?min_samples=N]``: the canary comparison of this replica."""
+    return canary_text(query, generate_latest(registry).decode())
+
+
+def canary_text(query: Mapping[str, str], metrics_text: str) -> str:
+    """The ``/canary`` page from a metrics text (one process's, or its workers' merged)."""
     text = query.get("min_samples", str(MIN_SAMPLES))
     if not text.isdigit():
         raise ValueError("min_samples must be a whole number")
-    return render_all(generate_latest(registry).decode(), int(text))
+    return render_all(metrics_text, int(text))

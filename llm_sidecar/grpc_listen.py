@@ -25,6 +25,13 @@ def metrics_host(host: str) -> str:
     return "0.0.0.0" if host.startswith(UNIX_PREFIX) else host
 
 
+def reuse_port_option(shared: bool) -> tuple[str, int]:
+    """gRPC's SO_REUSEPORT switch. On only for ``--workers N`` (every worker binds the same
+    port); off otherwise, so a second copy started by mistake fails with "address in use"
+    instead of silently taking half of the connections."""
+    return ("grpc.so_reuseport", 1 if shared else 0)
+
+
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     """TLS credentials from the settings, or None for plain text. Raises ``ValueError`` (no
     secret in it) when the files are incomplete or unreadable."""

@@ -33,3 +33,8 @@ def configure(level: str = "info", service: str = "llm-sidecar") -> None:
 def get_logger(name: str) -> Any:
     """A structlog logger named ``name``."""
     return structlog.get_logger(name)
+
+
+def bind_worker(index: int) -> None:
+    """Every later line of this process also carries ``worker`` (one of ``--workers N``)."""
+    structlog.contextvars.bind_contextvars(worker=index)

@@ -11,10 +11,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 async def start_ops_server(host: str, port: int, registry: CollectorRegistry,
                            healthy: Callable[[], bool],
                            text_pages: dict[str, Callable[[Mapping[str, str]], str]] | None = None,
-                           ) -> web.AppRunner:
+                           unix_path: str | None = None) -> web.AppRunner:
     """Serve metrics and health on ``host:port``; the caller awaits ``runner.cleanup()``.
 
     ``text_pages`` adds plain-text pages (path → function of the query producing the text).
+    ``unix_path``: listen there instead (a worker under ``--workers``, scraped by its
+    supervisor, which owns the port).
     """
 
     async def metrics(_: web.Request) -> web.Response:
@@ -33,8 +35,16 @@ async def start_ops_server(host: str, port: int, registry: CollectorRegistry,
         app.router.add_get(path, _text_page(produce))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    await listen(runner, host, port, unix_path)
     return runner
+
+
+async def listen(runner: web.AppRunner, host: str, port: int, unix_path: str | None) -> None:
+    """Start ``runner`` on ``host:port``, or on the Unix socket ``unix_path`` when given."""
+    if unix_path is not None:
+        await web.UnixSite(runner, unix_path).start()
+    else:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
 
 
 def _text_page(

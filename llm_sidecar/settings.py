@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     ext_proc stream until the last token). Keep Kubernetes' terminationGracePeriodSeconds above
     it."""
 
+    workers: int = 1
+    """Processes of ``extproc``/``ratelimit`` serving their gRPC port together (the
+    ``--workers`` flag wins): one core each. See README, "Workers"."""
+
     log_level: str = "info"
     dev_mode: bool = False
     """Quiets production-only warnings (for example a Redis without a password)."""

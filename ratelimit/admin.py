@@ -7,6 +7,7 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from llm_sidecar.ops_http import listen
 from ratelimit.metrics import RateLimitMetrics
 
 
@@ -28,13 +29,14 @@ def make_app(metrics: RateLimitMetrics, healthy: Callable[[], bool]) -> web.Appl
 
 
 async def start_admin(
-    host: str, port: int, metrics: RateLimitMetrics, healthy: Callable[[], bool]
+    host: str, port: int, metrics: RateLimitMetrics, healthy: Callable[[], bool],
+    unix_path: str | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """Serve the admin app; returns the runner (to clean up) and the bound port."""
+    """Serve the admin app (on ``unix_path`` instead of ``host:port`` when given: a worker
+    under ``--workers``); returns the runner (to clean up) and the bound port."""
     runner = web.AppRunner(make_app(metrics, healthy), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    await listen(runner, host, port, unix_path)
     addresses = runner.addresses
-    bound = int(addresses[0][1]) if addresses else port
+    bound = int(addresses[0][1]) if addresses and unix_path is None else port
     return runner, bound

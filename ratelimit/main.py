@@ -10,10 +10,14 @@ from pathlib import Path
 
 import uvloop
 
+from llm_sidecar.grpc_listen import metrics_host
+from llm_sidecar.logs import bind_worker
+from llm_sidecar.procs import sidecar_command
 from llm_sidecar.settings import Settings
+from llm_sidecar.workers import add_worker_arguments, supervise, workers_problem
 from ratelimit.document import parse_yaml
 from ratelimit.errors import ConfigError
-from ratelimit.loader import is_routing_yaml
+from ratelimit.loader import is_routing_yaml, load_path
 from ratelimit.service import serve
 from routing.units import UNIX_PREFIX
 
@@ -46,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_METRICS_PORT,
         help=f"HTTP /metrics and /healthz port (default {DEFAULT_METRICS_PORT})",
     )
+    add_worker_arguments(parser)
 
 
 def default_address(config_path: str) -> tuple[str, int]:
@@ -78,13 +83,20 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         return 1
     host = args.host if args.host is not None else host
     port = args.port if args.port is not None else port
+    if args.worker_ops_socket is not None:
+        bind_worker(args.worker_index)
+    else:
+        workers = args.workers if args.workers is not None else settings.workers
+        if workers != 1:
+            return run_workers(args, settings, workers, host, port)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        await serve(args.config, host, port, args.metrics_port, settings, stop)
+        await serve(args.config, host, port, args.metrics_port, settings, stop,
+                    args.worker_ops_socket)
 
     try:
         # uvloop: about 5% less CPU per rate-limit call than asyncio's own loop (bench/README.md).
@@ -93,3 +105,25 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         print(str(exc), file=sys.stderr)
         return 1
     return 0
+
+
+def run_workers(args: argparse.Namespace, settings: Settings, workers: int, host: str,
+                port: int) -> int:
+    """``--workers N``: N processes on one port under a supervisor (llm_sidecar.workers).
+    Refused without Redis: each worker's memory buckets would admit N times the limit."""
+    problem = workers_problem("ratelimit", workers, host, port,
+                              needs_shared_store=settings.redis_url is None)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    try:
+        load_path(args.config)  # a bad config: one clear error, not N workers failing
+    except (ConfigError, OSError, ValueError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    base = ["ratelimit", "--config", args.config, "--host", host, "--port", str(port)]
+    return supervise(
+        "ratelimit", workers,
+        lambda index, socket: sidecar_command(*base, "--worker-ops-socket", socket,
+                                              "--worker-index", str(index)),
+        (host, port), (metrics_host(host), args.metrics_port), settings.shutdown_grace_s)

@@ -14,7 +14,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from llm_sidecar.grpc_listen import add_port, metrics_host
+from llm_sidecar.grpc_listen import add_port, metrics_host, reuse_port_option
 from llm_sidecar.logs import get_logger
 from llm_sidecar.redis_audit import audit_redis
 from llm_sidecar.redis_client import make_client
@@ -88,8 +88,10 @@ class RateLimitServer:
         metrics_port: int,
         settings: Settings,
         store: BucketStore | None = None,
+        worker_ops_socket: str | None = None,
     ) -> None:
         self.metrics = RateLimitMetrics()
+        self._worker_ops_socket = worker_ops_socket
         self.host = host
         self._settings = settings
         self.port = port
@@ -120,14 +122,16 @@ class RateLimitServer:
         log.warning("ratelimit_unknown_domain", domain=domain, detail="answered OK, not limited")
 
     async def start(self) -> None:
-        server = grpc.aio.server()
+        # A worker of --workers N shares the port; its /metrics goes to the supervisor.
+        server = grpc.aio.server(options=[reuse_port_option(self._worker_ops_socket is not None)])
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitServicer(self.limiter), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = add_port(server, self.host, self.port, self._settings)
         await server.start()
         self._server = server
         runner, self.metrics_port = await start_admin(
-            metrics_host(self.host), self.metrics_port, self.metrics, lambda: self._serving
+            metrics_host(self.host), self.metrics_port, self.metrics, lambda: self._serving,
+            self._worker_ops_socket,
         )
         self._admin = runner
         for name in ("", SERVICE_NAME):
@@ -164,12 +168,15 @@ async def serve(
     metrics_port: int,
     settings: Settings,
     stop: asyncio.Event | None = None,
+    worker_ops_socket: str | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or the task is cancelled), then stop gracefully.
 
-    Raises :class:`ConfigError` when the initial config is invalid.
+    Raises :class:`ConfigError` when the initial config is invalid. ``worker_ops_socket``:
+    this process is one of ``--workers N`` (see :mod:`llm_sidecar.workers`).
     """
-    server = RateLimitServer(config_path, host, port, metrics_port, settings)
+    server = RateLimitServer(config_path, host, port, metrics_port, settings,
+                             worker_ops_socket=worker_ops_socket)
     await server.start()
     try:
         if stop is None:

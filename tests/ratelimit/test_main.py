@@ -81,7 +81,8 @@ def test_converter_line_map_points_into_the_routing_yaml(
 def test_run_reports_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("domain: llm\nfoo: 1\n")
-    args = argparse.Namespace(config=str(bad), host=None, port=0, metrics_port=0)
+    args = argparse.Namespace(config=str(bad), host=None, port=0, metrics_port=0, workers=None,
+                              worker_ops_socket=None, worker_index=0)
     assert run(args, Settings()) == 1
     assert capsys.readouterr().err.strip() == (
         f"{bad}:2: unknown key 'foo' (expected one of: domain, descriptors, on_backend_error)"
