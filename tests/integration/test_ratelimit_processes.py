@@ -97,5 +97,7 @@ async def hammer(port: int, count: int) -> int:
 
 async def test_two_processes_admit_exactly_the_limit_in_total(two_processes: list[int]) -> None:
     admitted = await asyncio.gather(*(hammer(port, 150) for port in two_processes))
-    assert sum(admitted) == LIMIT
-    assert all(n > 0 for n in admitted), admitted  # both really took part
+    # Each process alone would admit LIMIT of its 150; together they admit LIMIT in total. How
+    # the admissions split depends on scheduling (on a loaded machine one process may get its
+    # 150 decided before the other starts), so the split is not asserted.
+    assert sum(admitted) == LIMIT, admitted
