@@ -11,19 +11,70 @@ admin on loopback. Everything is derived from one config, so the names always li
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
+from routing.render_netpol import LABEL, PART_OF, network_policies
 from routing.schema import RoutingConfig
 from routing.units import parse_hostport
 
 IMAGE = "llm-sidecar:dev"
 SIM_PORT = 8000
-EXTPROC, RATELIMIT, GATEWAY, REDIS = "llm-sidecar-extproc", "llm-sidecar-ratelimit", "llm-gateway", "redis"
+EXTPROC, RATELIMIT, GATEWAY = "llm-sidecar-extproc", "llm-sidecar-ratelimit", "llm-gateway"
 EXTPROC_METRICS, RATELIMIT_METRICS = 9101, 9102
 CONFIG_DIR = "/etc/llm-sidecar"
 ENVOY_DIR = "/etc/envoy"
 ROUTING_CONFIGMAP = "llm-sidecar-routing"
 SECRET = "llm-sidecar"
+REDIS_PORT = 6379
+
+GATEWAY_MEMORY_LIMIT_MIB = 1024
+ENVOY_MAX_HEAP_BYTES = GATEWAY_MEMORY_LIMIT_MIB * 3 // 4 * 1024 * 1024
+"""``envoy.max_heap_bytes`` of the deployed routing YAML (unless it sets one): 3/4 of the
+gateway container's memory limit, leaving room for what tcmalloc's heap does not count
+(thread stacks, the binary, freed pages not yet returned) before the kernel's OOM killer."""
+
+
+@dataclass(frozen=True)
+class RedisRole:
+    """One Redis of the deployment, for one service and one kind of data.
+
+    Two, because one eviction policy cannot suit both: rate-limit buckets and concurrency
+    leases (ratelimit's ``rl:*`` keys; a bucket's PEXPIRE is the time until it is full again,
+    so expiry is safe) must never be evicted before that, since an evicted bucket comes back
+    full and hands out its capacity again; embedding-cache
+    entries (extproc's, also with TTLs, of days) may always be. With one Redis, no policy
+    orders them: ``volatile-ttl`` evicts the shortest TTLs first, which are the buckets,
+    and ``volatile-lru``/``allkeys-lru`` evict an idle bucket before a recent cache entry.
+    extproc uses Redis only for the cache and ratelimit only for buckets, each from its own
+    ``LLM_SIDECAR_REDIS_URL``, so the split needs no code.
+    """
+
+    name: str
+    user: str
+    """The one service that uses it."""
+    maxmemory_mb: int
+    policy: str
+    memory_limit_mib: int
+    """The container's memory limit: maxmemory plus room for fragmentation and client
+    buffers, which ``maxmemory`` does not count."""
+
+    def args(self, password: str) -> list[str]:
+        return ["redis-server", "--requirepass", password, "--save", "", "--appendonly", "no",
+                "--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", self.policy]
+
+    def url(self, password: str) -> str:
+        return f"redis://:{password}@{self.name}:{REDIS_PORT}/0"
+
+
+REDIS_BUCKETS = RedisRole("redis-buckets", RATELIMIT, 128, "noeviction", 256)
+"""Full: every write (every decision) fails with OOM, which ratelimit answers as a Redis
+outage (``on_backend_error``); nothing is ever evicted. A bucket key is ~130 bytes (Redis's
+MEMORY USAGE), so 128 MB holds about a million buckets; a bucket expires once it would be full
+again, so only buckets in use take room."""
+REDIS_CACHE = RedisRole("redis-cache", EXTPROC, 512, "allkeys-lru", 768)
+"""Full: the least recently used vectors are evicted to make room; writes never fail."""
+REDIS_ROLES = (REDIS_BUCKETS, REDIS_CACHE)
 
 
 def container_doc(doc: dict[str, Any], config: RoutingConfig) -> dict[str, Any]:
@@ -33,8 +84,8 @@ def container_doc(doc: dict[str, Any], config: RoutingConfig) -> dict[str, Any]:
     _, admin_port = parse_hostport(config.envoy.admin)
     _, extproc_port = parse_hostport(config.services.extproc)
     _, ratelimit_port = parse_hostport(config.services.ratelimit)
-    out["envoy"] = {**out.get("envoy", {}), "listen": f"0.0.0.0:{listen_port}",
-                    "admin": f"127.0.0.1:{admin_port}"}
+    out["envoy"] = {"max_heap_bytes": ENVOY_MAX_HEAP_BYTES, **out.get("envoy", {}),
+                    "listen": f"0.0.0.0:{listen_port}", "admin": f"127.0.0.1:{admin_port}"}
     out["services"] = {**out.get("services", {}), "extproc": f"{EXTPROC}:{extproc_port}",
                        "ratelimit": f"{RATELIMIT}:{ratelimit_port}"}
     for name, spec in config.clusters.items():
@@ -68,14 +119,16 @@ def _python_probe(url: str) -> list[str]:
     return ["python", "-c", f"import urllib.request; urllib.request.urlopen('{url}', timeout=2)"]
 
 
+def _redis_of(service: str) -> RedisRole:
+    return next(role for role in REDIS_ROLES if role.user == service)
+
+
 def compose(config: RoutingConfig, routing_file: str) -> dict[str, Any]:
     """``docker-compose.yml``; ``routing_file`` is the container routing YAML, relative to it."""
     ports = _ports(config)
     routing = f"{CONFIG_DIR}/routing.yaml"
-    sidecar_env = {
-        "LLM_SIDECAR_REDIS_URL": "redis://:${REDIS_PASSWORD:-change-me}@redis:6379/0",
-        "LLM_SIDECAR_KEY_ID_SECRET": "${KEY_ID_SECRET:-change-me}",
-    }
+    password = "${REDIS_PASSWORD:-change-me}"
+    key_id_secret = "${KEY_ID_SECRET:-change-me}"
     sims = [name for name, spec in config.clusters.items() if spec.simulator is not None]
     healthy = {"condition": "service_healthy"}
 
@@ -84,14 +137,14 @@ def compose(config: RoutingConfig, routing_file: str) -> dict[str, Any]:
                 "retries": 12}
 
     services: dict[str, Any] = {
-        REDIS: {
+        role.name: {
             "image": "redis:7-alpine",
-            "command": ["redis-server", "--requirepass", "${REDIS_PASSWORD:-change-me}",
-                        "--save", ""],
+            "command": role.args(password),
+            "mem_limit": f"{role.memory_limit_mib}m",
             "healthcheck": {"test": ["CMD-SHELL", "redis-cli -a \"$$REDIS_PASSWORD\" ping"],
                             "interval": "5s", "timeout": "3s", "retries": 12},
-            "environment": {"REDIS_PASSWORD": "${REDIS_PASSWORD:-change-me}"},
-        },
+            "environment": {"REDIS_PASSWORD": password},
+        } for role in REDIS_ROLES
     }
     for name, port, metrics in ((EXTPROC, ports["extproc"], EXTPROC_METRICS),
                                 (RATELIMIT, ports["ratelimit"], RATELIMIT_METRICS)):
@@ -100,11 +153,12 @@ def compose(config: RoutingConfig, routing_file: str) -> dict[str, Any]:
             "build": ".", "image": IMAGE,
             "command": [command, "--config", routing, "--host", "0.0.0.0", "--port", str(port),
                         "--metrics-port", str(metrics)],
-            "environment": sidecar_env,
+            "environment": {"LLM_SIDECAR_REDIS_URL": _redis_of(name).url(password),
+                            "LLM_SIDECAR_KEY_ID_SECRET": key_id_secret},
             # The directory, not the file: an edited file on the host is then seen by reload.
             "volumes": [f"./{routing_file.rsplit('/', 1)[0]}:{CONFIG_DIR}:ro"],
             "healthcheck": health(f"http://127.0.0.1:{metrics}/healthz"),
-            "depends_on": {REDIS: healthy},
+            "depends_on": {_redis_of(name).name: healthy},
         }
     services[GATEWAY] = {
         "build": ".", "image": IMAGE,
@@ -114,6 +168,7 @@ def compose(config: RoutingConfig, routing_file: str) -> dict[str, Any]:
                     "-c /tmp/envoy/envoy.yaml --log-level warn --drain-time-s 15"],
         "volumes": [f"./{routing_file.rsplit('/', 1)[0]}:{CONFIG_DIR}:ro"],
         "ports": [f"{ports['listen']}:{ports['listen']}"],
+        "mem_limit": f"{GATEWAY_MEMORY_LIMIT_MIB}m",
         "healthcheck": health(f"http://127.0.0.1:{ports['listen']}/healthz"),
         "depends_on": {EXTPROC: healthy, RATELIMIT: healthy, **{s: healthy for s in sims}},
     }
@@ -125,8 +180,6 @@ def compose(config: RoutingConfig, routing_file: str) -> dict[str, Any]:
 
 # --- Kubernetes -------------------------------------------------------------------------------
 
-LABEL = "app.kubernetes.io/name"
-PART_OF = {"app.kubernetes.io/part-of": "llm-sidecar"}
 SECURITY = {"runAsNonRoot": True, "runAsUser": 10001, "allowPrivilegeEscalation": False}
 
 
@@ -168,9 +221,9 @@ def _container(name: str, args: list[str], ports: list[tuple[str, int]], **extra
             "securityContext": SECURITY, **extra}
 
 
-def _secret_env() -> list[dict[str, Any]]:
+def _secret_env(service: str) -> list[dict[str, Any]]:
     return [{"name": env, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": key}}}
-            for env, key in (("LLM_SIDECAR_REDIS_URL", "redis-url"),
+            for env, key in (("LLM_SIDECAR_REDIS_URL", f"{_redis_of(service).name}-url"),
                              ("LLM_SIDECAR_KEY_ID_SECRET", "key-id-secret"))]
 
 
@@ -186,7 +239,7 @@ def kubernetes(config: RoutingConfig, routing_text: str) -> dict[str, list[dict[
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(ROUTING_CONFIGMAP),
          "data": {"routing.yaml": routing_text}},
         {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(SECRET), "type": "Opaque",
-         "stringData": {"redis-url": "redis://:change-me@redis:6379/0",
+         "stringData": {**{f"{role.name}-url": role.url("change-me") for role in REDIS_ROLES},
                         "key-id-secret": "change-me", "redis-password": "change-me"}},
     ]
     services: list[dict[str, Any]] = []
@@ -197,21 +250,25 @@ def kubernetes(config: RoutingConfig, routing_text: str) -> dict[str, list[dict[
             command, [command, "--config", routing, "--host", "0.0.0.0", "--port", str(port),
                       "--metrics-port", str(metrics)],
             [("grpc", port), ("metrics", metrics)],
-            env=_secret_env(), volumeMounts=[config_mount],
+            env=_secret_env(name), volumeMounts=[config_mount],
             readinessProbe=_http_probe("/healthz", "metrics"),
             livenessProbe=_http_probe("/healthz", "metrics", period=10, failures=6),
             resources={"requests": {"cpu": "250m", "memory": "256Mi"}})
         services += [_deployment(name, 2, [container], [config_volume]),
                      _service(name, [("grpc", port), ("metrics", metrics)])]
-    redis_container = {
-        "name": "redis", "image": "redis:7-alpine", "imagePullPolicy": "IfNotPresent",
-        "args": ["redis-server", "--requirepass", "$(REDIS_PASSWORD)", "--save", ""],
-        "env": [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
-            "name": SECRET, "key": "redis-password"}}}],
-        "ports": [{"name": "redis", "containerPort": 6379}],
-        "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
-    }
-    services += [_deployment(REDIS, 1, [redis_container]), _service(REDIS, [("redis", 6379)])]
+    for role in REDIS_ROLES:
+        redis_container = {
+            "name": "redis", "image": "redis:7-alpine", "imagePullPolicy": "IfNotPresent",
+            "args": role.args("$(REDIS_PASSWORD)"),
+            "env": [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+                "name": SECRET, "key": "redis-password"}}}],
+            "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
+            "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+            "resources": {"requests": {"memory": f"{role.memory_limit_mib}Mi"},
+                          "limits": {"memory": f"{role.memory_limit_mib}Mi"}},
+        }
+        services += [_deployment(role.name, 1, [redis_container]),
+                     _service(role.name, [("redis", REDIS_PORT)])]
 
     envoy_mount = {"name": "envoy", "mountPath": ENVOY_DIR}
     render = _container("render", ["render", "--config", routing, "--out", ENVOY_DIR], [],
@@ -227,7 +284,9 @@ def kubernetes(config: RoutingConfig, routing_text: str) -> dict[str, list[dict[
         livenessProbe=_http_probe("/healthz", "http", period=10, failures=6),
         # Fail /healthz first so the Service stops sending, then let streams finish.
         lifecycle={"preStop": {"exec": {"command": ["python", "-c", drain]}}},
-        resources={"requests": {"cpu": "500m", "memory": "256Mi"}})
+        # envoy.max_heap_bytes in the ConfigMap is 3/4 of this limit (container_doc).
+        resources={"requests": {"cpu": "500m", "memory": "256Mi"},
+                   "limits": {"memory": f"{GATEWAY_MEMORY_LIMIT_MIB}Mi"}})
     gateway = [
         _deployment(GATEWAY, 2, [envoy], [config_volume, {"name": "envoy", "emptyDir": {}}],
                     init=[render], grace_s=330),
@@ -241,5 +300,9 @@ def kubernetes(config: RoutingConfig, routing_text: str) -> dict[str, list[dict[
                          readinessProbe=_http_probe("/health", "http"),
                          livenessProbe=_http_probe("/health", "http", period=10, failures=6))
         pools += [_deployment(name, 1, [sim]), _service(name, [("http", SIM_PORT)], headless=True)]
+    policies = network_policies(
+        gateway=GATEWAY, extproc=EXTPROC, ratelimit=RATELIMIT,
+        redis_of={role.name: role.user for role in REDIS_ROLES},
+        pools=[name for name, spec in config.clusters.items() if spec.simulator is not None])
     return {"routing.yaml": routing_docs, "services.yaml": services, "gateway.yaml": gateway,
-            "pools.yaml": pools}
+            "pools.yaml": pools, "networkpolicies.yaml": policies}

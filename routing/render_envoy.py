@@ -13,6 +13,7 @@ from typing import Any
 
 from llm_sidecar.wire_names import CLUSTER_METADATA_KEY, METADATA_NAMESPACE, RESERVATION_METADATA_KEY
 from routing.ratelimits import DOMAIN, route_rate_limits
+from routing.render_bounds import http2_options, overload_manager
 from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport
@@ -109,6 +110,13 @@ def local_reply_config() -> dict[str, Any]:
             "body_format_override": _json_error(
                 "The model backend or a gateway service is unavailable "
                 "(%RESPONSE_CODE_DETAILS%).", "server_error", "upstream_unavailable"),
+        },
+        {   # the overload manager refused the request (heap above 95% of envoy.max_heap_bytes);
+            # Envoy sets no response flag for it, only these details
+            "filter": _cel("response.code_details == 'overload'"),
+            "status_code": 503,
+            "body_format_override": _json_error(
+                "The gateway is overloaded; retry later.", "server_error", "server_overloaded"),
         },
         {
             "filter": {"response_flag_filter": {"flags": ["UT"]}},
@@ -352,6 +360,7 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "stream_idle_timeout": f"{parse_duration(config.envoy.stream_idle_timeout)}s",
         "request_timeout": f"{parse_duration(config.envoy.request_timeout)}s",
         "request_headers_timeout": "10s",
+        "http2_protocol_options": http2_options(config.envoy),
         **early_header_mutations(),
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),
@@ -366,31 +375,18 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
     }
 
 
-def connection_limit(max_connections: int) -> dict[str, Any]:
-    """Envoy's global cap on open downstream connections (without one, a flood of idle or slow
-    clients runs the process out of file descriptors, and Envoy warns at start-up). A
-    connection past the cap is closed as soon as it is accepted."""
-    return {"resource_monitors": [{
-        "name": "envoy.resource_monitors.global_downstream_max_connections",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.resource_monitors."
-                     "downstream_connections.v3.DownstreamConnectionsConfig",
-            "max_active_downstream_connections": max_connections,
-        },
-    }]}
-
-
 def bootstrap(config: RoutingConfig) -> dict[str, Any]:
     """The full Envoy bootstrap for ``config``; the admin interface listens on loopback only."""
     return {
         # The admin interface stays reachable when the client listener is full.
         "admin": {"address": _address(config.envoy.admin), "ignore_global_conn_limit": True},
-        "overload_manager": connection_limit(config.envoy.max_connections),
+        "overload_manager": overload_manager(config.envoy),
         "static_resources": {
             "listeners": [{
                 "name": "llm",
                 "address": _address(config.envoy.listen),
-                # ext_proc buffers whole request bodies: the limit is the largest body accepted.
+                # ext_proc buffers whole request bodies: the limit is the largest body accepted
+                # (each HTTP/2 stream gets a buffer limit this size: see render_bounds).
                 "per_connection_buffer_limit_bytes": config.envoy.max_request_bytes,
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",

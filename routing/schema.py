@@ -61,6 +61,15 @@ class EnvoySection(Strict):
     """Client connections Envoy holds open at once; past it new ones are closed on accept
     (stat ``downstream_global_cx_overflow``) instead of running Envoy out of file descriptors.
     The admin interface is not counted."""
+    max_heap_bytes: int | None = Field(default=None, ge=1024 * 1024)
+    """Envoy's heap limit (the overload manager's fixed_heap monitor): at 90% of it Envoy
+    returns freed memory to the system and resets the streams holding the largest buffers, at
+    95% it answers new requests 503 ``server_overloaded``. Set it below the container's memory
+    limit (about 75%); unset: no heap monitor (Envoy cannot know its container's limit)."""
+    max_concurrent_streams: int = Field(default=100, ge=1, le=2_147_483_647)
+    """Streams one HTTP/2 client connection may have open at once. Each may buffer a whole
+    body (``max_request_bytes``), so this times that is what one connection can make Envoy
+    hold."""
 
     @field_validator("listen", "admin")
     @classmethod

@@ -2,51 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import yaml
-
-from llm_sidecar.procs import envoy_binary, start, wait_http_ok
-from routing.loader import load_config
-from routing.render import write_all
 from routing.units import parse_hostport
+from tests.harness.envoy_alone import envoy_only, post
 from tests.harness.gateway import default_doc, envoy_counter
-
-
-@contextmanager
-def envoy_only(doc: dict[str, Any], workdir: str) -> Iterator[str]:
-    """Envoy alone, with nothing behind its ext_proc address."""
-    path = os.path.join(workdir, "routing.yaml")
-    with open(path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(doc, handle)
-    config = load_config(path)
-    write_all(config, workdir)
-    child = start("envoy", [envoy_binary(), "-c", os.path.join(workdir, "envoy.yaml"),
-                            "--log-level", "error", "--disable-hot-restart"])
-    try:
-        wait_http_ok(f"http://{config.envoy.admin}/ready", 30, child)
-        yield f"http://{config.envoy.listen}"
-    finally:
-        child.stop()
-
-
-def post(url: str, body: bytes) -> tuple[int, str, dict[str, Any]]:
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, method="POST",
-                                     headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            return resp.status, resp.headers["content-type"], json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, err.headers["content-type"], json.loads(err.read())
-
 
 BODY = b'{"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}]}'
 

@@ -65,8 +65,9 @@ def test_compose_names_line_up() -> None:
         assert "healthcheck" in service, name
     for host, _ in hosts_of_routing(REPO / "deploy" / "compose" / "routing.yaml"):
         assert host in services, host
-    url = services["llm-sidecar-extproc"]["environment"]["LLM_SIDECAR_REDIS_URL"]
-    assert urlsplit(url).hostname in services
+    for sidecar in ("llm-sidecar-extproc", "llm-sidecar-ratelimit"):
+        url = services[sidecar]["environment"]["LLM_SIDECAR_REDIS_URL"]
+        assert urlsplit(url).hostname in services
 
 
 def manifests() -> list[dict[str, Any]]:
@@ -107,7 +108,7 @@ def test_kubernetes_names_line_up(tmp_path: pathlib.Path) -> None:
                 if probe in container:
                     check = container[probe].get("httpGet") or container[probe].get("tcpSocket")
                     assert check["port"] in port_names, (name, probe)
-        if name not in ("redis",):
+        if not name.startswith("redis"):
             assert any("readinessProbe" in c for c in pod["spec"]["containers"]), name
     for name, service in services.items():
         selected = [d for d in deployments.values() if service["spec"]["selector"].items()
@@ -121,8 +122,9 @@ def test_kubernetes_names_line_up(tmp_path: pathlib.Path) -> None:
     routing.write_text(configmaps["llm-sidecar-routing"]["data"]["routing.yaml"])
     for host, port in hosts_of_routing(routing):
         assert port in [p["port"] for p in services[host]["spec"]["ports"]], (host, port)
-    redis = urlsplit(secrets["llm-sidecar"]["stringData"]["redis-url"])
-    assert redis.port in [p["port"] for p in services[str(redis.hostname)]["spec"]["ports"]]
+    for key in ("redis-buckets-url", "redis-cache-url"):
+        redis = urlsplit(secrets["llm-sidecar"]["stringData"][key])
+        assert redis.port in [p["port"] for p in services[str(redis.hostname)]["spec"]["ports"]]
 
 
 def test_kubectl_kustomize_builds_the_manifests() -> None:

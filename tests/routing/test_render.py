@@ -38,6 +38,7 @@ def variants() -> dict[str, dict[str, Any]]:
                        "failure_mode_allow": True}
     dns["rate_limits"] = {"api_key": {"default": {"requests": "10/s", "tokens": "100k/min"}}}
     dns["istio"] = {"context": "GATEWAY", "port": 8080}
+    dns["envoy"].update(max_heap_bytes=768 * 1024 * 1024, max_concurrent_streams=50)
     docs["dns-limits-gateway"] = dns
     return docs
 
