@@ -324,6 +324,21 @@ class PrioritySection(Strict):
     inject: bool = False
 
 
+class TelemetrySection(Strict):
+    """Which chat/completions responses extproc reads (the rest only Envoy reads)."""
+
+    sample: float = Field(default=0.1, ge=0, le=1)
+    """Share of stable-variant chat/completions requests whose response body extproc reads for
+    TTFT, time per output token, token counts and mid-stream errors (canary traffic always is;
+    chosen from Envoy's request id). 1: every request, as before; 0: only canary and the
+    responses Envoy cannot read usage from."""
+    envoy_usage: bool = True
+    """true: for the other requests Envoy's json_to_metadata / sse_to_metadata filters read the
+    response's usage for the rate limiter (the bootstrap ``render`` writes has them), and no
+    response body goes to extproc. Set false where Envoy runs another bootstrap (Istio's
+    EnvoyFilter does not carry these filters): extproc then reads every response body."""
+
+
 class IstioSection(Strict):
     """What ``render`` writes to ``envoyfilter.yaml`` (an Istio EnvoyFilter)."""
 
@@ -359,6 +374,7 @@ class RoutingConfig(Strict):
     api_keys: list[ApiKey] = Field(default_factory=list)
     rate_limits: RateLimits | None = None
     priority: PrioritySection = Field(default_factory=PrioritySection)
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     istio: IstioSection = Field(default_factory=IstioSection)
 
     @field_validator("clusters", "models")

@@ -1,0 +1,52 @@
+"""Which chat/completions responses extproc reads, and which Envoy alone reads (issue 16).
+
+Reading a response costs one ext_proc round trip per body chunk: per token on an SSE stream.
+So extproc reads only a sampled share of stable traffic (for TTFT, time per output token, token
+counts, mid-stream errors), all canary traffic (the canary comparison and guard need it), and
+the responses whose usage Envoy's metadata filters cannot read for the rate limiter (see
+:mod:`routing.render_usage`). Pure functions on the parsed request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from extproc.bodies import GenerationBody
+
+BYTES_PER_TOKEN_BOUND = 32
+"""A generous bound on a non-streamed answer's JSON bytes per token (multi-byte text, JSON
+escapes, per-choice overhead). Envoy's json_to_metadata holds the whole answer, and an answer
+above Envoy's buffer limit would become a 500: such requests keep extproc reading the body."""
+
+_UNBOUNDED_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs", "echo")
+"""Fields that make an answer much larger per token (or echo the prompt)."""
+
+
+def sampled(request_id: str, share: float) -> bool:
+    """True for ``share`` of request ids. The id is Envoy's (a random UUID, never the client's),
+    so a client cannot choose to be measured, or not."""
+    if share >= 1:
+        return True
+    if share <= 0:
+        return False
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8, person=b"llm-sample").digest()
+    return int.from_bytes(digest, "big") % 10_000 < round(share * 10_000)
+
+
+def envoy_reads_usage(body: GenerationBody, reservation: int, buffer_limit: int) -> bool:
+    """Can Envoy read this request's usage off its answer (so extproc need not)?
+
+    A stream: only when the client asked for the usage chunk (``stream_options.include_usage``)
+    and not vLLM's per-chunk usage (``continuous_usage_stats``: every chunk would carry a
+    running count). The usage chunk is not injected for clients that did not ask: removing it
+    from their stream again would need extproc on every chunk, the cost this avoids.
+    Not streamed: when the answer is surely below Envoy's buffer limit.
+    """
+    doc = body.doc
+    if body.stream:
+        options = doc.get("stream_options")
+        continuous = isinstance(options, dict) and bool(options.get("continuous_usage_stats"))
+        return body.include_usage and not continuous
+    if any(doc.get(name) for name in _UNBOUNDED_FIELDS):
+        return False
+    return reservation * BYTES_PER_TOKEN_BOUND <= buffer_limit

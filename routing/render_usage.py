@@ -1,0 +1,101 @@
+"""Envoy reads a response's token usage for the rate limiter, so extproc need not read the body.
+
+Two Envoy filters write what the stream-done rate-limit call settles with (see
+:mod:`routing.ratelimits`): ``llm_tokens`` (``usage.total_tokens`` as a string: the rate-limit
+``metadata`` action reads only strings) and ``llm_done`` (the response reached its end):
+
+* ``json_to_metadata`` (response rules): a non-streamed JSON answer, read once Envoy has it
+  whole (it buffers the body, so it runs only on routes whose answers are bounded).
+* ``sse_to_metadata`` (work in progress in Envoy 1.40): an SSE stream's usage chunk (vLLM sends
+  one when the request asked ``stream_options.include_usage``), written as the chunk passes;
+  ``llm_done`` only at the stream's end (a deferred action that an aborted or reset stream
+  never reaches), so a stream cut after its usage chunk settles nothing.
+
+They run only on the routes extproc picks with ``llm_sidecar.usage = envoy`` (every other route
+disables them): embeddings answers (up to ~11 MB) must never be buffered, and responses
+extproc reads itself are settled by extproc alone. Both sit after ext_proc in the filter
+chain, so they see the pool's bytes before ext_proc could change them. Verified with Envoy
+1.40 in ``tests/e2e/test_envoy_usage.py`` (bench/README.md, "Usage read by Envoy").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llm_sidecar.wire_names import (
+    DONE_METADATA_KEY,
+    METADATA_NAMESPACE,
+    TOKENS_METADATA_KEY,
+    USAGE_ROUTE_METADATA_KEY,
+)
+from routing.render_clusters import API, TYPE
+
+JSON_FILTER = "envoy.filters.http.json_to_metadata"
+SSE_FILTER = "envoy.filters.http.sse_to_metadata"
+USAGE_BY_ENVOY = "envoy"
+_TOTAL = [{"key": "usage"}, {"key": "total_tokens"}]
+_NEVER_PRESENT = [{"key": "llm_sidecar_end_of_stream"}]
+"""A key no answer has: its rule's deferred on_missing / on_error runs only at end of stream."""
+
+
+def _put(key: str, value: str | None = None) -> dict[str, Any]:
+    pair: dict[str, Any] = {"metadata_namespace": METADATA_NAMESPACE, "key": key}
+    if value is None:
+        pair["type"] = "STRING"
+    else:
+        pair["value"] = value
+    return pair
+
+
+def json_usage_filter() -> dict[str, Any]:
+    return {
+        "name": JSON_FILTER,
+        "typed_config": {
+            TYPE: API + "extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
+            "response_rules": {
+                "allow_content_types": ["application/json", "application/json; charset=utf-8"],
+                # Rules run only on a whole, parsed body, so "done" goes with the usage.
+                "rules": [{"selectors": _TOTAL, "on_present": _put(TOKENS_METADATA_KEY)},
+                          {"selectors": _TOTAL, "on_present": _put(DONE_METADATA_KEY, "1")}],
+            },
+        },
+    }
+
+
+def sse_usage_filter() -> dict[str, Any]:
+    done = _put(DONE_METADATA_KEY, "1")
+    return {
+        "name": SSE_FILTER,
+        "typed_config": {
+            TYPE: API + "extensions.filters.http.sse_to_metadata.v3.SseToMetadata",
+            "response_rules": {"content_parser": {
+                "name": "envoy.content_parsers.json",
+                "typed_config": {
+                    TYPE: API + "extensions.content_parsers.json.v3.JsonContentParser",
+                    "rules": [
+                        {"rule": {"selectors": _TOTAL, "on_present": _put(TOKENS_METADATA_KEY)}},
+                        # [DONE] is not JSON (an error for the parser): both deferred actions.
+                        {"rule": {"selectors": _NEVER_PRESENT, "on_missing": done,
+                                  "on_error": done}},
+                    ],
+                },
+            }},
+        },
+    }
+
+
+def usage_filters() -> list[dict[str, Any]]:
+    """The two filters, placed after ext_proc (before the rate-limit filter and the router)."""
+    return [json_usage_filter(), sse_usage_filter()]
+
+
+def usage_match() -> dict[str, Any]:
+    """The extra ``dynamic_metadata`` matcher of a route where Envoy reads the usage."""
+    return {"filter": METADATA_NAMESPACE, "path": [{"key": USAGE_ROUTE_METADATA_KEY}],
+            "value": {"string_match": {"exact": USAGE_BY_ENVOY}}}
+
+
+def usage_filters_off() -> dict[str, Any]:
+    """``typed_per_filter_config`` of every other route: both filters disabled."""
+    off = {TYPE: API + "config.route.v3.FilterConfig", "disabled": True}
+    return {JSON_FILTER: off, SSE_FILTER: dict(off)}
