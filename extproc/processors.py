@@ -17,11 +17,11 @@ from extproc.bodies import Api, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
-from extproc.sampling import envoy_reads_usage, sampled
+from extproc.sampling import sampled, usage_plan
 from extproc.telemetry import RequestRecord
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
-from llm_sidecar.wire_names import USAGE_ROUTE_METADATA_KEY
+from llm_sidecar.wire_names import STRIP_USAGE_METADATA_KEY, USAGE_ROUTE_METADATA_KEY
 from routing.compiled import ModelRoute
 from routing.render_usage import USAGE_BY_ENVOY
 
@@ -241,20 +241,25 @@ class GenerationProcessor(BaseProcessor):
         self.model_name = model.name
         self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
         snapshot = self.ctx.snapshot
-        envoy_usage = envoy_reads_usage(parsed, decision.reservation,
-                                        snapshot.config.envoy.max_request_bytes)
+        plan = usage_plan(parsed, decision.reservation, snapshot.config.envoy.max_request_bytes)
+        if not snapshot.config.telemetry.envoy_usage:
+            plan = "extproc"
         self.reads_body = (
             decision.variant == "canary"
             or sampled(self.ctx.request_id, snapshot.config.telemetry.sample)
             # Without rate limits no usage is settled: only sampling decides.
-            or (snapshot.config.rate_limits is not None
-                and not (snapshot.config.telemetry.envoy_usage and envoy_usage)))
+            or (snapshot.config.rate_limits is not None and plan == "extproc"))
+        inject = (not self.reads_body and snapshot.config.rate_limits is not None
+                  and plan == "envoy_injected")
         new_body = None
-        if decision.upstream_model != parsed.model or self.ctx.snapshot.inject_priority:
+        if decision.upstream_model != parsed.model or snapshot.inject_priority or inject:
             doc = dict(parsed.doc)
             doc["model"] = decision.upstream_model
-            if self.ctx.snapshot.inject_priority:
+            if snapshot.inject_priority:
                 doc["priority"] = ("high", "medium", "low").index(decision.priority)
+            if inject:
+                options = doc.get("stream_options")
+                doc["stream_options"] = {**(options or {}), "include_usage": True}
             new_body = orjson.dumps(doc)
         headers = route_headers(self.ctx, model, decision)
         if new_body is not None:
@@ -264,6 +269,8 @@ class GenerationProcessor(BaseProcessor):
         metadata = admission_metadata(decision.reservation)
         if not self.reads_body:
             metadata[USAGE_ROUTE_METADATA_KEY] = USAGE_BY_ENVOY  # the route with the filters
+        if inject:
+            metadata[STRIP_USAGE_METADATA_KEY] = "1"  # Envoy's Lua filter takes the chunk out
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,
                         metadata=metadata)
 

@@ -10,6 +10,7 @@ the responses whose usage Envoy's metadata filters cannot read for the rate limi
 from __future__ import annotations
 
 import hashlib
+from typing import Literal
 
 from extproc.bodies import GenerationBody
 
@@ -33,20 +34,28 @@ def sampled(request_id: str, share: float) -> bool:
     return int.from_bytes(digest, "big") % 10_000 < round(share * 10_000)
 
 
-def envoy_reads_usage(body: GenerationBody, reservation: int, buffer_limit: int) -> bool:
-    """Can Envoy read this request's usage off its answer (so extproc need not)?
+UsagePlan = Literal["extproc", "envoy", "envoy_injected"]
+"""Who reads a response's usage for the rate limiter: extproc (it reads the body), Envoy
+(json_to_metadata, or sse_to_metadata on the usage chunk the client asked for), or Envoy on a
+usage chunk extproc asked vLLM for, which Envoy's Lua filter then removes from the client's
+stream (see :mod:`routing.render_usage`)."""
 
-    A stream: only when the client asked for the usage chunk (``stream_options.include_usage``)
-    and not vLLM's per-chunk usage (``continuous_usage_stats``: every chunk would carry a
-    running count). The usage chunk is not injected for clients that did not ask: removing it
-    from their stream again would need extproc on every chunk, the cost this avoids.
+
+def usage_plan(body: GenerationBody, reservation: int, buffer_limit: int) -> UsagePlan:
+    """How this request's usage can be read without extproc reading the body.
+
+    A stream: Envoy reads the usage chunk. The client asked for it: it keeps it. The client did
+    not: extproc adds ``stream_options.include_usage`` and Envoy strips the chunk again, so the
+    client sees what it asked for. vLLM's per-chunk usage (``continuous_usage_stats``) is left
+    to extproc: every chunk would carry a running count.
     Not streamed: when the answer is surely below Envoy's buffer limit.
     """
     doc = body.doc
     if body.stream:
         options = doc.get("stream_options")
-        continuous = isinstance(options, dict) and bool(options.get("continuous_usage_stats"))
-        return body.include_usage and not continuous
+        if isinstance(options, dict) and options.get("continuous_usage_stats"):
+            return "extproc"
+        return "envoy" if body.include_usage else "envoy_injected"
     if any(doc.get(name) for name in _UNBOUNDED_FIELDS):
-        return False
-    return reservation * BYTES_PER_TOKEN_BOUND <= buffer_limit
+        return "extproc"
+    return "envoy" if reservation * BYTES_PER_TOKEN_BOUND <= buffer_limit else "extproc"

@@ -20,6 +20,9 @@ metadata filters at end of stream): a stream cut after its usage chunk but befor
 USAGE_ROUTE_METADATA_KEY = "usage"
 """``"envoy"``: extproc left reading this response's usage to Envoy (json_to_metadata /
 sse_to_metadata on the route it matches); absent: extproc reads the response body itself."""
+STRIP_USAGE_METADATA_KEY = "strip_usage"
+"""``"1"``: extproc added ``stream_options.include_usage`` to this streamed request; Envoy's Lua
+filter removes the usage chunk from what the client receives (it did not ask for it)."""
 LEASE_METADATA_KEY = "llm_lease"
 """A random id per request naming its reservation and concurrency slot in the ratelimit store."""
 

@@ -11,6 +11,12 @@ Two Envoy filters write what the stream-done rate-limit call settles with (see
   ``llm_done`` only at the stream's end (a deferred action that an aborted or reset stream
   never reaches), so a stream cut after its usage chunk settles nothing.
 
+A stream whose client did not ask for usage gets ``stream_options.include_usage`` added by
+extproc (metadata ``strip_usage``), and a Lua filter removes the usage chunk from what the client
+receives: it runs before the metadata filters in the chain, so after them on the response, which
+they read first. It holds back only an event not yet ended by its blank line (vLLM writes whole
+events), and drops such a tail at the end of a stream, as every SSE client does.
+
 They run only on the routes extproc picks with ``llm_sidecar.usage = envoy`` (every other route
 disables them): embeddings answers (up to ~11 MB) must never be buffered, and responses
 extproc reads itself are settled by extproc alone. Both sit after ext_proc in the filter
@@ -25,6 +31,7 @@ from typing import Any
 from llm_sidecar.wire_names import (
     DONE_METADATA_KEY,
     METADATA_NAMESPACE,
+    STRIP_USAGE_METADATA_KEY,
     TOKENS_METADATA_KEY,
     USAGE_ROUTE_METADATA_KEY,
 )
@@ -32,6 +39,7 @@ from routing.render_clusters import API, TYPE
 
 JSON_FILTER = "envoy.filters.http.json_to_metadata"
 SSE_FILTER = "envoy.filters.http.sse_to_metadata"
+LUA_FILTER = "envoy.filters.http.lua"
 USAGE_BY_ENVOY = "envoy"
 _TOTAL = [{"key": "usage"}, {"key": "total_tokens"}]
 _NEVER_PRESENT = [{"key": "llm_sidecar_end_of_stream"}]
@@ -84,9 +92,45 @@ def sse_usage_filter() -> dict[str, Any]:
     }
 
 
+STRIP_USAGE_LUA = f"""
+function envoy_on_response(handle)
+  local md = handle:streamInfo():dynamicMetadata():get("{METADATA_NAMESPACE}")
+  if md == nil or md["{STRIP_USAGE_METADATA_KEY}"] ~= "1" then return end
+  local ctype = handle:headers():get("content-type") or ""
+  if string.find(ctype, "text/event-stream", 1, true) ~= 1 then return end
+  local carry = ""
+  for chunk in handle:bodyChunks() do
+    local data = carry .. chunk:getBytes(0, chunk:length())
+    local last, from = nil, 1
+    while true do
+      local _, e = string.find(data, "\\n\\n", from, true)
+      if e == nil then break end
+      last, from = e, e + 1
+    end
+    local out = ""
+    if last == nil then
+      carry = data
+    else
+      out, carry = string.sub(data, 1, last), string.sub(data, last + 1)
+      -- The usage chunk: no choices, a usage object ('"choices":[]' never occurs in escaped
+      -- content).
+      out = string.gsub(out, 'data: {{[^\\n]-"choices":%[%],"usage":{{[^\\n]*\\n\\n', "")
+    end
+    chunk:setBytes(out)
+  end
+end
+"""
+
+
+def strip_usage_filter() -> dict[str, Any]:
+    return {"name": LUA_FILTER, "typed_config": {
+        TYPE: API + "extensions.filters.http.lua.v3.Lua",
+        "default_source_code": {"inline_string": STRIP_USAGE_LUA}}}
+
+
 def usage_filters() -> list[dict[str, Any]]:
-    """The two filters, placed after ext_proc (before the rate-limit filter and the router)."""
-    return [json_usage_filter(), sse_usage_filter()]
+    """The filters, placed after ext_proc (before the rate-limit filter and the router)."""
+    return [strip_usage_filter(), json_usage_filter(), sse_usage_filter()]
 
 
 def usage_match() -> dict[str, Any]:
@@ -96,6 +140,6 @@ def usage_match() -> dict[str, Any]:
 
 
 def usage_filters_off() -> dict[str, Any]:
-    """``typed_per_filter_config`` of every other route: both filters disabled."""
+    """``typed_per_filter_config`` of every other route: the filters disabled."""
     off = {TYPE: API + "config.route.v3.FilterConfig", "disabled": True}
-    return {JSON_FILTER: off, SSE_FILTER: dict(off)}
+    return {name: dict(off) for name in (LUA_FILTER, JSON_FILTER, SSE_FILTER)}

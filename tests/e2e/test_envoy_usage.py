@@ -127,19 +127,46 @@ def test_a_stream_that_asked_for_usage_is_settled_by_envoy_per_request_not_per_t
     assert counted == [3]  # not 3 + one per token
 
 
-def test_a_stream_that_did_not_ask_for_usage_sees_none_and_is_settled_by_extproc(
+def test_a_stream_that_did_not_ask_for_usage_sees_none_and_is_settled_by_envoy(
         gw: Gateway) -> None:
-    """No usage chunk is injected: extproc reads this stream (a message per chunk) and settles
-    it from its prompt estimate and the content events, as before."""
-    def send() -> int:
-        stream = client(gw, "plain").chat.completions.create(
-            model="llama-2-13b", messages=MESSAGES, max_tokens=12, stream=True)
-        chunks = list(stream)
-        assert all(c.usage is None and c.choices for c in chunks)
-        return sum(1 for c in chunks if c.choices[0].delta.content)
+    """extproc asks vLLM for the usage chunk, Envoy reads it and strips it: the client gets
+    exactly the stream it asked for (raw bytes: every event a content chunk, then [DONE]), the
+    settle is vLLM's usage, and the stream costs three ext_proc messages."""
+    counted: list[float] = []
+    prompt = probe_prompt_tokens(gw)
 
-    lost, content, refill = charged_by(gw, "plain", send)
-    assert content == 12 and content - refill < lost <= content + 64
+    def send() -> int:
+        before = ext_proc_messages(gw)
+        url = urlsplit(gw.url)
+        conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "llama-2-13b", "messages": MESSAGES, "max_tokens": 12, "stream": True}),
+            {"authorization": "Bearer sk-plain", "x-tenant-id": "plain",
+             "content-type": "application/json"})
+        raw = conn.getresponse().read().decode()
+        conn.close()
+        events = [e for e in raw.split("\n\n") if e.strip()]
+        assert events[-1] == "data: [DONE]", raw
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert all(c["choices"] and not c.get("usage") for c in chunks), raw
+        content = sum(1 for c in chunks if c["choices"][0]["delta"].get("content"))
+        assert content == 12
+        wait_for(lambda: ext_proc_messages(gw) >= before + 3)
+        counted.append(ext_proc_messages(gw) - before)
+        # What vLLM counted (the simulator's prompt count), as the stripped chunk said it.
+        return content + prompt
+
+    lost, total, refill = charged_by(gw, "plain", send)
+    assert total - refill <= lost <= total
+    assert counted == [3]
+
+
+def probe_prompt_tokens(gw: Gateway) -> int:
+    """The simulator's prompt count (asked on another tenant: this one's bucket is measured)."""
+    answer = client(gw, "cont").chat.completions.create(
+        model="llama-2-13b", messages=MESSAGES, max_tokens=1)
+    assert answer.usage is not None
+    return answer.usage.prompt_tokens
 
 
 def open_stream(gw: Gateway, tenant: str, options: dict[str, Any]) -> http.client.HTTPConnection:

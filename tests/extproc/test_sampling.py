@@ -11,7 +11,7 @@ import pytest
 
 from extproc.actions import Continue, ModeOverride
 from extproc.bodies import parse_generation
-from extproc.sampling import envoy_reads_usage, sampled
+from extproc.sampling import sampled, usage_plan
 from extproc.stream import StreamState
 from extproc.telemetry import RequestRecord
 from llm_sidecar.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
@@ -36,19 +36,20 @@ def gen(**doc: Any) -> Any:
 
 
 @pytest.mark.parametrize(("doc", "reservation", "expected"), [
-    ({}, 300, True),                                                    # JSON: json_to_metadata
-    ({}, 262_144, True),                                                # 8 MiB / 32 bytes a token
-    ({}, 262_145, False),                                               # might pass the buffer
-    ({"logprobs": True}, 300, False),                                   # far more bytes a token
-    ({"stream": True}, 300, False),                                     # no usage chunk asked
-    ({"stream": True, "stream_options": {"include_usage": True}}, 300, True),
+    ({}, 300, "envoy"),                                                 # JSON: json_to_metadata
+    ({}, 262_144, "envoy"),                                             # 8 MiB / 32 bytes a token
+    ({}, 262_145, "extproc"),                                           # might pass the buffer
+    ({"logprobs": True}, 300, "extproc"),                               # far more bytes a token
+    ({"stream": True}, 300, "envoy_injected"),                          # chunk added, stripped
+    ({"stream": True, "stream_options": {"include_usage": False}}, 300, "envoy_injected"),
+    ({"stream": True, "stream_options": {"include_usage": True}}, 300, "envoy"),
     ({"stream": True, "stream_options": {"include_usage": True,
-                                         "continuous_usage_stats": True}}, 300, False),
-    ({"stream": True, "stream_options": {"include_usage": False}}, 300, False),
+                                         "continuous_usage_stats": True}}, 300, "extproc"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, 300, "extproc"),
 ])
 def test_envoy_reads_the_usage_only_where_it_can_read_it_whole(
-        doc: dict[str, Any], reservation: int, expected: bool) -> None:
-    assert envoy_reads_usage(gen(**doc), reservation, 8 * 1024 * 1024) is expected
+        doc: dict[str, Any], reservation: int, expected: str) -> None:
+    assert usage_plan(gen(**doc), reservation, 8 * 1024 * 1024) == expected
 
 
 class Records:
@@ -103,8 +104,24 @@ def test_an_unsampled_error_is_settled_to_zero_from_its_headers() -> None:
     assert records.records[0].charged_tokens == 0
 
 
+def test_an_unsampled_stream_that_did_not_ask_for_usage_gets_it_added_and_stripped() -> None:
+    _, action, _ = routed({"stream": True, "stream_options": {"include_usage": False}}, **UNREAD)
+    assert action.body is not None
+    sent = orjson.loads(action.body)
+    assert sent["stream_options"] == {"include_usage": True}
+    assert dict(action.set_headers)["content-length"] == str(len(action.body))
+    assert action.metadata["usage"] == "envoy" and action.metadata["strip_usage"] == "1"
+
+
+def test_a_stream_that_asked_for_usage_is_sent_as_it_is() -> None:
+    _, action, _ = routed({"stream": True, "stream_options": {"include_usage": True}}, **UNREAD)
+    assert action.body is None and "strip_usage" not in action.metadata
+
+
 @pytest.mark.parametrize(("doc", "sections"), [
-    ({"stream": True}, UNREAD),                                   # Envoy cannot read it
+    ({"stream": True, "stream_options": {"include_usage": True,
+                                         "continuous_usage_stats": True}}, UNREAD),
+    ({"stream": True}, {**UNREAD, "telemetry": {"sample": 1}}),   # sampled: nothing injected
     ({"max_tokens": 5}, {**UNREAD, "telemetry": {"sample": 1}}),  # sampled
     ({"max_tokens": 5}, {**UNREAD, "models": CANARY}),            # canary: always measured
     ({"max_tokens": 5}, {**UNREAD, "telemetry": {"sample": 0, "envoy_usage": False}}),
@@ -112,6 +129,8 @@ def test_an_unsampled_error_is_settled_to_zero_from_its_headers() -> None:
 def test_extproc_reads_the_response_it_must(doc: dict[str, Any], sections: dict[str, Any]) -> None:
     state, action, records = routed(doc, **sections)
     assert "usage" not in action.metadata
+    # Nothing added to the request (the canary's body only gets its model renamed).
+    assert action.body is None or "stream_options" not in orjson.loads(action.body)
     answer = state.handle("response_headers", {":status": "200"}, b"", False)
     assert answer == Continue() and not records.records  # the body comes next
 
