@@ -2,14 +2,16 @@
 
     .venv/bin/python -m bench.stream_cost [--requests 200] [--streams 60] [--concurrency 8]
 
-Runs the whole gateway (real Envoy, extproc, ratelimit on memory, simulators) twice: with
-``telemetry.sample: 1`` (extproc reads every response, as before issue 16) and with the default
-``0.1`` (Envoy reads the usage of the rest). In each it sends, one workload after another:
+Runs the whole gateway (real Envoy, extproc, ratelimit on memory, simulators) once per
+``telemetry.sample`` (``--samples``, default 1, 0.1, 0.02, 0): 1 is extproc reading every response,
+as before issue 16; below it Envoy reads the usage of the unsampled rest. In each run it sends,
+one workload after another:
 
 * ``json16``: chat, 16 tokens, not streamed;
 * ``sse256``: chat, 256 tokens streamed, one SSE event per token (1 ms apart, so Envoy forwards
   each as its own body chunk, as from a decoding vLLM pod), without ``stream_options``;
-* ``sse256+usage``: the same with ``stream_options.include_usage`` (the usage chunk Envoy reads).
+* ``sse256+usage``: the same with ``stream_options.include_usage`` (without it, unsampled
+  streams get it added and the chunk stripped by Envoy's Lua filter).
 
 For each: CPU per request of extproc, ratelimit and Envoy (``/proc``, children included), ext_proc
 messages per request (Envoy's ``ext_proc.stream_msgs_sent``), and the load average of the machine
@@ -92,9 +94,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="non-streamed requests")
     parser.add_argument("--streams", type=int, default=60, help="streamed requests")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--samples", default="1,0.1,0.02,0",
+                        help="telemetry.sample of each run; 1 reads every response, as before")
     args = parser.parse_args()
     rows: list[tuple[str, str, dict[str, float]]] = []
-    for label, sample in (("before (sample 1)", 1.0), ("after (sample 0.1)", 0.1)):
+    for sample in (float(v) for v in args.samples.split(",")):
+        label = f"sample {sample:g}" + (" (as before)" if sample == 1 else "")
         with tempfile.TemporaryDirectory() as work, running_gateway(_doc(sample), work) as gw:
             for name, body in WORKLOADS.items():
                 count = args.requests if not body.get("stream") else args.streams

@@ -17,7 +17,7 @@ from extproc.bodies import Api, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
-from extproc.sampling import sampled, usage_plan
+from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.telemetry import RequestRecord
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
@@ -241,12 +241,14 @@ class GenerationProcessor(BaseProcessor):
         self.model_name = model.name
         self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
         snapshot = self.ctx.snapshot
+        canary = self.ctx.canary_for(model)
         plan = usage_plan(parsed, decision.reservation, snapshot.config.envoy.max_request_bytes)
         if not snapshot.config.telemetry.envoy_usage:
             plan = "extproc"
         self.reads_body = (
             decision.variant == "canary"
-            or sampled(self.ctx.request_id, snapshot.config.telemetry.sample)
+            or sampled(self.ctx.request_id, stable_share(
+                snapshot.config.telemetry.sample, canary.percent if canary else None))
             # Without rate limits no usage is settled: only sampling decides.
             or (snapshot.config.rate_limits is not None and plan == "extproc"))
         inject = (not self.reads_body and snapshot.config.rate_limits is not None

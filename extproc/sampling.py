@@ -41,6 +41,17 @@ usage chunk extproc asked vLLM for, which Envoy's Lua filter then removes from t
 stream (see :mod:`routing.render_usage`)."""
 
 
+def stable_share(sample: float, canary_percent: float | None) -> float:
+    """The share of a model's stable requests extproc reads: ``telemetry.sample``, or, while
+    the model has a canary, as many as the canary gets (every canary request is read), so the
+    canary comparison and guard see about as many requests on each side."""
+    if canary_percent is None or canary_percent <= 0:
+        return sample
+    if canary_percent >= 100:
+        return 1.0
+    return max(sample, min(1.0, canary_percent / (100 - canary_percent)))
+
+
 def usage_plan(body: GenerationBody, reservation: int, buffer_limit: int) -> UsagePlan:
     """How this request's usage can be read without extproc reading the body.
 

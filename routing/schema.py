@@ -327,11 +327,12 @@ class PrioritySection(Strict):
 class TelemetrySection(Strict):
     """Which chat/completions responses extproc reads (the rest only Envoy reads)."""
 
-    sample: float = Field(default=0.1, ge=0, le=1)
+    sample: float = Field(default=0.01, ge=0, le=1)
     """Share of stable-variant chat/completions requests whose response body extproc reads for
-    TTFT, time per output token, token counts and mid-stream errors (canary traffic always is;
-    chosen from Envoy's request id). 1: every request, as before; 0: only canary and the
-    responses Envoy cannot read usage from."""
+    TTFT, time per output token, token counts and mid-stream errors, chosen from Envoy's request
+    id. Canary traffic always is, and while a model has a canary as many of its stable requests
+    as canary ones. 1: every request (as before; a 256-token stream then costs extproc ~15x a
+    short answer); 0: only those and the responses Envoy cannot read usage from."""
     envoy_usage: bool = True
     """true: for the other requests Envoy's json_to_metadata / sse_to_metadata filters read the
     response's usage for the rate limiter (the bootstrap ``render`` writes has them), and no

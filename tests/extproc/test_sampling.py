@@ -11,7 +11,7 @@ import pytest
 
 from extproc.actions import Continue, ModeOverride
 from extproc.bodies import parse_generation
-from extproc.sampling import sampled, usage_plan
+from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.stream import StreamState
 from extproc.telemetry import RequestRecord
 from llm_sidecar.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
@@ -28,6 +28,19 @@ def test_sampling_takes_the_configured_share_of_request_ids() -> None:
     share = sum(sampled(i, 0.1) for i in ids) / len(ids)
     assert 0.08 < share < 0.12
     assert [sampled(i, 0.1) for i in ids[:50]] == [sampled(i, 0.1) for i in ids[:50]]
+
+
+@pytest.mark.parametrize(("sample", "percent", "share"), [
+    (0.01, None, 0.01),      # no canary: the configured share
+    (0.01, 5, 5 / 95),       # a 5 % canary: as many stable requests read as canary ones
+    (0.5, 5, 0.5),           # never below the configured share
+    (0.01, 50, 1.0),
+    (0.01, 100, 1.0),
+    (0.01, 0, 0.01),
+])
+def test_while_a_model_has_a_canary_its_stable_side_is_read_as_often(
+        sample: float, percent: float | None, share: float) -> None:
+    assert stable_share(sample, percent) == pytest.approx(share)
 
 
 def gen(**doc: Any) -> Any:
