@@ -21,9 +21,8 @@ from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.telemetry import RequestRecord
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
-from llm_sidecar.wire_names import STRIP_USAGE_METADATA_KEY, USAGE_ROUTE_METADATA_KEY
+from llm_sidecar.wire_names import STRIP_USAGE_METADATA_KEY
 from routing.compiled import ModelRoute
-from routing.render_usage import USAGE_BY_ENVOY
 
 
 class Processor(Protocol):
@@ -242,7 +241,7 @@ class GenerationProcessor(BaseProcessor):
         self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
         snapshot = self.ctx.snapshot
         canary = self.ctx.canary_for(model)
-        plan = usage_plan(parsed, decision.reservation, snapshot.config.envoy.max_request_bytes)
+        plan = usage_plan(parsed)
         if not snapshot.config.telemetry.envoy_usage:
             plan = "extproc"
         self.reads_body = (
@@ -269,8 +268,6 @@ class GenerationProcessor(BaseProcessor):
         # The reservation and the lease ride on the request-body answer so the rate-limit
         # filter, which runs after ext_proc, can charge it at admission (CONTRACT §7).
         metadata = admission_metadata(decision.reservation)
-        if not self.reads_body:
-            metadata[USAGE_ROUTE_METADATA_KEY] = USAGE_BY_ENVOY  # the route with the filters
         if inject:
             metadata[STRIP_USAGE_METADATA_KEY] = "1"  # Envoy's Lua filter takes the chunk out
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,

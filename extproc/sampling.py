@@ -3,8 +3,8 @@
 Reading a response costs one ext_proc round trip per body chunk: per token on an SSE stream.
 So extproc reads only a sampled share of stable traffic (for TTFT, time per output token, token
 counts, mid-stream errors), all canary traffic (the canary comparison and guard need it), and
-the responses whose usage Envoy's metadata filters cannot read for the rate limiter (see
-:mod:`routing.render_usage`). Pure functions on the parsed request.
+the responses whose usage Envoy cannot read for the rate limiter (non-streamed answers, vLLM's
+running usage; see :mod:`routing.render_usage`). Pure functions on the parsed request.
 """
 
 from __future__ import annotations
@@ -13,14 +13,6 @@ import hashlib
 from typing import Literal
 
 from extproc.bodies import GenerationBody
-
-BYTES_PER_TOKEN_BOUND = 32
-"""A generous bound on a non-streamed answer's JSON bytes per token (multi-byte text, JSON
-escapes, per-choice overhead). Envoy's json_to_metadata holds the whole answer, and an answer
-above Envoy's buffer limit would become a 500: such requests keep extproc reading the body."""
-
-_UNBOUNDED_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs", "echo")
-"""Fields that make an answer much larger per token (or echo the prompt)."""
 
 
 def sampled(request_id: str, share: float) -> bool:
@@ -34,13 +26,6 @@ def sampled(request_id: str, share: float) -> bool:
     return int.from_bytes(digest, "big") % 10_000 < round(share * 10_000)
 
 
-UsagePlan = Literal["extproc", "envoy", "envoy_injected"]
-"""Who reads a response's usage for the rate limiter: extproc (it reads the body), Envoy
-(json_to_metadata, or sse_to_metadata on the usage chunk the client asked for), or Envoy on a
-usage chunk extproc asked vLLM for, which Envoy's Lua filter then removes from the client's
-stream (see :mod:`routing.render_usage`)."""
-
-
 def stable_share(sample: float, canary_percent: float | None) -> float:
     """The share of a model's stable requests extproc reads: ``telemetry.sample``, or, while
     the model has a canary, as many as the canary gets (every canary request is read), so the
@@ -52,21 +37,26 @@ def stable_share(sample: float, canary_percent: float | None) -> float:
     return max(sample, min(1.0, canary_percent / (100 - canary_percent)))
 
 
-def usage_plan(body: GenerationBody, reservation: int, buffer_limit: int) -> UsagePlan:
+UsagePlan = Literal["extproc", "envoy", "envoy_injected"]
+"""Who reads a response's usage for the rate limiter: extproc (it reads the body), Envoy
+(sse_to_metadata on the usage chunk the client asked for), or Envoy on a usage chunk extproc
+asked vLLM for, which Envoy's Lua filter then removes from the client's stream (see
+:mod:`routing.render_usage`)."""
+
+
+def usage_plan(body: GenerationBody) -> UsagePlan:
     """How this request's usage can be read without extproc reading the body.
 
     A stream: Envoy reads the usage chunk. The client asked for it: it keeps it. The client did
     not: extproc adds ``stream_options.include_usage`` and Envoy strips the chunk again, so the
     client sees what it asked for. vLLM's per-chunk usage (``continuous_usage_stats``) is left
     to extproc: every chunk would carry a running count.
-    Not streamed: when the answer is surely below Envoy's buffer limit.
+    Not streamed: extproc (one body message; Envoy's json_to_metadata would hold the whole
+    answer and turn one above its buffer limit into a 500).
     """
-    doc = body.doc
-    if body.stream:
-        options = doc.get("stream_options")
-        if isinstance(options, dict) and options.get("continuous_usage_stats"):
-            return "extproc"
-        return "envoy" if body.include_usage else "envoy_injected"
-    if any(doc.get(name) for name in _UNBOUNDED_FIELDS):
+    if not body.stream:
         return "extproc"
-    return "envoy" if reservation * BYTES_PER_TOKEN_BOUND <= buffer_limit else "extproc"
+    options = body.doc.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return "extproc"
+    return "envoy" if body.include_usage else "envoy_injected"

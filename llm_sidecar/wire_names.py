@@ -15,11 +15,8 @@ RESERVATION_METADATA_KEY = "llm_reservation"
 """The tokens a request reserves at admission (CONTRACT §7)."""
 DONE_METADATA_KEY = "llm_done"
 """``"1"`` once the response reached its end (set with ``llm_tokens``, by extproc or by Envoy's
-metadata filters at end of stream): a stream cut after its usage chunk but before its end has
+sse_to_metadata at end of stream): a stream cut after its usage chunk but before its end has
 ``llm_tokens`` without it, and is not settled."""
-USAGE_ROUTE_METADATA_KEY = "usage"
-"""``"envoy"``: extproc left reading this response's usage to Envoy (json_to_metadata /
-sse_to_metadata on the route it matches); absent: extproc reads the response body itself."""
 STRIP_USAGE_METADATA_KEY = "strip_usage"
 """``"1"``: extproc added ``stream_options.include_usage`` to this streamed request; Envoy's Lua
 filter removes the usage chunk from what the client receives (it did not ask for it)."""

@@ -11,8 +11,8 @@ sets (CONTRACT §7):
   entry, so the ratelimit service remembers the reservation and the slot under it.
 * stream done (Envoy's ``apply_on_stream_done``, which also runs when the client hung up or the
   upstream reset): the token descriptors carry the tokens the response used (``llm_tokens``,
-  set only when the usage is known: by extproc, or by Envoy's json_to_metadata /
-  sse_to_metadata filters) and ``llm_done`` (set with it when the response reached its end), and
+  set only when the usage is known: by extproc, or by Envoy's sse_to_metadata
+  filter) and ``llm_done`` (set with it when the response reached its end), and
   the service settles the reservation once; when either is absent Envoy sends no token
   descriptor and the reservation stands. The
   concurrency descriptors release the lease's slot.

@@ -14,7 +14,7 @@ from typing import Any
 from llm_sidecar.wire_names import CLUSTER_METADATA_KEY, METADATA_NAMESPACE, RESERVATION_METADATA_KEY
 from routing.ratelimits import DOMAIN, route_rate_limits
 from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
-from routing.render_usage import usage_filters, usage_filters_off, usage_match
+from routing.render_usage import usage_filters
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport
 
@@ -314,28 +314,18 @@ def routes(config: RoutingConfig) -> list[dict[str, Any]]:
     decided it (its body answer sets the metadata and clears the route cache), and a sidecar
     cluster (extproc, ratelimit) is never a route's target.
     """
-    routed: list[dict[str, Any]] = []
-    for name in config.clusters:
-        plain = {"name": f"llm-routed-{name}", "match": routed_match(name),
-                 "route": _upstream(config, name), **upstream_credentials(config, name)}
-        if config.rate_limits is not None:
-            # Envoy reads the usage (render_usage) only where extproc said so; first, as the
-            # more specific match.
-            by_envoy = {**plain, "name": f"llm-routed-{name}-usage"}
-            by_envoy["match"] = {**plain["match"],
-                                 "dynamic_metadata": [*plain["match"]["dynamic_metadata"],
-                                                      usage_match()]}
-            plain["typed_per_filter_config"] = usage_filters_off()
-            routed.append(by_envoy)
-        routed.append(plain)
+    routed = [
+        {"name": f"llm-routed-{name}", "match": routed_match(name),
+         "route": _upstream(config, name), **upstream_credentials(config, name)}
+        for name in config.clusters
+    ]
     fallback = config.services.fallback_cluster
     if fallback is not None and config.services.failure_mode_allow:
         # extproc was unreachable and the filter failed open: serve from the fallback pool
         # (unchecked, unlimited by token counts extproc would have read) rather than 503.
-        off = {"typed_per_filter_config": usage_filters_off()} if config.rate_limits else {}
         return [*routed, {"name": "llm-fallback", "match": {"prefix": "/"},
                          "route": _upstream(config, fallback),
-                         **upstream_credentials(config, fallback), **off}]
+                         **upstream_credentials(config, fallback)}]
     return [
         *routed,
         {

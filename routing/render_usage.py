@@ -1,27 +1,26 @@
-"""Envoy reads a response's token usage for the rate limiter, so extproc need not read the body.
+"""Envoy reads a stream's token usage for the rate limiter, so extproc need not read the body.
 
-Two Envoy filters write what the stream-done rate-limit call settles with (see
-:mod:`routing.ratelimits`): ``llm_tokens`` (``usage.total_tokens`` as a string: the rate-limit
-``metadata`` action reads only strings) and ``llm_done`` (the response reached its end):
-
-* ``json_to_metadata`` (response rules): a non-streamed JSON answer, read once Envoy has it
-  whole (it buffers the body, so it runs only on routes whose answers are bounded).
-* ``sse_to_metadata`` (work in progress in Envoy 1.40): an SSE stream's usage chunk (vLLM sends
-  one when the request asked ``stream_options.include_usage``), written as the chunk passes;
-  ``llm_done`` only at the stream's end (a deferred action that an aborted or reset stream
-  never reaches), so a stream cut after its usage chunk settles nothing.
+``sse_to_metadata`` (work in progress in Envoy 1.40) writes what the stream-done rate-limit call
+settles with (see :mod:`routing.ratelimits`): ``llm_tokens``, the usage chunk's
+``usage.total_tokens`` as a string (the rate-limit ``metadata`` action reads only strings),
+written as the chunk passes (vLLM sends it when the request has
+``stream_options.include_usage``), and ``llm_done``, written only at the stream's end (a deferred
+action that an aborted or reset stream never reaches), so a stream cut after its usage chunk
+settles nothing.
 
 A stream whose client did not ask for usage gets ``stream_options.include_usage`` added by
 extproc (metadata ``strip_usage``), and a Lua filter removes the usage chunk from what the client
-receives: it runs before the metadata filters in the chain, so after them on the response, which
-they read first. It holds back only an event not yet ended by its blank line (vLLM writes whole
-events), and drops such a tail at the end of a stream, as every SSE client does.
-
-They run only on the routes extproc picks with ``llm_sidecar.usage = envoy`` (every other route
-disables them): embeddings answers (up to ~11 MB) must never be buffered, and responses
-extproc reads itself are settled by extproc alone. Both sit after ext_proc in the filter
-chain, so they see the pool's bytes before ext_proc could change them. Verified with Envoy
-1.40 in ``tests/e2e/test_envoy_usage.py`` (bench/README.md, "Usage read by Envoy").
+receives: it runs before the metadata filter in the chain, so after it on the response, which
+the metadata filter reads first. It holds back only an event not yet ended by its blank line
+(vLLM writes whole events), and drops such a tail at the end of a stream, as every SSE client
+does. Both filters sit after ext_proc in the chain, so they see the pool's bytes before ext_proc
+could change them, and both act on every route (Envoy decides a route's per-filter config
+before extproc's answer re-routes the request): the Lua filter only where extproc set
+``strip_usage``, the SSE filter only on ``text/event-stream`` answers, whose usage is the same
+whoever reads it. Not ``json_to_metadata``: it holds a whole JSON answer, and one above Envoy's
+buffer limit (an embeddings batch, a chat answer with logprobs) would become a 500; it could
+not be turned off for those routes. Verified with Envoy 1.40 in
+``tests/e2e/test_envoy_usage.py`` (bench/README.md, "Usage read by Envoy").
 """
 
 from __future__ import annotations
@@ -33,14 +32,11 @@ from llm_sidecar.wire_names import (
     METADATA_NAMESPACE,
     STRIP_USAGE_METADATA_KEY,
     TOKENS_METADATA_KEY,
-    USAGE_ROUTE_METADATA_KEY,
 )
 from routing.render_clusters import API, TYPE
 
-JSON_FILTER = "envoy.filters.http.json_to_metadata"
 SSE_FILTER = "envoy.filters.http.sse_to_metadata"
 LUA_FILTER = "envoy.filters.http.lua"
-USAGE_BY_ENVOY = "envoy"
 _TOTAL = [{"key": "usage"}, {"key": "total_tokens"}]
 _NEVER_PRESENT = [{"key": "llm_sidecar_end_of_stream"}]
 """A key no answer has: its rule's deferred on_missing / on_error runs only at end of stream."""
@@ -53,21 +49,6 @@ def _put(key: str, value: str | None = None) -> dict[str, Any]:
     else:
         pair["value"] = value
     return pair
-
-
-def json_usage_filter() -> dict[str, Any]:
-    return {
-        "name": JSON_FILTER,
-        "typed_config": {
-            TYPE: API + "extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
-            "response_rules": {
-                "allow_content_types": ["application/json", "application/json; charset=utf-8"],
-                # Rules run only on a whole, parsed body, so "done" goes with the usage.
-                "rules": [{"selectors": _TOTAL, "on_present": _put(TOKENS_METADATA_KEY)},
-                          {"selectors": _TOTAL, "on_present": _put(DONE_METADATA_KEY, "1")}],
-            },
-        },
-    }
 
 
 def sse_usage_filter() -> dict[str, Any]:
@@ -130,16 +111,4 @@ def strip_usage_filter() -> dict[str, Any]:
 
 def usage_filters() -> list[dict[str, Any]]:
     """The filters, placed after ext_proc (before the rate-limit filter and the router)."""
-    return [strip_usage_filter(), json_usage_filter(), sse_usage_filter()]
-
-
-def usage_match() -> dict[str, Any]:
-    """The extra ``dynamic_metadata`` matcher of a route where Envoy reads the usage."""
-    return {"filter": METADATA_NAMESPACE, "path": [{"key": USAGE_ROUTE_METADATA_KEY}],
-            "value": {"string_match": {"exact": USAGE_BY_ENVOY}}}
-
-
-def usage_filters_off() -> dict[str, Any]:
-    """``typed_per_filter_config`` of every other route: the filters disabled."""
-    off = {TYPE: API + "config.route.v3.FilterConfig", "disabled": True}
-    return {name: dict(off) for name in (LUA_FILTER, JSON_FILTER, SSE_FILTER)}
+    return [strip_usage_filter(), sse_usage_filter()]

@@ -334,10 +334,11 @@ class TelemetrySection(Strict):
     as canary ones. 1: every request (as before; a 256-token stream then costs extproc ~15x a
     short answer); 0: only those and the responses Envoy cannot read usage from."""
     envoy_usage: bool = True
-    """true: for the other requests Envoy's json_to_metadata / sse_to_metadata filters read the
-    response's usage for the rate limiter (the bootstrap ``render`` writes has them), and no
-    response body goes to extproc. Set false where Envoy runs another bootstrap (Istio's
-    EnvoyFilter does not carry these filters): extproc then reads every response body."""
+    """true: for the other streamed requests Envoy's sse_to_metadata filter reads the usage for
+    the rate limiter (and a Lua filter strips the usage chunk a client did not ask for; the
+    bootstrap ``render`` writes has both), and no response body goes to extproc. Set false where
+    Envoy runs another bootstrap (Istio's EnvoyFilter does not carry these filters): extproc then
+    reads every response body."""
 
 
 class IstioSection(Strict):

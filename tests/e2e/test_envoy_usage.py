@@ -1,5 +1,6 @@
-"""Usage read by Envoy (json_to_metadata, sse_to_metadata), not by extproc (issue 16), through
-real Envoy 1.40: settled exactly, never for an aborted stream, and with fewer ext_proc messages.
+"""A stream's usage read by Envoy (sse_to_metadata; a Lua filter strips a usage chunk the client
+did not ask for), not by extproc (issue 16), through real Envoy 1.40: settled exactly, never for
+an aborted stream, and with three ext_proc messages instead of one per token.
 
 ``telemetry.sample: 0``: no stable request is sampled, so every request Envoy can read the
 usage of is left to Envoy. Each test has its own tenant.
@@ -86,23 +87,23 @@ def charged_by(gw: Gateway, tenant: str, send: Callable[[], int]) -> tuple[int, 
     return remaining(first) - remaining(second) - probe_usage, total, refill
 
 
-def test_a_non_streamed_answer_is_settled_by_envoy_with_three_messages(gw: Gateway) -> None:
-    """Settled to its usage exactly (the probes, non-streamed too, also are), and three ext_proc
-    messages: request headers, request body, response headers (no response body)."""
+def test_a_non_streamed_answer_is_still_read_by_extproc(gw: Gateway) -> None:
+    """Settled to its usage exactly (the probes, non-streamed too, also are) by extproc, from its
+    one body message: four ext_proc messages, as before."""
     counted: list[float] = []
 
     def send() -> int:
         before = ext_proc_messages(gw)
         answer = client(gw, "json").chat.completions.create(
             model="llama-2-13b", messages=MESSAGES, max_tokens=7)
-        wait_for(lambda: ext_proc_messages(gw) >= before + 3)
+        wait_for(lambda: ext_proc_messages(gw) >= before + 4)
         counted.append(ext_proc_messages(gw) - before)
         assert answer.usage is not None
         return answer.usage.total_tokens
 
     lost, total, refill = charged_by(gw, "json", send)
     assert total - refill <= lost <= total
-    assert counted == [3]
+    assert counted == [4]
 
 
 def test_a_stream_that_asked_for_usage_is_settled_by_envoy_per_request_not_per_token(
@@ -208,9 +209,20 @@ def test_an_aborted_stream_keeps_its_reservation(gw: Gateway, tenant: str,
 
 
 def test_an_upstream_error_is_settled_to_zero(gw: Gateway) -> None:
-    """A vLLM 400 (its body has no usage): extproc settles 0 from the response headers."""
+    """A vLLM 400 to a stream extproc does not read: settled 0 from the response headers."""
     settles = settled(gw)
     with pytest.raises(openai.BadRequestError):
         client(gw, "cont").chat.completions.create(model="llama-2-13b", messages=MESSAGES,
-                                                   max_tokens=5, n=2)  # the simulator's 400
+                                                   max_tokens=5, n=2,  # the simulator's 400
+                                                   stream=True)
     wait_for(lambda: settled(gw) >= settles + 1)
+
+
+def test_a_large_non_streamed_answer_is_never_held_by_envoy(gw: Gateway) -> None:
+    """An ~11 MB embeddings answer, above Envoy's 8 MiB buffer: nothing in the usage filters
+    holds it (json_to_metadata did, and turned it into a 500)."""
+    body = json.dumps({"model": "bge-m3", "input": [f"document {i}" for i in range(2048)]})
+    request = urllib.request.Request(f"{gw.url}/v1/embeddings", data=body.encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        assert resp.status == 200 and len(json.loads(resp.read())["data"]) == 2048

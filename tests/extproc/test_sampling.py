@@ -48,21 +48,17 @@ def gen(**doc: Any) -> Any:
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], **doc}))
 
 
-@pytest.mark.parametrize(("doc", "reservation", "expected"), [
-    ({}, 300, "envoy"),                                                 # JSON: json_to_metadata
-    ({}, 262_144, "envoy"),                                             # 8 MiB / 32 bytes a token
-    ({}, 262_145, "extproc"),                                           # might pass the buffer
-    ({"logprobs": True}, 300, "extproc"),                               # far more bytes a token
-    ({"stream": True}, 300, "envoy_injected"),                          # chunk added, stripped
-    ({"stream": True, "stream_options": {"include_usage": False}}, 300, "envoy_injected"),
-    ({"stream": True, "stream_options": {"include_usage": True}}, 300, "envoy"),
+@pytest.mark.parametrize(("doc", "expected"), [
+    ({}, "extproc"),                                                    # one body message
+    ({"stream": True}, "envoy_injected"),                               # chunk added, stripped
+    ({"stream": True, "stream_options": {"include_usage": False}}, "envoy_injected"),
+    ({"stream": True, "stream_options": {"include_usage": True}}, "envoy"),
     ({"stream": True, "stream_options": {"include_usage": True,
-                                         "continuous_usage_stats": True}}, 300, "extproc"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, 300, "extproc"),
+                                         "continuous_usage_stats": True}}, "extproc"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "extproc"),
 ])
-def test_envoy_reads_the_usage_only_where_it_can_read_it_whole(
-        doc: dict[str, Any], reservation: int, expected: str) -> None:
-    assert usage_plan(gen(**doc), reservation, 8 * 1024 * 1024) == expected
+def test_envoy_reads_the_usage_of_streams(doc: dict[str, Any], expected: str) -> None:
+    assert usage_plan(gen(**doc)) == expected
 
 
 class Records:
@@ -96,12 +92,15 @@ def routed(doc: dict[str, Any], **sections: Any) -> tuple[StreamState, Continue,
 UNREAD = {"rate_limits": LIMITS, "telemetry": {"sample": 0}}
 
 
-def test_an_unsampled_request_leaves_its_usage_to_envoy_and_asks_for_no_body() -> None:
-    state, action, records = routed({"max_tokens": 5}, **UNREAD)
-    assert action.metadata["usage"] == "envoy"  # the route with the metadata filters
-    answer = state.handle("response_headers", {":status": "200",
-                                               "content-type": "application/json"}, b"", False)
-    assert answer == Continue(mode=ModeOverride(response_headers=True, response_body="none"))
+ASKED = {"stream": True, "stream_options": {"include_usage": True}}
+NO_BODY = Continue(mode=ModeOverride(response_headers=True, response_body="none"))
+SSE = {":status": "200", "content-type": "text/event-stream"}
+
+
+def test_an_unsampled_stream_leaves_its_usage_to_envoy_and_asks_for_no_body() -> None:
+    state, action, records = routed(ASKED, **UNREAD)
+    assert action.body is None and "strip_usage" not in action.metadata  # sent as it is
+    assert state.handle("response_headers", SSE, b"", False) == NO_BODY
     [record] = records.records
     assert not record.sampled and record.status == 200 and record.charged_tokens is None
     state.close()  # Envoy's reset after that answer: not an abort, not a second record
@@ -109,7 +108,7 @@ def test_an_unsampled_request_leaves_its_usage_to_envoy_and_asks_for_no_body() -
 
 
 def test_an_unsampled_error_is_settled_to_zero_from_its_headers() -> None:
-    state, _, records = routed({"max_tokens": 5}, **UNREAD)
+    state, _, records = routed(ASKED, **UNREAD)
     answer = state.handle("response_headers", {":status": "400",
                                                "content-type": "application/json"}, b"", False)
     assert isinstance(answer, Continue)
@@ -118,36 +117,34 @@ def test_an_unsampled_error_is_settled_to_zero_from_its_headers() -> None:
 
 
 def test_an_unsampled_stream_that_did_not_ask_for_usage_gets_it_added_and_stripped() -> None:
-    _, action, _ = routed({"stream": True, "stream_options": {"include_usage": False}}, **UNREAD)
+    state, action, _ = routed({"stream": True, "stream_options": {"include_usage": False}},
+                              **UNREAD)
     assert action.body is not None
     sent = orjson.loads(action.body)
     assert sent["stream_options"] == {"include_usage": True}
     assert dict(action.set_headers)["content-length"] == str(len(action.body))
-    assert action.metadata["usage"] == "envoy" and action.metadata["strip_usage"] == "1"
-
-
-def test_a_stream_that_asked_for_usage_is_sent_as_it_is() -> None:
-    _, action, _ = routed({"stream": True, "stream_options": {"include_usage": True}}, **UNREAD)
-    assert action.body is None and "strip_usage" not in action.metadata
+    assert action.metadata["strip_usage"] == "1"
+    assert state.handle("response_headers", SSE, b"", False) == NO_BODY
 
 
 @pytest.mark.parametrize(("doc", "sections"), [
     ({"stream": True, "stream_options": {"include_usage": True,
                                          "continuous_usage_stats": True}}, UNREAD),
-    ({"stream": True}, {**UNREAD, "telemetry": {"sample": 1}}),   # sampled: nothing injected
-    ({"max_tokens": 5}, {**UNREAD, "telemetry": {"sample": 1}}),  # sampled
-    ({"max_tokens": 5}, {**UNREAD, "models": CANARY}),            # canary: always measured
-    ({"max_tokens": 5}, {**UNREAD, "telemetry": {"sample": 0, "envoy_usage": False}}),
+    ({"max_tokens": 5}, UNREAD),                                   # not streamed: one message
+    ({"stream": True}, {**UNREAD, "telemetry": {"sample": 1}}),    # sampled: nothing injected
+    (ASKED, {**UNREAD, "models": CANARY}),                         # canary: always measured
+    (ASKED, {**UNREAD, "telemetry": {"sample": 0, "envoy_usage": False}}),
 ])
 def test_extproc_reads_the_response_it_must(doc: dict[str, Any], sections: dict[str, Any]) -> None:
     state, action, records = routed(doc, **sections)
-    assert "usage" not in action.metadata
+    assert "strip_usage" not in action.metadata
     # Nothing added to the request (the canary's body only gets its model renamed).
-    assert action.body is None or "stream_options" not in orjson.loads(action.body)
-    answer = state.handle("response_headers", {":status": "200"}, b"", False)
+    sent = doc if action.body is None else orjson.loads(action.body)
+    assert sent.get("stream_options") == doc.get("stream_options")
+    answer = state.handle("response_headers", SSE, b"", False)
     assert answer == Continue() and not records.records  # the body comes next
 
 
 def test_without_rate_limits_only_sampling_decides() -> None:
-    _, action, _ = routed({"stream": True}, telemetry={"sample": 0})
-    assert action.metadata["usage"] == "envoy"  # nothing to settle; no route needs it either
+    state, _, _ = routed({"max_tokens": 5}, telemetry={"sample": 0})
+    assert state.handle("response_headers", {":status": "200"}, b"", False) == NO_BODY

@@ -83,8 +83,7 @@ def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
     hcm = hcm_of(bootstrap)
     assert [f["name"] for f in hcm["http_filters"]] == [
         "envoy.filters.http.health_check", "envoy.filters.http.ext_proc",
-        "envoy.filters.http.lua", "envoy.filters.http.json_to_metadata",
-        "envoy.filters.http.sse_to_metadata",
+        "envoy.filters.http.lua", "envoy.filters.http.sse_to_metadata",
         "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
     # a client's own x-llm-* headers are dropped before routing (always, not only failing open)
     assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
@@ -133,24 +132,9 @@ def test_no_route_reaches_a_pool_without_extprocs_decision(name: str,
         if route["name"] == "llm-fallback":
             assert target == fallback
             continue
-        matchers = route["match"]["dynamic_metadata"]
-        assert matchers[0] == {
+        assert route["match"]["dynamic_metadata"] == [{
             "filter": "llm_sidecar", "path": [{"key": "cluster"}],
-            "value": {"string_match": {"exact": target}}}
-        if route["name"].endswith("-usage"):
-            # Envoy reads the usage only where extproc also said so; elsewhere the filters are off.
-            assert matchers[1:] == [{"filter": "llm_sidecar", "path": [{"key": "usage"}],
-                                     "value": {"string_match": {"exact": "envoy"}}}]
-            assert "typed_per_filter_config" not in route
-        else:
-            assert len(matchers) == 1
-            off = route.get("typed_per_filter_config", {})
-            assert bootstrap_has_usage_filters(hcm) == bool(off)
-            assert all(c["disabled"] for c in off.values())
-
-
-def bootstrap_has_usage_filters(hcm: dict[str, Any]) -> bool:
-    return any(f["name"] == "envoy.filters.http.json_to_metadata" for f in hcm["http_filters"])
+            "value": {"string_match": {"exact": target}}}]
 
 
 def bootstrap_fallback(hcm: dict[str, Any]) -> str | None:
