@@ -108,9 +108,9 @@ class GenerationProcessor(BaseProcessor):
 
     extproc reads a response (streamed through it, never held back) when it is sampled, on the
     canary, or when Envoy cannot read its usage (:mod:`extproc.sampling`): then the tokens it
-    used go to the rate limiter as dynamic metadata at its end. Every other response is read by
-    Envoy alone: extproc sees its headers (status, for the request count and the settlement of
-    an error) and asks for no body.
+    used go to the rate limiter as dynamic metadata at its end. Every other response (a stream)
+    is read by Envoy alone: extproc sees its headers (status, for the request count and the
+    settlement of an error) and asks for no body.
     """
 
     def __init__(self, ctx: RequestContext, api: Api) -> None:
@@ -146,8 +146,8 @@ class GenerationProcessor(BaseProcessor):
 
     def _headers_only(self) -> Action:
         """A response extproc does not read: recorded now, without timings or token counts
-        (``sampled`` false); no body is asked for. An error status settles 0 here, as the
-        metadata filters see no usage in an error body."""
+        (``sampled`` false); no body is asked for. An error status settles 0 here: an error
+        body carries no usage chunk for Envoy to read."""
         if self.decision is None or self.finished:
             return PASS
         self.finished = True
