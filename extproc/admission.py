@@ -11,7 +11,12 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from llm_sidecar.wire_names import LEASE_METADATA_KEY, RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
+from llm_sidecar.wire_names import (
+    DONE_METADATA_KEY,
+    LEASE_METADATA_KEY,
+    RESERVATION_METADATA_KEY,
+    TOKENS_METADATA_KEY,
+)
 
 
 def new_lease() -> str:
@@ -33,5 +38,6 @@ def admission_metadata(reservation: int) -> dict[str, Any]:
 
 def usage_metadata(used: int) -> dict[str, Any]:
     """Dynamic metadata for the answer that ends a response whose usage is known. A string:
-    Envoy's rate-limit ``metadata`` action reads only string values into a descriptor."""
-    return {TOKENS_METADATA_KEY: str(max(0, used))}
+    Envoy's rate-limit ``metadata`` action reads only string values into a descriptor; the
+    settle descriptor needs both keys."""
+    return {TOKENS_METADATA_KEY: str(max(0, used)), DONE_METADATA_KEY: "1"}

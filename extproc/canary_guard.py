@@ -102,6 +102,8 @@ class CanaryGuards:
 
     def observe(self, snapshot: Snapshot, record: RequestRecord) -> str | None:
         """Count one finished request; the reason when this request trips a guard."""
+        if not record.sampled:
+            return None  # no mid-stream errors or TTFT known: the guard compares sampled ones
         if record.aborted:
             # A client that hangs up says nothing about the variant that served it, and
             # counting it as an error would let callers who drop streams stop a canary.

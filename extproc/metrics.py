@@ -79,6 +79,8 @@ class ExtprocMetrics:
         labels = (record.model, record.cluster, record.variant, tenant)
         result = outcome(record)
         self.requests.labels(*labels, result).inc()
+        if not record.sampled:
+            return  # counted; its timings and tokens are not known (telemetry.sample)
         self.duration.labels(*labels, result).observe(record.duration_s)
         if record.ttft_s is not None:
             self.ttft.labels(*labels).observe(record.ttft_s)

@@ -17,9 +17,11 @@ from extproc.bodies import Api, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
+from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.telemetry import RequestRecord
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
+from llm_sidecar.wire_names import STRIP_USAGE_METADATA_KEY
 from routing.compiled import ModelRoute
 
 
@@ -104,8 +106,11 @@ def body_required() -> Reply:
 class GenerationProcessor(BaseProcessor):
     """``/v1/chat/completions`` and ``/v1/completions``.
 
-    The response is streamed through extproc (never held back) so the tokens it used can be
-    read off it and handed to the rate limiter as dynamic metadata at end of stream.
+    extproc reads a response (streamed through it, never held back) when it is sampled, on the
+    canary, or when Envoy cannot read its usage (:mod:`extproc.sampling`): then the tokens it
+    used go to the rate limiter as dynamic metadata at its end. Every other response (a stream)
+    is read by Envoy alone: extproc sees its headers (status, for the request count and the
+    settlement of an error) and asks for no body.
     """
 
     def __init__(self, ctx: RequestContext, api: Api) -> None:
@@ -121,6 +126,7 @@ class GenerationProcessor(BaseProcessor):
         self.last_token_at: float | None = None
         self.token_events = 0
         self.finished = False
+        self.reads_body = True
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
         if end_of_stream:
@@ -134,7 +140,22 @@ class GenerationProcessor(BaseProcessor):
         # The rate limiter's own replies (429, or 503 when its store is down) mark themselves.
         self.limited = "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers
         self.meter = UsageMeter(self.streamed)
+        if not self.reads_body:
+            return self._headers_only()
         return self._finish() if end_of_stream else PASS
+
+    def _headers_only(self) -> Action:
+        """A response extproc does not read: recorded now, without timings or token counts
+        (``sampled`` false); no body is asked for. An error status settles 0 here: an error
+        body carries no usage chunk for Envoy to read."""
+        if self.decision is None or self.finished:
+            return PASS
+        self.finished = True
+        charged = 0 if self.status >= 400 else None
+        usage = Usage(None, None, None, 0)
+        self._report(usage, charged, sampled=False)
+        return Continue(mode=ModeOverride(response_headers=True, response_body="none"),
+                        metadata=usage_metadata(0) if charged == 0 else {})
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
         if self.meter is None:
@@ -175,7 +196,8 @@ class GenerationProcessor(BaseProcessor):
         meter = self.meter if self.meter is not None else UsageMeter(streaming=False)
         self._report(meter.finish(), None, aborted=True)
 
-    def _report(self, usage: Usage, charged: int | None, aborted: bool = False) -> None:
+    def _report(self, usage: Usage, charged: int | None, aborted: bool = False,
+                sampled: bool = True) -> None:
         ctx, decision = self.ctx, self.decision
         assert decision is not None
         now = ctx.clock()
@@ -203,6 +225,7 @@ class GenerationProcessor(BaseProcessor):
             charged_tokens=charged,
             aborted=aborted,
             limited=self.limited,
+            sampled=sampled,
         )
         ctx.telemetry.request_done(record)
 
@@ -216,20 +239,39 @@ class GenerationProcessor(BaseProcessor):
         self.decision = decision
         self.model_name = model.name
         self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
+        snapshot = self.ctx.snapshot
+        canary = self.ctx.canary_for(model)
+        plan = usage_plan(parsed)
+        if not snapshot.config.telemetry.envoy_usage:
+            plan = "extproc"
+        self.reads_body = (
+            decision.variant == "canary"
+            or sampled(self.ctx.request_id, stable_share(
+                snapshot.config.telemetry.sample, canary.percent if canary else None))
+            # Without rate limits no usage is settled: only sampling decides.
+            or (snapshot.config.rate_limits is not None and plan == "extproc"))
+        inject = (not self.reads_body and snapshot.config.rate_limits is not None
+                  and plan == "envoy_injected")
         new_body = None
-        if decision.upstream_model != parsed.model or self.ctx.snapshot.inject_priority:
+        if decision.upstream_model != parsed.model or snapshot.inject_priority or inject:
             doc = dict(parsed.doc)
             doc["model"] = decision.upstream_model
-            if self.ctx.snapshot.inject_priority:
+            if snapshot.inject_priority:
                 doc["priority"] = ("high", "medium", "low").index(decision.priority)
+            if inject:
+                options = doc.get("stream_options")
+                doc["stream_options"] = {**(options or {}), "include_usage": True}
             new_body = orjson.dumps(doc)
         headers = route_headers(self.ctx, model, decision)
         if new_body is not None:
             headers += (("content-length", str(len(new_body))),)
         # The reservation and the lease ride on the request-body answer so the rate-limit
         # filter, which runs after ext_proc, can charge it at admission (CONTRACT §7).
+        metadata = admission_metadata(decision.reservation)
+        if inject:
+            metadata[STRIP_USAGE_METADATA_KEY] = "1"  # Envoy's Lua filter takes the chunk out
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,
-                        metadata=admission_metadata(decision.reservation))
+                        metadata=metadata)
 
 
 class ModelsProcessor(BaseProcessor):

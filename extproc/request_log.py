@@ -24,6 +24,6 @@ class LoggedTelemetry(ForwardingTelemetry):
             duration_ms=round(record.duration_s * 1000, 3),
             ttft_ms=None if record.ttft_s is None else round(record.ttft_s * 1000, 3),
             prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens,
-            charged_tokens=record.charged_tokens,
+            charged_tokens=record.charged_tokens, sampled=record.sampled,
         )
         self.inner.request_done(record)

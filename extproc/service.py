@@ -113,6 +113,8 @@ def _last_message(step: Step, phase: Phase, end: bool, responses_asked: bool) ->
     """Will Envoy send nothing more on this stream after this answer?"""
     if not isinstance(step, Continue):
         return True  # an immediate response ends the request
+    if phase == "response_headers" and step.mode is not None and step.mode.response_body == "none":
+        return True  # no response body asked for: Envoy sends nothing more
     if not end:
         return False
     return phase.startswith("response") or not responses_asked

@@ -48,6 +48,9 @@ class RequestRecord:
     """Embeddings with a cache: hit, partial, miss or bypass."""
     limited: bool = False
     """The gateway's rate limiter answered (429, or 503 with its store down): no pool saw it."""
+    sampled: bool = True
+    """extproc read the response. False: recorded at the response headers (``telemetry.sample``),
+    so ``duration_s`` is time to headers and there are no TTFT, TPOT or token counts."""
 
 
 def outcome(record: RequestRecord) -> Outcome:

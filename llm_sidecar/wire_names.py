@@ -13,6 +13,13 @@ TOKENS_METADATA_KEY = "llm_tokens"
 """The tokens a response used, set at its end only when known (absent: the reservation stands)."""
 RESERVATION_METADATA_KEY = "llm_reservation"
 """The tokens a request reserves at admission (CONTRACT §7)."""
+DONE_METADATA_KEY = "llm_done"
+"""``"1"`` once the response reached its end (set with ``llm_tokens``, by extproc or by Envoy's
+sse_to_metadata at end of stream): a stream cut after its usage chunk but before its end has
+``llm_tokens`` without it, and is not settled."""
+STRIP_USAGE_METADATA_KEY = "strip_usage"
+"""``"1"``: extproc added ``stream_options.include_usage`` to this streamed request; Envoy's Lua
+filter removes the usage chunk from what the client receives (it did not ask for it)."""
 LEASE_METADATA_KEY = "llm_lease"
 """A random id per request naming its reservation and concurrency slot in the ratelimit store."""
 
@@ -23,4 +30,6 @@ the tokens its response used (the stream-done call settles the reservation); ``r
 the lease's concurrency slot."""
 USED_ENTRY = "llm_sidecar.used"
 RELEASE_ENTRY = "llm_sidecar.release"
-CONTROL_ENTRIES = frozenset({LEASE_ENTRY, USED_ENTRY, RELEASE_ENTRY})
+DONE_ENTRY = "llm_sidecar.done"
+"""Carried by the settle descriptor from ``llm_done``: without it Envoy sends no settle."""
+CONTROL_ENTRIES = frozenset({LEASE_ENTRY, USED_ENTRY, RELEASE_ENTRY, DONE_ENTRY})

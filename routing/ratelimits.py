@@ -11,8 +11,10 @@ sets (CONTRACT §7):
   entry, so the ratelimit service remembers the reservation and the slot under it.
 * stream done (Envoy's ``apply_on_stream_done``, which also runs when the client hung up or the
   upstream reset): the token descriptors carry the tokens the response used (``llm_tokens``,
-  set by extproc only when the usage is known) and the service settles the reservation once;
-  when usage is unknown Envoy sends no token descriptor and the reservation stands. The
+  set only when the usage is known: by extproc, or by Envoy's sse_to_metadata
+  filter) and ``llm_done`` (set with it when the response reached its end), and
+  the service settles the reservation once; when either is absent Envoy sends no token
+  descriptor and the reservation stands. The
   concurrency descriptors release the lease's slot.
 """
 
@@ -21,6 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from llm_sidecar.wire_names import (
+    DONE_ENTRY,
+    DONE_METADATA_KEY,
     LEASE_ENTRY,
     LEASE_METADATA_KEY,
     METADATA_NAMESPACE,
@@ -174,7 +178,8 @@ def route_rate_limits(config: RoutingConfig) -> list[dict[str, Any]]:
         })
         out.append({
             "actions": _actions("tokens", level, lease,
-                                _from_metadata(USED_ENTRY, TOKENS_METADATA_KEY)),
+                                _from_metadata(USED_ENTRY, TOKENS_METADATA_KEY),
+                                _from_metadata(DONE_ENTRY, DONE_METADATA_KEY)),
             "apply_on_stream_done": True,
             "hits_addend": {"number": 0},
         })

@@ -15,6 +15,7 @@ from llm_sidecar.wire_names import CLUSTER_METADATA_KEY, METADATA_NAMESPACE, RES
 from routing.ratelimits import DOMAIN, route_rate_limits
 from routing.render_bounds import http2_options, overload_manager
 from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
+from routing.render_usage import usage_filters
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport
 
@@ -369,7 +370,8 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "http_filters": [
             health_check_filter(),
             ext_proc_filter(config),
-            *([ratelimit_filter(config)] if config.rate_limits is not None else []),
+            *([*usage_filters(), ratelimit_filter(config)] if config.rate_limits is not None
+              else []),
             router_filter(),
         ],
     }

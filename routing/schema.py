@@ -333,6 +333,23 @@ class PrioritySection(Strict):
     inject: bool = False
 
 
+class TelemetrySection(Strict):
+    """Which chat/completions responses extproc reads (the rest only Envoy reads)."""
+
+    sample: float = Field(default=0.01, ge=0, le=1)
+    """Share of stable-variant chat/completions requests whose response body extproc reads for
+    TTFT, time per output token, token counts and mid-stream errors, chosen from Envoy's request
+    id. Canary traffic always is, and while a model has a canary as many of its stable requests
+    as canary ones. 1: every request (as before; a 256-token stream then costs extproc ~15x a
+    short answer); 0: only those and the responses Envoy cannot read usage from."""
+    envoy_usage: bool = True
+    """true: for the other streamed requests Envoy's sse_to_metadata filter reads the usage for
+    the rate limiter (and a Lua filter strips the usage chunk a client did not ask for; the
+    bootstrap ``render`` writes has both), and no response body goes to extproc. Set false where
+    Envoy runs another bootstrap (Istio's EnvoyFilter does not carry these filters): extproc then
+    reads every response body."""
+
+
 class IstioSection(Strict):
     """What ``render`` writes to ``envoyfilter.yaml`` (an Istio EnvoyFilter)."""
 
@@ -368,6 +385,7 @@ class RoutingConfig(Strict):
     api_keys: list[ApiKey] = Field(default_factory=list)
     rate_limits: RateLimits | None = None
     priority: PrioritySection = Field(default_factory=PrioritySection)
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     istio: IstioSection = Field(default_factory=IstioSection)
 
     @field_validator("clusters", "models")

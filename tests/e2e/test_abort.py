@@ -21,6 +21,7 @@ DEADLINE_S = 30.0
 
 def doc() -> dict[str, Any]:
     d = default_doc()
+    d["telemetry"] = {"sample": 1}  # every request read and recorded in full (issue 16 samples)
     # Slow enough that a response is surely still going when the client hangs up: 200 tokens
     # at 50 ms take 10 s; one embedding input of ~60 tokens at 1 s per token takes a minute.
     d["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 50}

@@ -35,9 +35,9 @@ def doc() -> dict[str, Any]:
     d = default_doc()
     # Slow enough that a stream is still running when the test acts on it.
     d["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 20}
-    # A slow prefill (~1.6 s for a short prompt): requests sent together are all in flight
+    # A slow prefill (~4 s for a short prompt): requests sent together are all in flight
     # together, whatever the machine's load. X-Context-Length sends a request here.
-    d["clusters"]["vllm-long"]["simulate"] = {"prefill_ms_per_token": 200}
+    d["clusters"]["vllm-long"]["simulate"] = {"prefill_ms_per_token": 500}
     d["rate_limits"] = {
         "tenant": {"overrides": {
             "roomy": {"tokens": f"{ROOMY}/h"},

@@ -20,6 +20,8 @@ BASE: dict[str, Any] = {
         "llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "default_max_tokens": 256},
         "bge-m3": {"kind": "embedding", "clusters": ["embed"]},
     },
+    # Every response read (as before issue 16); tests of the unread path set their own.
+    "telemetry": {"sample": 1},
 }
 
 

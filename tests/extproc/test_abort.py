@@ -14,7 +14,7 @@ from extproc.actions import Continue, Lookup
 from extproc.metrics import ExtprocMetrics
 from extproc.stream import StreamState
 from extproc.telemetry import NullTelemetry, RequestRecord, outcome
-from llm_sidecar.wire_names import RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
+from llm_sidecar.wire_names import DONE_METADATA_KEY, RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
 from tests.extproc.helpers import snapshot
 
 SECRET = b"test-secret"
@@ -173,7 +173,7 @@ def test_a_finished_embeddings_request_is_recorded_once_with_vllms_usage() -> No
     answer = orjson.dumps({"data": [{"object": "embedding", "index": 0, "embedding": [0.5]}],
                            "usage": {"prompt_tokens": 7, "total_tokens": 7}})
     last = state.handle("response_body", None, answer, True)
-    assert isinstance(last, Continue) and last.metadata == {TOKENS_METADATA_KEY: "7"}
+    assert isinstance(last, Continue) and last.metadata == {TOKENS_METADATA_KEY: "7", DONE_METADATA_KEY: "1"}
     state.close()
     (record,) = recorder.records
     assert outcome(record) == "ok" and record.prompt_tokens == 7 and record.charged_tokens == 7

@@ -11,7 +11,7 @@ from extproc.actions import CacheWrite, Continue, Found, Lookup, ModeOverride, R
 from extproc.cache_codec import decode_vector, encode_vector
 from extproc.cache_keys import KEY_PREFIX
 from extproc.stream import StreamState
-from llm_sidecar.wire_names import TOKENS_METADATA_KEY
+from llm_sidecar.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
 from simulator.embeddings import embed, encode_base64
 from tests.extproc.helpers import snapshot
 
@@ -82,7 +82,7 @@ def test_a_model_without_cache_is_routed_and_charged_what_vllm_used() -> None:
     assert headers.set_headers == ()  # no x-llm-cache for a model without a cache
     assert all(m == Continue() for m in middle)
     assert isinstance(last, Continue) and last.body is None and last.store is None
-    assert last.metadata == {TOKENS_METADATA_KEY: "4"}
+    assert last.metadata == {TOKENS_METADATA_KEY: "4", DONE_METADATA_KEY: "1"}
 
 
 def test_miss_routes_unchanged_then_stores_each_distinct_vector() -> None:
@@ -98,7 +98,7 @@ def test_miss_routes_unchanged_then_stores_each_distinct_vector() -> None:
     assert headers.set_headers == (("x-llm-cache", "miss"),)
     assert all(m == Continue() for m in middle)  # chunks flow on as they come
     assert isinstance(last, Continue) and last.body is None
-    assert last.metadata == {TOKENS_METADATA_KEY: "12"}
+    assert last.metadata == {TOKENS_METADATA_KEY: "12", DONE_METADATA_KEY: "1"}
     assert isinstance(last.store, CacheWrite) and last.store.ttl_s == 3600
     stored = dict(last.store.entries)
     assert set(stored) == set(lookup.keys)
@@ -138,7 +138,7 @@ def test_partial_asks_only_for_the_missing_inputs_and_merges_in_order() -> None:
     assert [d["embedding"] for d in merged["data"]] == [vec(x) for x in inputs]
     assert [d["index"] for d in merged["data"]] == list(range(5))
     assert merged["usage"]["total_tokens"] == 8 and merged["id"] == "embd-up"
-    assert last.metadata == {TOKENS_METADATA_KEY: "8"}
+    assert last.metadata == {TOKENS_METADATA_KEY: "8", DONE_METADATA_KEY: "1"}
     assert last.store is not None
     assert {k for k, _ in last.store.entries} == {lookup.keys[0], lookup.keys[2]}
 
@@ -164,7 +164,7 @@ def test_bypass_routes_unchanged_and_stores_nothing() -> None:
     headers, _, last = respond(state, answer(["a"]))
     assert headers.set_headers == (("x-llm-cache", "bypass"),)
     assert isinstance(last, Continue) and last.store is None
-    assert last.metadata == {TOKENS_METADATA_KEY: "4"}
+    assert last.metadata == {TOKENS_METADATA_KEY: "4", DONE_METADATA_KEY: "1"}
 
 
 @pytest.mark.parametrize("status", ["400", "500", "503"])
@@ -190,7 +190,7 @@ def test_an_unusable_miss_answer_still_passes_and_is_not_stored() -> None:
     state.resume(first_lookup(state, ["a"]), (None,))
     _, _, last = respond(state, b"not json", chunks=1)
     assert isinstance(last, Continue) and last.body is None and last.store is None
-    assert last.metadata == {TOKENS_METADATA_KEY: "1"}  # the request's own estimate
+    assert last.metadata == {TOKENS_METADATA_KEY: "1", DONE_METADATA_KEY: "1"}  # the request's own estimate
 
 
 @pytest.mark.parametrize(("share", "namespace"), [(False, "bge@bge-v2"), (True, "bge")])

@@ -30,7 +30,8 @@ HEX_A = "a" * 64
 CASES = {
     "unknown_top_level_key": (GOOD + "extra: 1\n",
                               ["8: unknown key 'extra' in top level (allowed: version, envoy, "
-                               "services, clusters, models, auth, api_keys, rate_limits, priority, istio)"]),
+                               "services, clusters, models, auth, api_keys, rate_limits, priority, "
+                               "telemetry, istio)"]),
     "typo_key": (GOOD.replace("max_context: 2048", "max_contxt: 2048"),
                  ["3: missing required key clusters.vllm-short.max_context (the longest context "
                   "the pool serves: its vLLM --max-model-len)",

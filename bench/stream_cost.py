@@ -1,0 +1,122 @@
+"""What a streamed answer costs the gateway, before and after issue 16, in one run.
+
+    .venv/bin/python -m bench.stream_cost [--requests 200] [--streams 60] [--concurrency 8]
+
+Runs the whole gateway (real Envoy, extproc, ratelimit on memory, simulators) once per
+``telemetry.sample`` (``--samples``, default 1, 0.1, 0.02, 0): 1 is extproc reading every response,
+as before issue 16; below it Envoy reads the usage of the unsampled rest. In each run it sends,
+one workload after another:
+
+* ``json16``: chat, 16 tokens, not streamed;
+* ``sse256``: chat, 256 tokens streamed, one SSE event per token (1 ms apart, so Envoy forwards
+  each as its own body chunk, as from a decoding vLLM pod), without ``stream_options``;
+* ``sse256+usage``: the same with ``stream_options.include_usage`` (without it, unsampled
+  streams get it added and the chunk stripped by Envoy's Lua filter).
+
+For each: CPU per request of extproc, ratelimit and Envoy (``/proc``, children included), ext_proc
+messages per request (Envoy's ``ext_proc.stream_msgs_sent``), and the load average of the machine
+(shared: other processes' CPU shows up as load, not in these numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import tempfile
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit
+
+from bench.acct import cpu_seconds
+from tests.harness.gateway import Gateway, default_doc, running_gateway
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "json16": {"max_tokens": 16},
+    "sse256": {"max_tokens": 256, "stream": True},
+    "sse256+usage": {"max_tokens": 256, "stream": True,
+                     "stream_options": {"include_usage": True}},
+}
+
+
+def _doc(sample: float) -> dict[str, Any]:
+    d = default_doc()
+    d["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 1, "prefill_ms_per_token": 0}
+    d["telemetry"] = {"sample": sample}
+    d["rate_limits"] = {"tenant": {"default": {"requests": "1M/s", "tokens": "1000M/s"}}}
+    return d
+
+
+def _one(gw: Gateway, body: dict[str, Any]) -> None:
+    url = urlsplit(gw.url)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hello"}], **body}),
+            {"content-type": "application/json", "x-tenant-id": "bench"})
+        response = conn.getresponse()
+        data = response.read()
+        assert response.status == 200, data[:200]
+    finally:
+        conn.close()
+
+
+def _msgs(gw: Gateway) -> float:
+    with urllib.request.urlopen(f"{gw.admin_url}/stats?filter=ext_proc.stream_msgs_sent",
+                                timeout=5) as resp:
+        return sum(float(line.rsplit(":", 1)[1]) for line in resp.read().decode().splitlines()
+                   if line.strip())
+
+
+def _pids(gw: Gateway) -> dict[str, int]:
+    return {name: gw.child(name).process.pid for name in ("extproc", "ratelimit", "envoy")}
+
+
+def measure(gw: Gateway, body: dict[str, Any], count: int, concurrency: int) -> dict[str, float]:
+    with ThreadPoolExecutor(concurrency) as pool:  # warm-up: connections, code paths
+        list(pool.map(lambda _: _one(gw, body), range(concurrency * 2)))
+    pids = _pids(gw)
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    msgs0 = _msgs(gw)
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(lambda _: _one(gw, body), range(count)))
+    out = {f"{name}_ms": (cpu_seconds(pid) - cpu0[name]) * 1000 / count
+           for name, pid in pids.items()}
+    out["ext_proc_msgs"] = (_msgs(gw) - msgs0) / count
+    out["load1"] = os.getloadavg()[0]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200, help="non-streamed requests")
+    parser.add_argument("--streams", type=int, default=60, help="streamed requests")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--samples", default="1,0.1,0.02,0",
+                        help="telemetry.sample of each run; 1 reads every response, as before")
+    args = parser.parse_args()
+    rows: list[tuple[str, str, dict[str, float]]] = []
+    for sample in (float(v) for v in args.samples.split(",")):
+        label = f"sample {sample:g}" + (" (as before)" if sample == 1 else "")
+        with tempfile.TemporaryDirectory() as work, running_gateway(_doc(sample), work) as gw:
+            for name, body in WORKLOADS.items():
+                count = args.requests if not body.get("stream") else args.streams
+                rows.append((label, name, measure(gw, body, count, args.concurrency)))
+    print("| run | workload | extproc ms/req | ratelimit ms/req | Envoy ms/req | ext_proc msgs/req"
+          " | load avg (1 min) |")
+    print("|---|---|---|---|---|---|---|")
+    for label, name, r in rows:
+        print(f"| {label} | {name} | {r['extproc_ms']:.2f} | {r['ratelimit_ms']:.2f} | "
+              f"{r['envoy_ms']:.2f} | {r['ext_proc_msgs']:.1f} | {r['load1']:.2f} |")
+    for label in dict.fromkeys(label for label, _, _ in rows):
+        by = {name: r for lab, name, r in rows if lab == label}
+        print(f"{label}: extproc sse256 / json16 = "
+              f"{by['sse256']['extproc_ms'] / by['json16']['extproc_ms']:.2f}, "
+              f"sse256+usage / json16 = "
+              f"{by['sse256+usage']['extproc_ms'] / by['json16']['extproc_ms']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Which chat/completions responses extproc reads, and which Envoy alone reads (issue 16).
+
+Reading a response costs one ext_proc round trip per body chunk: per token on an SSE stream.
+So extproc reads only a sampled share of stable traffic (for TTFT, time per output token, token
+counts, mid-stream errors), all canary traffic (the canary comparison and guard need it), and
+the responses whose usage Envoy cannot read for the rate limiter (non-streamed answers, vLLM's
+running usage; see :mod:`routing.render_usage`). Pure functions on the parsed request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from extproc.bodies import GenerationBody
+
+
+def sampled(request_id: str, share: float) -> bool:
+    """True for ``share`` of request ids. The id is Envoy's (a random UUID, never the client's),
+    so a client cannot choose to be measured, or not."""
+    if share >= 1:
+        return True
+    if share <= 0:
+        return False
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8, person=b"llm-sample").digest()
+    return int.from_bytes(digest, "big") % 10_000 < round(share * 10_000)
+
+
+def stable_share(sample: float, canary_percent: float | None) -> float:
+    """The share of a model's stable requests extproc reads: ``telemetry.sample``, or, while
+    the model has a canary, as many as the canary gets (every canary request is read), so the
+    canary comparison and guard see about as many requests on each side."""
+    if canary_percent is None or canary_percent <= 0:
+        return sample
+    if canary_percent >= 100:
+        return 1.0
+    return max(sample, min(1.0, canary_percent / (100 - canary_percent)))
+
+
+UsagePlan = Literal["extproc", "envoy", "envoy_injected"]
+"""Who reads a response's usage for the rate limiter: extproc (it reads the body), Envoy
+(sse_to_metadata on the usage chunk the client asked for), or Envoy on a usage chunk extproc
+asked vLLM for, which Envoy's Lua filter then removes from the client's stream (see
+:mod:`routing.render_usage`)."""
+
+
+def usage_plan(body: GenerationBody) -> UsagePlan:
+    """How this request's usage can be read without extproc reading the body.
+
+    A stream: Envoy reads the usage chunk. The client asked for it: it keeps it. The client did
+    not: extproc adds ``stream_options.include_usage`` and Envoy strips the chunk again, so the
+    client sees what it asked for. vLLM's per-chunk usage (``continuous_usage_stats``) is left
+    to extproc: every chunk would carry a running count.
+    Not streamed: extproc (one body message; Envoy's json_to_metadata would hold the whole
+    answer and turn one above its buffer limit into a 500).
+    """
+    if not body.stream:
+        return "extproc"
+    options = body.doc.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return "extproc"
+    return "envoy" if body.include_usage else "envoy_injected"

@@ -1,0 +1,114 @@
+"""Envoy reads a stream's token usage for the rate limiter, so extproc need not read the body.
+
+``sse_to_metadata`` (work in progress in Envoy 1.40) writes what the stream-done rate-limit call
+settles with (see :mod:`routing.ratelimits`): ``llm_tokens``, the usage chunk's
+``usage.total_tokens`` as a string (the rate-limit ``metadata`` action reads only strings),
+written as the chunk passes (vLLM sends it when the request has
+``stream_options.include_usage``), and ``llm_done``, written only at the stream's end (a deferred
+action that an aborted or reset stream never reaches), so a stream cut after its usage chunk
+settles nothing.
+
+A stream whose client did not ask for usage gets ``stream_options.include_usage`` added by
+extproc (metadata ``strip_usage``), and a Lua filter removes the usage chunk from what the client
+receives: it runs before the metadata filter in the chain, so after it on the response, which
+the metadata filter reads first. It holds back only an event not yet ended by its blank line
+(vLLM writes whole events), and drops such a tail at the end of a stream, as every SSE client
+does. Both filters sit after ext_proc in the chain, so they see the pool's bytes before ext_proc
+could change them, and both act on every route (Envoy decides a route's per-filter config
+before extproc's answer re-routes the request): the Lua filter only where extproc set
+``strip_usage``, the SSE filter only on ``text/event-stream`` answers, whose usage is the same
+whoever reads it. Not ``json_to_metadata``: it holds a whole JSON answer, and one above Envoy's
+buffer limit (an embeddings batch, a chat answer with logprobs) would become a 500; it could
+not be turned off for those routes. Verified with Envoy 1.40 in
+``tests/e2e/test_envoy_usage.py`` (bench/README.md, "Usage read by Envoy").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llm_sidecar.wire_names import (
+    DONE_METADATA_KEY,
+    METADATA_NAMESPACE,
+    STRIP_USAGE_METADATA_KEY,
+    TOKENS_METADATA_KEY,
+)
+from routing.render_clusters import API, TYPE
+
+SSE_FILTER = "envoy.filters.http.sse_to_metadata"
+LUA_FILTER = "envoy.filters.http.lua"
+_TOTAL = [{"key": "usage"}, {"key": "total_tokens"}]
+_NEVER_PRESENT = [{"key": "llm_sidecar_end_of_stream"}]
+"""A key no answer has: its rule's deferred on_missing / on_error runs only at end of stream."""
+
+
+def _put(key: str, value: str | None = None) -> dict[str, Any]:
+    pair: dict[str, Any] = {"metadata_namespace": METADATA_NAMESPACE, "key": key}
+    if value is None:
+        pair["type"] = "STRING"
+    else:
+        pair["value"] = value
+    return pair
+
+
+def sse_usage_filter() -> dict[str, Any]:
+    done = _put(DONE_METADATA_KEY, "1")
+    return {
+        "name": SSE_FILTER,
+        "typed_config": {
+            TYPE: API + "extensions.filters.http.sse_to_metadata.v3.SseToMetadata",
+            "response_rules": {"content_parser": {
+                "name": "envoy.content_parsers.json",
+                "typed_config": {
+                    TYPE: API + "extensions.content_parsers.json.v3.JsonContentParser",
+                    "rules": [
+                        {"rule": {"selectors": _TOTAL, "on_present": _put(TOKENS_METADATA_KEY)}},
+                        # [DONE] is not JSON (an error for the parser): both deferred actions.
+                        {"rule": {"selectors": _NEVER_PRESENT, "on_missing": done,
+                                  "on_error": done}},
+                    ],
+                },
+            }},
+        },
+    }
+
+
+STRIP_USAGE_LUA = f"""
+function envoy_on_response(handle)
+  local md = handle:streamInfo():dynamicMetadata():get("{METADATA_NAMESPACE}")
+  if md == nil or md["{STRIP_USAGE_METADATA_KEY}"] ~= "1" then return end
+  local ctype = handle:headers():get("content-type") or ""
+  if string.find(ctype, "text/event-stream", 1, true) ~= 1 then return end
+  local carry = ""
+  for chunk in handle:bodyChunks() do
+    local data = carry .. chunk:getBytes(0, chunk:length())
+    local last, from = nil, 1
+    while true do
+      local _, e = string.find(data, "\\n\\n", from, true)
+      if e == nil then break end
+      last, from = e, e + 1
+    end
+    local out = ""
+    if last == nil then
+      carry = data
+    else
+      out, carry = string.sub(data, 1, last), string.sub(data, last + 1)
+      -- The usage chunk: no choices, a usage object ('"choices":[]' never occurs in escaped
+      -- content).
+      out = string.gsub(out, 'data: {{[^\\n]-"choices":%[%],"usage":{{[^\\n]*\\n\\n', "")
+    end
+    chunk:setBytes(out)
+  end
+end
+"""
+
+
+def strip_usage_filter() -> dict[str, Any]:
+    return {"name": LUA_FILTER, "typed_config": {
+        TYPE: API + "extensions.filters.http.lua.v3.Lua",
+        "default_source_code": {"inline_string": STRIP_USAGE_LUA}}}
+
+
+def usage_filters() -> list[dict[str, Any]]:
+    """The filters, placed after ext_proc (before the rate-limit filter and the router)."""
+    return [strip_usage_filter(), sse_usage_filter()]
