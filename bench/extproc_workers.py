@@ -115,6 +115,8 @@ def routing_doc(port: int) -> dict[str, Any]:
         "services": {"extproc": f"127.0.0.1:{port}", "ratelimit": "127.0.0.1:1"},
         "clusters": {"pool": {"endpoints": ["127.0.0.1:9"], "max_context": 4096}},
         "models": {bodies.MODEL: {"clusters": ["pool"], "default_max_tokens": 64}},
+        # Every response read: each stream takes the four messages this bench sends.
+        "telemetry": {"sample": 1},
     }
 
 

@@ -102,7 +102,9 @@ def routing(port: int, models: tuple[str, ...]) -> dict[str, object]:
     return {"version": 1,
             "services": {"extproc": f"127.0.0.1:{port}", "ratelimit": "127.0.0.1:1"},
             "clusters": {"pool": {"endpoints": ["127.0.0.1:9"], "max_context": 4096}},
-            "models": {m: {"clusters": ["pool"]} for m in models}}
+            "models": {m: {"clusters": ["pool"]} for m in models},
+            # Every response read, so each stream takes all four messages a chat's can.
+            "telemetry": {"sample": 1}}
 
 
 def headers(phase: str, pairs: dict[str, str]) -> pb.ProcessingRequest:
