@@ -370,8 +370,9 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "http_filters": [
             health_check_filter(),
             ext_proc_filter(config),
-            *([*usage_filters(), ratelimit_filter(config)] if config.rate_limits is not None
-              else []),
+            *(usage_filters() if config.rate_limits is not None
+              and config.telemetry.envoy_usage else []),
+            *([ratelimit_filter(config)] if config.rate_limits is not None else []),
             router_filter(),
         ],
     }

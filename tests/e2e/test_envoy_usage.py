@@ -32,7 +32,7 @@ DAY_CAP = 100_000
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     d = default_doc()
     d["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 20}
-    d["telemetry"] = {"sample": 0}
+    d["telemetry"] = {"sample": 0, "envoy_usage": True}
     # 100k/d refills ~1.2 tokens/s: a settle is visible to the token.
     d["rate_limits"] = {"tenant": {"overrides": {
         name: {"tokens": f"{DAY_CAP}/d"} for name in ("json", "sse", "plain", "cont")

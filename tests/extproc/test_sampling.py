@@ -89,7 +89,7 @@ def routed(doc: dict[str, Any], **sections: Any) -> tuple[StreamState, Continue,
     return state, action, records
 
 
-UNREAD = {"rate_limits": LIMITS, "telemetry": {"sample": 0}}
+UNREAD = {"rate_limits": LIMITS, "telemetry": {"sample": 0, "envoy_usage": True}}
 
 
 ASKED = {"stream": True, "stream_options": {"include_usage": True}}

@@ -84,7 +84,6 @@ def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
     hcm = hcm_of(bootstrap)
     assert [f["name"] for f in hcm["http_filters"]] == [
         "envoy.filters.http.health_check", "envoy.filters.http.ext_proc",
-        "envoy.filters.http.lua", "envoy.filters.http.sse_to_metadata",
         "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
     # a client's own x-llm-* headers are dropped before routing (always, not only failing open)
     assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
