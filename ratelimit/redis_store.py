@@ -7,7 +7,9 @@ Cluster: every bucket key carries its own hash tag (``keys.py``), so a request's
 usually live in different slots. The hits are grouped per slot, the groups run concurrently,
 and if any group denies the request, the groups that admitted are refunded with a second
 script. The small race: between a charge and its refund, another request may see those tokens
-missing and be denied. Debt charges are never refunded.
+missing and be denied. Debt charges are never refunded. Every command goes through
+:class:`~llm_sidecar.redis_cluster.ClusterRouter`: a master that is down fails its keys at once
+(:class:`NodeDownError`, before any group is charged), the other masters keep deciding.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from llm_sidecar.redis_client import CLUSTER_MAX_CONNECTIONS, Client
+from llm_sidecar.redis_cluster import ClusterRouter, NodeDownError
 from ratelimit.bucket import BucketResult, Hit
-from ratelimit.errors import BackendError
+from ratelimit.errors import BackendError, NodeDown
 from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA
 from ratelimit.store import StoreResult
 
@@ -43,8 +46,7 @@ class RedisStore:
         self._client = client
         self._margin_ms = str(max(1, round(margin_s * 1000)))
         self._slots = asyncio.Semaphore(CLUSTER_MAX_CONNECTIONS)
-        self._init_lock = asyncio.Lock()
-        self._initialized = False
+        self._router = ClusterRouter(client) if isinstance(client, RedisCluster) else None
 
     @property
     def client(self) -> Client:
@@ -55,13 +57,19 @@ class RedisStore:
             return StoreResult(True, ())
         try:
             return await self._decide(hits)
-        except (RedisError, OSError) as exc:
+        except NodeDownError as exc:
+            raise NodeDown(f"redis: {exc}") from exc
+        except (RedisError, RedisClusterException, OSError) as exc:
             raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
 
     async def aclose(self) -> None:
+        if self._router is not None:
+            await self._router.aclose()
         await self._client.aclose()
 
     async def _decide(self, hits: Sequence[Hit]) -> StoreResult:
+        if self._router is not None:
+            await self._router.check(hit.key for hit in hits)
         groups = self._groups(hits)
         if len(groups) == 1:
             admitted, results = await self._run(hits, groups[0])
@@ -125,20 +133,10 @@ class RedisStore:
         await self._eval(REFUND_SHA, REFUND, group.keys, args)
 
     async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
-        if isinstance(self._client, RedisCluster):
-            if not self._initialized:
-                await self._initialize(self._client)
+        if self._router is not None:
             async with self._slots:
-                return await self._eval_once(sha, script, keys, args)
+                return await self._evalsha(sha, script, keys, args)
         return await self._eval_once(sha, script, keys, args)
-
-    async def _initialize(self, client: RedisCluster) -> None:
-        """Load the cluster map once. redis-py (8.1) lets a burst of first commands each run
-        the discovery, and each run drops the connections the others are using."""
-        async with self._init_lock:
-            if not self._initialized:
-                await client.initialize()
-                self._initialized = True
 
     async def _eval_once(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
         try:
@@ -153,9 +151,16 @@ class RedisStore:
 
     async def _evalsha(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
         try:
-            return await self._client.evalsha(sha, len(keys), *keys, *args)
+            return await self._command(keys[0], "EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:
-            return await self._client.eval(script, len(keys), *keys, *args)
+            return await self._command(keys[0], "EVAL", script, len(keys), *keys, *args)
+
+    async def _command(self, key: str, *command: Any) -> Any:
+        """Every command of the store is sent here: on a Cluster through the router, to the
+        master of ``key``'s slot (the router also retries a connection found dead)."""
+        if self._router is not None:
+            return await self._router.execute(key, *command)
+        return await self._client.execute_command(*command)
 
 
 def _refunded(hit: Hit, result: BucketResult) -> BucketResult:
