@@ -130,7 +130,9 @@ class ClusterRouter:
                 raise
             except RedisConnectionError:
                 # A pooled connection the node closed (it restarted): drop the idle ones and
-                # try once more on a new one. Refused again: it is down.
+                # try once more on a new one, within the caller's deadline. Refused again: it
+                # is down. As on a standalone Redis, the price: a script whose reply was lost
+                # with its connection runs twice.
                 await _drop_idle(node)
                 return await self._send(node, args)
         except ClusterDownError as exc:
