@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -84,10 +85,9 @@ def test_a_cluster_node_killed_and_back(rig: Rig, policy: str) -> None:
     victim = rig.cluster.nodes[1]
     probes: list[str] = []
     caches: list[str] = []
-    logged = len(gw.logs())
     with Load(gw.url, mixed, users=4, rate_per_s=50) as load:
         time.sleep(0.5)
-        killed = time.monotonic()
+        killed, killed_at = time.monotonic(), time.time()  # time(): the services' log clock
         victim.kill()
         while time.monotonic() - killed < OUTAGE_S:
             probes.append(rate_limit_probe(gw.url))
@@ -96,19 +96,23 @@ def test_a_cluster_node_killed_and_back(rig: Rig, policy: str) -> None:
         # A restarted master refuses commands (CLUSTERDOWN) until its cluster state is ok
         # again, at least 2 s (Redis's CLUSTER_WRITABLE_DELAY): Redis is back from then on.
         rejoined = wait_until(lambda: cluster_ok(victim), 15, 0.02)
-        back = time.monotonic()
+        back, back_at = time.monotonic(), time.time()
         recovered, after_probes = time_to_enforce(gw.url, 10, RECOVERY_TIMEOUT_S)
         time.sleep(0.5)
         ended = time.monotonic()
     during = load.between(killed, back)
     after = load.between(back + recovered, ended)
     slowest = max(r.latency for r in during + after)
+    events = node_events(gw, killed_at)
+    noticed = [at - back_at for service, event, at in events
+               if service == "llm-sidecar-ratelimit" and event == "redis_cluster_node_back"]
     print(f"\n[chaos] redis cluster, 1 of 3 masters killed for {OUTAGE_S:g} s, "
           f"on_backend_error={policy}: probes {dict(sorted(_count(probes).items()))}, cache "
           f"{dict(sorted(_count(caches).items()))}, p99 "
           f"{percentile([r.latency for r in during], 99) * 1000:.0f} ms, slowest "
           f"{slowest * 1000:.0f} ms; node writable {rejoined:.2f} s after its restart, "
-          f"enforcing everywhere {recovered:.2f} s later (probes after: "
+          f"ratelimit used it again {noticed[0] if noticed else float('nan'):+.2f} s later "
+          f"(its log), enforcing everywhere {recovered:.2f} s later (probes after: "
           f"{dict(sorted(_count(after_probes).items()))})")
     # A probe whose two requests straddle the moment the master is found down gets one answer
     # from Redis and one from the policy.
@@ -125,10 +129,23 @@ def test_a_cluster_node_killed_and_back(rig: Rig, policy: str) -> None:
     assert {(r.status, r.code) for r in during} <= allowed
     assert slowest < HUNG_S, "a request hung"
     assert after and {(r.status, r.code) for r in after} == {(200, None)}
-    events = [json.loads(line)["event"] for line in gw.logs()[logged:].splitlines()
-              if line.startswith("{") and '"redis_cluster_node_' in line]
-    assert {"redis_cluster_node_down", "redis_cluster_node_back"} <= set(events), events
+    # Both services marked the master down and used it again by themselves, once each.
+    for service in ("llm-sidecar-ratelimit", "llm-sidecar-extproc"):
+        assert [e for s, e, _ in events if s == service] == \
+            ["redis_cluster_node_down", "redis_cluster_node_back"], events
     assert recovered <= RECOVERY_BOUND_S
+
+
+def node_events(gw: Gateway, since: float) -> list[tuple[str, str, float]]:
+    """(service, event, time) of the ``redis_cluster_node_*`` lines logged since ``since``."""
+    found = []
+    for line in gw.logs().splitlines():
+        if line.startswith("{") and '"redis_cluster_node_' in line:
+            record = json.loads(line)
+            at = datetime.fromisoformat(record["timestamp"]).timestamp()
+            if at >= since:
+                found.append((record["service"], record["event"], at))
+    return sorted(found, key=lambda e: e[2])
 
 
 def cluster_ok(node: Any) -> bool:
