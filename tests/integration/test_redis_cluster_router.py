@@ -115,3 +115,36 @@ async def test_a_stale_slot_map_follows_moved_and_is_corrected(
     # The MOVED patched one slot; the map check it started reloads the rest.
     await wait_for(lambda: all(manager.slots_cache[s][0].name == owner.name for s in others),
                    "the map corrected")
+
+
+async def test_a_caller_that_gives_up_does_not_cancel_the_map_load(
+        cluster: RedisClusterServers) -> None:
+    """The first requests' deadlines (50 ms by default) are shorter than loading the map on a
+    busy machine; a cancelled load used to close every connection and start over."""
+    client = make_client(cluster.url, 0.5)
+    assert isinstance(client, RedisCluster)
+    loads = []
+    begun = asyncio.Event()
+    load = client.initialize
+
+    async def counted() -> RedisCluster:
+        loads.append(1)
+        begun.set()
+        return await load()
+
+    client.initialize = counted  # type: ignore[method-assign]
+    router = ClusterRouter(client)
+    try:
+        waiters = [asyncio.create_task(router.ready()) for _ in range(3)]
+        await begun.wait()  # all of them waiting for the load, which has begun
+        for waiter in waiters:
+            waiter.cancel()  # their deadlines ran out
+        await asyncio.gather(*waiters, return_exceptions=True)
+        assert all(waiter.cancelled() for waiter in waiters)
+        await router.ready()
+        key = "router-test-load"
+        assert await router.execute(key, "SET", key, b"x")
+        assert len(loads) == 1
+    finally:
+        await router.aclose()
+        await client.aclose()
