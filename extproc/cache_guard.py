@@ -19,7 +19,7 @@ from extproc.cache_merge import outcome_of
 from extproc.cache_metrics import CacheMetrics
 from extproc.cache_redis import RedisVectorStore
 from extproc.cache_store import MemoryVectorStore, VectorStore
-from extproc.errors import BackendError
+from extproc.errors import BackendError, NodeDown
 from llm_sidecar.breaker import Breaker, BreakerState
 from llm_sidecar.logs import get_logger
 from llm_sidecar.redis_client import make_client
@@ -66,6 +66,12 @@ class VectorCache:
         except TimeoutError:
             self._failed("lookup", "timeout",
                          f"missed its {self._lookup_timeout_s * 1000:.0f} ms deadline")
+            self._bypass(None, len(keys))
+            return None
+        except NodeDown:
+            # One Cluster master down: these keys bypass, the breaker stays as it is.
+            self._metrics.backend_errors.labels("lookup", "node_down").inc()
+            self._breaker.inconclusive()
             self._bypass(None, len(keys))
             return None
         except BackendError as exc:
@@ -119,6 +125,9 @@ class VectorCache:
         except TimeoutError:
             self._failed("store", "timeout",
                          f"missed its {self._store_timeout_s * 1000:.0f} ms deadline")
+            return False
+        except NodeDown:
+            self._metrics.backend_errors.labels("store", "node_down").inc()
             return False
         except BackendError as exc:
             self._failed("store", "error", str(exc))

@@ -25,7 +25,7 @@ class CacheMetrics:
         self.backend_errors = Counter(
             "llm_sidecar_cache_backend_errors",
             "Cache store failures by operation (lookup|store) and reason "
-            "(timeout|error|breaker_open|backlog).",
+            "(timeout|error|breaker_open|node_down|backlog).",
             ["op", "reason"], registry=registry)
         self.backend_latency = Histogram(
             "llm_sidecar_cache_backend_seconds",

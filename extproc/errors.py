@@ -62,3 +62,8 @@ def method_not_allowed(method: str, path: str) -> ClientError:
 
 class BackendError(Exception):
     """The embedding cache's store failed or missed its deadline: the request bypasses the cache."""
+
+
+class NodeDown(BackendError):
+    """A Redis Cluster master holding some of the keys is down (the others answer): a bypass
+    like any backend error, but not counted towards the cache's breaker."""

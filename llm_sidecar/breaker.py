@@ -57,6 +57,13 @@ class Breaker:
         self.state = BreakerState.CLOSED
         self.failures = 0
 
+    def inconclusive(self) -> None:
+        """A call that could not tell whether the backend works (it needed only a part already
+        known to be down, and sent nothing): the failure count stands, and a half-open probe's
+        turn goes to the next caller at once instead of after another cooldown."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.probe_started = float("-inf")
+
     def failure(self, now: float) -> bool:
         """Count a failure; True when it opened the breaker (a closed breaker reaching
         ``failures_to_open``, or a failed half-open probe)."""

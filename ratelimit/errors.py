@@ -23,3 +23,9 @@ class ConfigError(RateLimitError):
 class BackendError(RateLimitError):
     """The bucket store (Redis) failed or missed its deadline; the caller applies
     ``on_backend_error``."""
+
+
+class NodeDown(BackendError):
+    """A Redis Cluster master that holds some of the request's buckets is down; the others
+    answer. The caller applies ``on_backend_error`` as for any backend error, but it is not a
+    sign that Redis as a whole is failing, so it does not count towards the breaker."""

@@ -12,7 +12,7 @@ from typing import TypeVar
 from llm_sidecar.breaker import Breaker, BreakerState
 from llm_sidecar.logs import get_logger
 from ratelimit.bucket import Hit, Settle
-from ratelimit.errors import BackendError
+from ratelimit.errors import BackendError, NodeDown
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import BucketStore, StoreResult
 
@@ -74,6 +74,13 @@ class GuardedStore:
             self._fail("timeout", message)
             reported = True
             raise BackendError(message) from None
+        except NodeDown:
+            # One Cluster master down: its keys get the policy, the breaker stays as it is
+            # (the router fails them at once and probes the master itself).
+            self._metrics.backend_errors.labels("node_down").inc()
+            self._breaker.inconclusive()
+            reported = True
+            raise
         except BackendError as exc:
             self._fail("error", str(exc))
             reported = True

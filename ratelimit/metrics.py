@@ -42,7 +42,7 @@ class RateLimitMetrics:
         )
         self.backend_errors = Counter(
             "ratelimit_backend_errors",
-            "Bucket store failures, by reason (timeout|error|breaker_open).",
+            "Bucket store failures, by reason (timeout|error|breaker_open|node_down).",
             ["reason"],
             registry=self.registry,
         )

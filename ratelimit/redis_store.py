@@ -7,23 +7,27 @@ Cluster: every bucket key carries its own hash tag (``keys.py``), so a request's
 usually live in different slots. The hits are grouped per slot, the groups run concurrently,
 and if any group denies the request, the groups that admitted are refunded with a second
 script. The small race: between a charge and its refund, another request may see those tokens
-missing and be denied. Debt charges are never refunded.
+missing and be denied. Debt charges are never refunded. Every command goes through
+:class:`~llm_sidecar.redis_cluster.ClusterRouter`: a master that is down fails its keys at once
+(:class:`NodeDownError`, before any group is charged), the other masters keep deciding.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from llm_sidecar.redis_client import CLUSTER_MAX_CONNECTIONS, Client
+from llm_sidecar.redis_cluster import ClusterRouter, NodeDownError
 from ratelimit.bucket import BucketResult, Hit, Settle
-from ratelimit.errors import BackendError
+from ratelimit.errors import BackendError, NodeDown
 from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA, SETTLE, SETTLE_SHA
 from ratelimit.store import LEASE_TTL_S, StoreResult
 
@@ -59,8 +63,7 @@ class RedisStore:
         self._margin_ms = str(max(1, round(margin_s * 1000)))
         self._lease_ttl_ms = str(max(1, round(lease_ttl_s * 1000)))
         self._slots = asyncio.Semaphore(CLUSTER_MAX_CONNECTIONS)
-        self._init_lock = asyncio.Lock()
-        self._initialized = False
+        self._router = ClusterRouter(client) if isinstance(client, RedisCluster) else None
 
     @property
     def client(self) -> Client:
@@ -69,10 +72,8 @@ class RedisStore:
     async def decide(self, hits: Sequence[Hit]) -> StoreResult:
         if not hits:
             return StoreResult(True, ())
-        try:
+        with _backend_errors():
             return await self._decide(hits)
-        except (RedisError, OSError) as exc:
-            raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
 
     async def settle(self, settles: Sequence[Settle]) -> None:
         if not settles:
@@ -81,10 +82,8 @@ class RedisStore:
         for item in settles:
             slot = self._client.keyslot(item.key) if isinstance(self._client, RedisCluster) else 0
             by_slot.setdefault(slot, []).append(item)
-        try:
+        with _backend_errors():
             await asyncio.gather(*(self._settle_group(items) for items in by_slot.values()))
-        except (RedisError, OSError) as exc:
-            raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
 
     async def _settle_group(self, items: Sequence[Settle]) -> None:
         keys: dict[str, int] = {}
@@ -99,9 +98,13 @@ class RedisStore:
         await self._eval(SETTLE_SHA, SETTLE, tuple(keys), args)
 
     async def aclose(self) -> None:
+        if self._router is not None:
+            await self._router.aclose()
         await self._client.aclose()
 
     async def _decide(self, hits: Sequence[Hit]) -> StoreResult:
+        if self._router is not None:
+            await self._router.check(hit.key for hit in hits)
         groups = self._groups(hits)
         if len(groups) == 1:
             admitted, results = await self._run(hits, groups[0])
@@ -165,20 +168,10 @@ class RedisStore:
         await self._eval(REFUND_SHA, REFUND, group.keys, args)
 
     async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
-        if isinstance(self._client, RedisCluster):
-            if not self._initialized:
-                await self._initialize(self._client)
+        if self._router is not None:
             async with self._slots:
-                return await self._eval_once(sha, script, keys, args)
+                return await self._evalsha(sha, script, keys, args)
         return await self._eval_once(sha, script, keys, args)
-
-    async def _initialize(self, client: RedisCluster) -> None:
-        """Load the cluster map once. redis-py (8.1) lets a burst of first commands each run
-        the discovery, and each run drops the connections the others are using."""
-        async with self._init_lock:
-            if not self._initialized:
-                await client.initialize()
-                self._initialized = True
 
     async def _eval_once(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
         try:
@@ -193,9 +186,28 @@ class RedisStore:
 
     async def _evalsha(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
         try:
-            return await self._client.evalsha(sha, len(keys), *keys, *args)
+            return await self._command(keys[0], "EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:
-            return await self._client.eval(script, len(keys), *keys, *args)
+            return await self._command(keys[0], "EVAL", script, len(keys), *keys, *args)
+
+    async def _command(self, key: str, *command: Any) -> Any:
+        """Every command of the store is sent here: on a Cluster through the router, to the
+        master of ``key``'s slot (the router also retries a connection found dead)."""
+        if self._router is not None:
+            return await self._router.execute(key, *command)
+        return await self._client.execute_command(*command)
+
+
+@contextmanager
+def _backend_errors() -> Iterator[None]:
+    """Redis's errors as the store's: a master known down (its keys fail at once, the breaker
+    untouched), or any other failure."""
+    try:
+        yield
+    except NodeDownError as exc:
+        raise NodeDown(f"redis: {exc}") from exc
+    except (RedisError, RedisClusterException, OSError) as exc:
+        raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
 
 
 def _flags(hit: Hit) -> int:

@@ -37,6 +37,11 @@ SERVICES = ("extproc", "ratelimit", "envoy")
 WARMUP_SHARE = 0.25
 """The first quarter of the run fills caches, connection pools and allocator arenas."""
 MAX_GROWTH = 0.10
+FD_SLACK = 8
+"""Open descriptors (about 30 a service) also move with the connection pools' peak
+concurrency: ratelimit went 22 -> 36 (+18 % after warm-up) in one run on a loaded machine, +0-9 %
+in the others. Growth beyond ``MAX_GROWTH`` counts only past this many descriptors more; a
+leak grows with the requests, by far more than this."""
 
 
 def rss_bytes(pid: int) -> int:
@@ -69,12 +74,21 @@ class SoakResult:
     def growth(self, service: str, what: str) -> float:
         """The median over the last tenth of the run against the median right after warm-up
         (medians: open connections come and go between two samples)."""
+        before, after = self._medians(service, what)
+        return after / before - 1
+
+    def grew(self, service: str, what: str) -> bool:
+        """Grew by more than ``MAX_GROWTH`` (descriptors: and by more than ``FD_SLACK``)."""
+        before, after = self._medians(service, what)
+        return after / before - 1 > MAX_GROWTH and (what != "fds" or after - before > FD_SLACK)
+
+    def _medians(self, service: str, what: str) -> tuple[float, float]:
         def values(lo: float, hi: float) -> list[int]:
             return [getattr(s, what)[service] for s in self.samples
                     if lo * self.requests <= s.done <= hi * self.requests]
         after_warmup = values(WARMUP_SHARE, WARMUP_SHARE + 0.15) or values(0, 1)
         last = values(0.9, 1.0) or values(0, 1)[-1:]
-        return statistics.median(last) / statistics.median(after_warmup) - 1
+        return statistics.median(after_warmup), statistics.median(last)
 
     def report(self) -> str:
         lines = [f"soak: {self.requests} requests in {self.seconds:.0f} s "
@@ -199,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"requests": result.requests, "seconds": result.seconds,
                        "outcomes": dict(result.outcomes),
                        "samples": [s.__dict__ for s in result.samples]}, handle, indent=1)
-    grown = [f"{s} {w}" for s in SERVICES for w in ("rss", "fds")
-             if result.growth(s, w) > MAX_GROWTH]
+    grown = [f"{s} {w}" for s in SERVICES for w in ("rss", "fds") if result.grew(s, w)]
     if grown:
         print(f"FAIL: grew more than {MAX_GROWTH:.0%} after warm-up: {', '.join(grown)}",
               file=sys.stderr)

@@ -73,6 +73,25 @@ HUNG_WAIT_S = {"extproc": 3.0, "ratelimit": 2.0}
 """The longest a request waits on a replica that hangs: the rig's
 ``services.extproc_timeout_s`` and the test gateway's ``services.ratelimit_timeout_s``."""
 
+# Wall-clock bounds, each the behaviour's guarantee plus a margin a 2-core machine running
+# other suites always meets (tighter ones, close to the measured figures, failed landings at
+# random); every test prints what it measured, and the README gives the measured figures.
+FAST_FAIL_S = 2.0
+"""A refused connection is answered at once (measured 30-65 ms); a request that waited on
+the dead service instead would take at least ``HUNG_WAIT_S``, which this stays below."""
+RESTARTED_S = 5.0
+"""Envoy uses a restarted replica on its next request (measured 0.02-0.2 s); past this
+something (a health check, a connection backoff) held it out."""
+SKIPPED_S = 10.0
+"""Out of rotation after two missed health checks 2 s apart with a 1 s timeout (measured
+4.5-5.7 s)."""
+HEALTHY_AGAIN_S = 6.0
+"""One passing health check, every 2 s (measured 1-2 s)."""
+HUNG_MARGIN_S = 4.0
+"""How much longer than its configured wait a request on a hung replica may take: scheduling
+noise (4.4 s for the 2 s rate-limit wait at load average 13). The replica stays frozen longer
+than wait + margin, so a request that waited for it to come back still fails the bound."""
+
 
 def faulty_doc(reset_pod: ResettingPod, dead_port: int) -> dict[str, Any]:
     doc = chaos_doc()
@@ -250,9 +269,9 @@ def test_extproc_killed_under_load(rig: Rig) -> None:
                   f"{r.status} {r.code} {r.latency * 1000:.0f} ms")
     assert single and all(r.status == 200 for r in single)
     assert dead and outcomes == {(503, "upstream_unavailable")}  # fail closed, OpenAI JSON
-    assert percentile([r.latency for r in dead], 99) < 0.5
+    assert percentile([r.latency for r in dead], 99) < FAST_FAIL_S
     assert after and all(r.status == 200 for r in after)
-    assert recovered < 2.0
+    assert recovered < RESTARTED_S
 
 
 @pytest.mark.parametrize("kind", ["extproc", "ratelimit"])
@@ -271,7 +290,9 @@ def test_a_hung_replica_is_skipped_within_seconds(rig: Rig, kind: str) -> None:
         victim.send_signal(signal.SIGSTOP)
         try:
             skipped = wait_until(lambda: "failed_active_hc" in health_flags(gw, address), 20, 0.1)
-            time.sleep(HUNG_WAIT_S[kind] + 1.0)  # requests sent after that: all on the live one
+            # Requests sent after the skip go to the live one; one stuck on the frozen replica
+            # would now outlast the bound below.
+            time.sleep(HUNG_WAIT_S[kind] + HUNG_MARGIN_S)
         finally:
             victim.send_signal(signal.SIGCONT)
         resumed = time.monotonic()
@@ -288,14 +309,15 @@ def test_a_hung_replica_is_skipped_within_seconds(rig: Rig, kind: str) -> None:
           f"healthy again {back:.2f} s after it resumed")
     # Nothing hangs: a request on the hung replica ends when its configured wait runs out (not
     # sooner: Envoy once cut every rate-limit call at 50 ms, envoyproxy/envoy#38847).
-    assert during and all(r.latency < HUNG_WAIT_S[kind] + 1.0 for r in during + late + after)
+    assert during and all(r.latency < HUNG_WAIT_S[kind] + HUNG_MARGIN_S
+                          for r in during + late + after)
     assert max(r.latency for r in during) > 0.8 * HUNG_WAIT_S[kind]
     expected = {(503, "upstream_unavailable")} if kind == "extproc" else set()
     assert {(r.status, r.code) for r in failed} <= expected
-    assert skipped < 8.0  # two missed health checks, 2 s apart, 1 s timeout
+    assert skipped < SKIPPED_S
     assert late and all(r.status == 200 for r in late)
     assert after and all(r.status == 200 for r in after)
-    assert back < 4.0
+    assert back < HEALTHY_AGAIN_S
 
 
 def test_ratelimit_killed_fails_open_by_default(rig: Rig) -> None:
@@ -324,7 +346,7 @@ def test_ratelimit_killed_fails_open_by_default(rig: Rig) -> None:
                              f"{envoy_view(gw, 'llm-sidecar-ratelimit')}") from None
     print(f"\n[chaos] ratelimit killed (both replicas): fail open, requests admitted; "
           f"enforcing again {recovered:.2f} s after restart ({restarted:.2f} s to restart)")
-    assert recovered < 2.0
+    assert recovered < RESTARTED_S
 
 
 def test_a_pool_down_is_a_503_and_only_connect_failures_are_retried(rig: Rig) -> None:
@@ -334,7 +356,7 @@ def test_a_pool_down_is_a_503_and_only_connect_failures_are_retried(rig: Rig) ->
     down = post(gw.url, Call("chat", "/v1/chat/completions", json.dumps(
         {"model": "down-model", "messages": [{"role": "user", "content": "x"}]}).encode(), auth))
     assert (down.status, down.code) == (503, "upstream_unavailable")
-    assert down.latency < 1.0
+    assert down.latency < FAST_FAIL_S
     # A refused connect never reached vLLM: retried (twice, each on another pod when there is one).
     assert envoy_stat(gw, "cluster.down.upstream_rq_retry") - retries["down"] == 2
     before = rig.reset_pod.requests

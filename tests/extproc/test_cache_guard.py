@@ -11,7 +11,7 @@ from extproc.actions import CacheWrite
 from extproc.cache_guard import VectorCache
 from extproc.cache_metrics import CacheMetrics
 from extproc.cache_store import MemoryVectorStore
-from extproc.errors import BackendError
+from extproc.errors import BackendError, NodeDown
 from llm_sidecar.breaker import BreakerState
 
 
@@ -37,6 +37,8 @@ class FlakyStore(MemoryVectorStore):
             await asyncio.sleep(3600)
         if self.mode == "fail":
             raise BackendError("redis: ConnectionError: refused")
+        if self.mode == "node_down":
+            raise NodeDown("redis: redis cluster node 127.0.0.1:7001 is down")
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         await self._trouble()
@@ -162,3 +164,20 @@ async def test_connect_warms_the_store_and_tolerates_a_dead_one() -> None:
     # Not a lookup: no lookup metric, and the breaker is left to real traffic.
     assert sample(registry, "llm_sidecar_cache_lookups_total", result="bypass") == 0
     assert cache.breaker_state is BreakerState.CLOSED
+
+
+async def test_a_dead_cluster_master_is_a_bypass_that_leaves_the_breaker_closed() -> None:
+    """Lookups touching its keys bypass; the cache stays in use for the others."""
+    store, clock = FlakyStore(), Clock()
+    cache, _, registry = made(store, clock)
+    store.mode = "node_down"
+    for _ in range(5):
+        assert await cache.lookup(["a"]) is None
+    assert not await cache.store_now(CacheWrite((("a", b"fA"),), 60))
+    assert cache.breaker_state is BreakerState.CLOSED
+    errors = "llm_sidecar_cache_backend_errors_total"
+    assert sample(registry, errors, op="lookup", reason="node_down") == 5
+    assert sample(registry, errors, op="store", reason="node_down") == 1
+    assert sample(registry, "llm_sidecar_cache_lookups_total", result="bypass") == 5
+    store.mode = "ok"
+    assert await cache.lookup(["a"]) == (None,)

@@ -53,3 +53,18 @@ def test_late_failures_do_not_extend_the_cooldown() -> None:
     assert breaker.failure(0.0)
     assert not breaker.failure(0.5)  # a call started before the breaker opened
     assert breaker.allow(1.0)
+
+
+def test_an_inconclusive_call_neither_counts_nor_holds_the_probe() -> None:
+    breaker = Breaker(cooldown_s=1.0, failures_to_open=2)
+    assert not breaker.failure(0.0)
+    breaker.inconclusive()  # a dead Cluster master's key: not evidence either way
+    assert state_of(breaker) is BreakerState.CLOSED
+    assert breaker.failure(0.1)  # the earlier failure still counts
+    assert breaker.allow(1.1)  # the probe...
+    breaker.inconclusive()  # ...only needed the dead master: the next caller probes at once
+    assert state_of(breaker) is BreakerState.HALF_OPEN
+    assert breaker.allow(1.2)
+    assert not breaker.allow(1.3)
+    breaker.success()
+    assert state_of(breaker) is BreakerState.CLOSED

@@ -10,7 +10,7 @@ import pytest
 
 from llm_sidecar.breaker import BreakerState
 from ratelimit.bucket import BucketResult, Hit
-from ratelimit.errors import BackendError
+from ratelimit.errors import BackendError, NodeDown
 from ratelimit.guard import GuardedStore
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import StoreResult
@@ -33,6 +33,8 @@ class ScriptedStore:
             await asyncio.sleep(10)
         if self.mode == "fail":
             raise BackendError("boom")
+        if self.mode == "node_down":
+            raise NodeDown("redis cluster node 127.0.0.1:7001 is down")
         return StoreResult(True, tuple(BucketResult(True, 1.0) for _ in hits))
 
     async def aclose(self) -> None:
@@ -103,3 +105,19 @@ async def test_a_lone_missed_deadline_does_not_open_the_breaker() -> None:
     assert breaker_of(guard) is BreakerState.OPEN
     with pytest.raises(BackendError, match="breaker"):
         await guard.decide([])
+
+
+async def test_a_dead_cluster_master_does_not_open_the_breaker_for_every_key() -> None:
+    """Its keys get the policy (a BackendError), every other key is still sent to Redis."""
+    inner, clock, metrics = ScriptedStore(), FakeClock(), RateLimitMetrics()
+    guard = GuardedStore(inner, timeout_s=0.05, cooldown_s=1.0, metrics=metrics, clock=clock,
+                         failures_to_open=1)
+    inner.mode = "node_down"
+    for _ in range(10):
+        with pytest.raises(BackendError):
+            await guard.decide([])
+    assert breaker_of(guard) is BreakerState.CLOSED
+    assert metrics.backend_errors.labels("node_down")._value.get() == 10
+    inner.mode = "ok"
+    assert (await guard.decide([])).admitted
+    assert inner.calls == 11
