@@ -34,20 +34,24 @@ def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
         struct.pack(">I", stream) + payload
 
 
+def headers(phase: str, pairs: list[tuple[str, str]]) -> pb.ProcessingRequest:
+    """An ext_proc headers message as Envoy sends it (``raw_value``, not ``value``)."""
+    message = pb.ProcessingRequest()
+    for key, value in pairs:
+        header = getattr(message, phase).headers.headers.add()
+        header.key, header.raw_value = key, value.encode()
+    return message
+
+
+def body(phase: str, raw: bytes) -> pb.ProcessingRequest:
+    """An ext_proc body message carrying the whole body."""
+    message = pb.ProcessingRequest()
+    getattr(message, phase).body = raw
+    getattr(message, phase).end_of_stream = True
+    return message
+
+
 def grpc_messages(request_body: bytes, response_body: bytes) -> bytes:
-    def headers(phase: str, pairs: list[tuple[str, str]]) -> pb.ProcessingRequest:
-        message = pb.ProcessingRequest()
-        for key, value in pairs:
-            header = getattr(message, phase).headers.headers.add()
-            header.key, header.raw_value = key, value.encode()
-        return message
-
-    def body(phase: str, raw: bytes) -> pb.ProcessingRequest:
-        message = pb.ProcessingRequest()
-        getattr(message, phase).body = raw
-        getattr(message, phase).end_of_stream = True
-        return message
-
     stream = [
         headers("request_headers", [(":method", "POST"), (":path", "/v1/chat/completions"),
                                     (":authority", "bench"), ("content-type", "application/json"),

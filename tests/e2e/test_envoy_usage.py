@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from tests.chaos.support import metric
+from tests.chaos.support import metric, wait_until
 from tests.harness.gateway import Gateway, default_doc, running_gateway
 
 pytestmark = pytest.mark.e2e
@@ -57,13 +57,6 @@ def ext_proc_messages(gw: Gateway) -> float:
                    if line.strip())
 
 
-def wait_for(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def remaining(response: Any) -> int:
     return int(response.headers["x-ratelimit-remaining-tokens"])
 
@@ -79,9 +72,9 @@ def charged_by(gw: Gateway, tenant: str, send: Callable[[], int]) -> tuple[int, 
     settles = settled(gw)
     first = probe(model="llama-2-13b", messages=MESSAGES, max_tokens=1)
     probe_usage = first.parse().usage.total_tokens
-    wait_for(lambda: settled(gw) >= settles + 1)
+    wait_until(lambda: settled(gw) >= settles + 1, 10, 0.05)
     total = send()
-    wait_for(lambda: settled(gw) >= settles + 2)
+    wait_until(lambda: settled(gw) >= settles + 2, 10, 0.05)
     second = probe(model="llama-2-13b", messages=MESSAGES, max_tokens=1)
     refill = int((time.monotonic() - started) * DAY_CAP / 86400) + 1
     return remaining(first) - remaining(second) - probe_usage, total, refill
@@ -96,7 +89,7 @@ def test_a_non_streamed_answer_is_still_read_by_extproc(gw: Gateway) -> None:
         before = ext_proc_messages(gw)
         answer = client(gw, "json").chat.completions.create(
             model="llama-2-13b", messages=MESSAGES, max_tokens=7)
-        wait_for(lambda: ext_proc_messages(gw) >= before + 4)
+        wait_until(lambda: ext_proc_messages(gw) >= before + 4, 10, 0.05)
         counted.append(ext_proc_messages(gw) - before)
         assert answer.usage is not None
         return answer.usage.total_tokens
@@ -119,7 +112,7 @@ def test_a_stream_that_asked_for_usage_is_settled_by_envoy_per_request_not_per_t
         assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 40
         usage = chunks[-1].usage  # the client asked for it, so it gets it
         assert usage is not None and not chunks[-1].choices
-        wait_for(lambda: ext_proc_messages(gw) >= before + 3)
+        wait_until(lambda: ext_proc_messages(gw) >= before + 3, 10, 0.05)
         counted.append(ext_proc_messages(gw) - before)
         return usage.total_tokens
 
@@ -152,7 +145,7 @@ def test_a_stream_that_did_not_ask_for_usage_sees_none_and_is_settled_by_envoy(
         assert all(c["choices"] and not c.get("usage") for c in chunks), raw
         content = sum(1 for c in chunks if c["choices"][0]["delta"].get("content"))
         assert content == 12
-        wait_for(lambda: ext_proc_messages(gw) >= before + 3)
+        wait_until(lambda: ext_proc_messages(gw) >= before + 3, 10, 0.05)
         counted.append(ext_proc_messages(gw) - before)
         # What vLLM counted (the simulator's prompt count), as the stripped chunk said it.
         return content + prompt
@@ -168,7 +161,7 @@ def probe_prompt_tokens(gw: Gateway) -> int:
     settles = settled(gw)
     answer = client(gw, "cont").chat.completions.create(
         model="llama-2-13b", messages=MESSAGES, max_tokens=1)
-    wait_for(lambda: settled(gw) >= settles + 1)
+    wait_until(lambda: settled(gw) >= settles + 1, 10, 0.05)
     assert answer.usage is not None
     return answer.usage.prompt_tokens
 
@@ -203,7 +196,7 @@ def test_an_aborted_stream_keeps_its_reservation(gw: Gateway, tenant: str,
     # Another request's settle comes after the abort's stream-done call would have.
     client(gw, "json").chat.completions.create(model="llama-2-13b", messages=MESSAGES,
                                                max_tokens=1)
-    wait_for(lambda: settled(gw) >= before + 1)
+    wait_until(lambda: settled(gw) >= before + 1, 10, 0.05)
     # Settled, the stream (~20 tokens of a 77-token reservation) would leave room for this one.
     with pytest.raises(openai.RateLimitError) as caught:
         client(gw, tenant).chat.completions.create(model="llama-2-13b", messages=MESSAGES,
@@ -218,7 +211,7 @@ def test_an_upstream_error_is_settled_to_zero(gw: Gateway) -> None:
         client(gw, "cont").chat.completions.create(model="llama-2-13b", messages=MESSAGES,
                                                    max_tokens=5, n=2,  # the simulator's 400
                                                    stream=True)
-    wait_for(lambda: settled(gw) >= settles + 1)
+    wait_until(lambda: settled(gw) >= settles + 1, 10, 0.05)
 
 
 def test_a_large_non_streamed_answer_is_never_held_by_envoy(gw: Gateway) -> None:

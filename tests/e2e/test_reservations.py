@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,7 +19,7 @@ import openai
 import pytest
 
 from tests.chaos.replicas import add_to_envoy, start_replica
-from tests.chaos.support import metric
+from tests.chaos.support import metric, wait_until
 from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, default_doc, running_gateway
 from tests.harness.redis_servers import RedisServer
@@ -106,13 +105,6 @@ def open_stream(gw: Gateway, tenant: str, max_tokens: int | None = None,
     return conn
 
 
-def wait_for(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_concurrent_requests_never_overshoot_and_refunds_admit_the_next(gw: Gateway) -> None:
     """20 requests arrive together at a bucket that fits 4 reservations: 4 are admitted. They
     use ~30 tokens each, so the refunds admit the next 4 at once."""
@@ -169,7 +161,7 @@ def test_a_finished_stream_is_settled_to_its_usage(gw: Gateway) -> None:
     assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) == 20
     # After the settle, the roomy bucket is down by the real usage of everything sent so far,
     # far less than the reservations.
-    wait_for(lambda: ROOMY - remaining_tokens(gw, "roomy") < 3 * reserved)
+    wait_until(lambda: ROOMY - remaining_tokens(gw, "roomy") < 3 * reserved, 10, 0.05)
 
 
 def test_concurrency_cap_counts_streams_and_frees_slots_of_aborted_ones(gw: Gateway) -> None:
@@ -189,7 +181,7 @@ def test_concurrency_cap_counts_streams_and_frees_slots_of_aborted_ones(gw: Gate
                 return False
             return True
 
-        wait_for(admitted)
+        wait_until(admitted, 10, 0.05)
     finally:
         for conn in streams:
             conn.close()

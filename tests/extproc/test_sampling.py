@@ -13,7 +13,7 @@ from extproc.actions import Continue, ModeOverride
 from extproc.bodies import parse_generation
 from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.stream import StreamState
-from extproc.telemetry import RequestRecord
+from extproc.telemetry import NullTelemetry, RequestRecord
 from llm_sidecar.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
 from tests.extproc.helpers import snapshot
 
@@ -61,21 +61,14 @@ def test_envoy_reads_the_usage_of_streams(doc: dict[str, Any], expected: str) ->
     assert usage_plan(gen(**doc)) == expected
 
 
-class Records:
+class Records(NullTelemetry):
+    """Keeps the request records; everything else as NullTelemetry (no-ops)."""
+
     def __init__(self) -> None:
         self.records: list[RequestRecord] = []
 
     def request_done(self, record: RequestRecord) -> None:
         self.records.append(record)
-
-    def rejected(self, status: int, code: str) -> None:
-        pass
-
-    def routed(self, model: str, cluster: str, variant: str) -> None:
-        pass
-
-    def phase(self, phase: str, seconds: float) -> None:
-        pass
 
 
 def routed(doc: dict[str, Any], **sections: Any) -> tuple[StreamState, Continue, Records]:

@@ -23,6 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.h2_extproc_load import body, headers
 from llm_sidecar.procs import Child, _wait_until, free_port, sidecar_command, start, wait_http_ok
 from tests.harness.redis_servers import RedisServer
 
@@ -107,28 +108,13 @@ def routing(port: int, models: tuple[str, ...]) -> dict[str, object]:
             "telemetry": {"sample": 1}}
 
 
-def headers(phase: str, pairs: dict[str, str]) -> pb.ProcessingRequest:
-    message = pb.ProcessingRequest()
-    for key, value in pairs.items():
-        header = getattr(message, phase).headers.headers.add()
-        header.key, header.raw_value = key, value.encode()
-    return message
-
-
-def body(phase: str, raw: bytes) -> pb.ProcessingRequest:
-    message = pb.ProcessingRequest()
-    getattr(message, phase).body = raw
-    getattr(message, phase).end_of_stream = True
-    return message
-
-
 def chat_stream(model: str) -> list[pb.ProcessingRequest]:
     return [
-        headers("request_headers", {":method": "POST", ":path": "/v1/chat/completions",
-                                    "content-type": "application/json"}),
+        headers("request_headers", [(":method", "POST"), (":path", "/v1/chat/completions"),
+                                    ("content-type", "application/json")]),
         body("request_body", b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}]}'
              % model.encode()),
-        headers("response_headers", {":status": "200", "content-type": "application/json"}),
+        headers("response_headers", [(":status", "200"), ("content-type", "application/json")]),
         body("response_body", b'{"usage": {"prompt_tokens": 3, "completion_tokens": 2, '
                               b'"total_tokens": 5}}'),
     ]
