@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from routing.picker_schema import EndpointPickerSpec
 from routing.units import parse_duration, parse_hostport, parse_rate, parse_service_address
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
@@ -162,6 +163,9 @@ class ClusterSpec(Strict):
     """Name of the environment variable, in Envoy's process, holding this pool's own vLLM API
     key (``vllm serve --api-key``): sent upstream as ``Authorization: Bearer``. Clients'
     credentials never reach a pool either way."""
+    endpoint_picker: EndpointPickerSpec | None = None
+    """extproc picks the pod from each pod's live vLLM metrics (``{}``: defaults); absent:
+    Envoy's least-request balancing."""
 
     @field_validator("upstream_api_key_env")
     @classmethod

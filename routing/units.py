@@ -13,7 +13,9 @@ DURATION_PATTERN = r"^(\d+)(s|m|h|d)$"
 RATE_PATTERN = r"^(\d+(?:\.\d+)?)([kM]?)/(\d*)(s|min|m|h|d)$"
 HOSTPORT_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):[0-9]{1,5}$"
 """The shapes of the values above, for the JSON Schema (editors); the parsers decide."""
+INTERVAL_PATTERN = r"^(\d+)(ms|s|m|h)$"
 _DURATION = re.compile(DURATION_PATTERN)
+_INTERVAL = re.compile(INTERVAL_PATTERN)
 _RATE = re.compile(RATE_PATTERN)
 _SUFFIX = {"": 1, "k": 1_000, "M": 1_000_000}
 
@@ -26,6 +28,20 @@ def parse_duration(text: str) -> int:
     seconds = int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
     if seconds <= 0:
         raise ValueError(f"bad duration {text!r}: must be more than zero")
+    return seconds
+
+
+def parse_interval(text: str) -> float:
+    """Seconds (a float) in a short interval such as ``100ms``, ``2s`` or ``5m``."""
+    raw = str(text).strip()
+    match = _INTERVAL.match(raw)
+    if not match:
+        raise ValueError(f"bad interval {raw!r}: use a whole number with ms, s, m or h, "
+                         "like 100ms or 5s")
+    number, unit = int(match.group(1)), match.group(2)
+    seconds = number / 1000 if unit == "ms" else float(number * _UNIT_SECONDS[unit])
+    if seconds <= 0:
+        raise ValueError(f"bad interval {raw!r}: must be more than zero")
     return seconds
 
 

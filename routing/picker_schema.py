@@ -1,0 +1,84 @@
+"""``clusters.X.endpoint_picker``: extproc picks the pod of a pool from each pod's live metrics.
+
+Kept apart from :mod:`routing.schema` (which imports it) because it is one feature's settings.
+Absent, Envoy balances the pool by least request as before; ``{}`` takes every default.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from routing.units import INTERVAL_PATTERN, parse_interval
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+def _interval(value: str) -> str:
+    parse_interval(value)
+    return value
+
+
+class PickerWeights(_Strict):
+    """How much each scorer counts; every scorer gives a pod 0 (worst) to 1 (best)."""
+
+    queue: float = Field(default=1.0, ge=0, le=100)
+    """Requests waiting on the pod (``vllm:num_requests_waiting``) plus what this replica sent
+    it since the last scrape: fewer is better."""
+    kv_cache: float = Field(default=1.0, ge=0, le=100)
+    """KV-cache use (``vllm:kv_cache_usage_perc``): emptier is better."""
+    in_flight: float = Field(default=0.5, ge=0, le=100)
+    """Requests this extproc replica has open on the pod: fewer is better."""
+    prefix: float = Field(default=2.0, ge=0, le=100)
+    """Share of the prompt's leading blocks the pod recently served (its prefix cache)."""
+    thermal: float = Field(default=1.0, ge=0, le=100)
+    """GPU clock throttling (DCGM): a throttled pod scores 0, when a DCGM URL is set."""
+
+
+class SaturationSpec(_Strict):
+    """When every pod of the pool is over these, low-priority requests get 503
+    ``server_overloaded`` (high and medium still go)."""
+
+    queue_depth: int = Field(default=32, ge=1, le=1_000_000)
+    """A pod with this many requests waiting is saturated."""
+    kv_cache: float = Field(default=0.98, gt=0, le=1)
+    """A pod whose KV cache is this full (0 to 1) is saturated."""
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+    """The ``retry-after`` of the 503."""
+
+
+class EndpointPickerSpec(_Strict):
+    metrics_interval: str = Field(default="100ms", pattern=INTERVAL_PATTERN)
+    """How often each pod's vLLM ``/metrics`` is scraped (``100ms``, ``1s``)."""
+    metrics_path: str = Field(default="/metrics", pattern=r"^/[\x21-\x7e]*$")
+    """Path of vLLM's Prometheus metrics on each pod."""
+    resolve_interval: str = Field(default="5s", pattern=INTERVAL_PATTERN)
+    """How often DNS names among the endpoints are re-resolved (a headless Service: one A
+    record per pod)."""
+    stale_after: str = Field(default="2s", pattern=INTERVAL_PATTERN)
+    """A pod whose last good scrape is older than this is scored as unknown (never dropped:
+    Envoy's health checks decide liveness)."""
+    dcgm_url: str | None = Field(default=None, pattern=r"^https?://\S*\{host\}\S*$")
+    """Optional DCGM exporter URL per pod, ``{host}`` replaced by the pod's IP, like
+    ``http://{host}:9400/metrics``: GPU temperature, memory and clock-throttle reasons."""
+    weights: PickerWeights = Field(default_factory=PickerWeights)
+    saturation: SaturationSpec | None = Field(default_factory=SaturationSpec)
+    """Shedding of low-priority requests when the whole pool is saturated; ``null`` never sheds."""
+
+    @field_validator("metrics_interval", "resolve_interval", "stale_after")
+    @classmethod
+    def _intervals(cls, value: str) -> str:
+        return _interval(value)
+
+    @property
+    def interval_s(self) -> float:
+        return parse_interval(self.metrics_interval)
+
+    @property
+    def resolve_s(self) -> float:
+        return parse_interval(self.resolve_interval)
+
+    @property
+    def stale_s(self) -> float:
+        return parse_interval(self.stale_after)
