@@ -1,0 +1,115 @@
+"""What one extproc replica knows about the pods of each endpoint-picker pool.
+
+The scraper (:mod:`extproc.picker.scrape`) writes: the pool's current addresses (``set_addresses``,
+after each DNS resolution) and each pod's metrics (``record_scrape`` / ``record_failure``). The
+picker (:mod:`extproc.picker.pick`) reads ``candidates`` and writes ``sent`` / ``done``. All of it
+runs on the event loop's thread, so no locks.
+
+A pod whose metrics are missing, failing or older than ``stale_s`` is *unknown*: still a
+candidate (Envoy's health checks decide liveness, not a scrape), scored neutrally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PodMetrics:
+    """One scrape of a pod: vLLM's gauges and counters, and DCGM's when a URL is configured."""
+
+    waiting: float = 0.0
+    """``vllm:num_requests_waiting``."""
+    running: float = 0.0
+    """``vllm:num_requests_running``."""
+    kv_usage: float = 0.0
+    """``vllm:kv_cache_usage_perc`` (or the older ``vllm:gpu_cache_usage_perc``), 0 to 1."""
+    prefix_queries: float = 0.0
+    """``vllm:prefix_cache_queries`` (tokens, cumulative)."""
+    prefix_hits: float = 0.0
+    """``vllm:prefix_cache_hits`` (tokens, cumulative)."""
+    gpu_temp_c: float | None = None
+    """DCGM ``DCGM_FI_DEV_GPU_TEMP``; None when unknown."""
+    gpu_mem_used_frac: float | None = None
+    """DCGM framebuffer used / (used + free); None when unknown."""
+    throttled: bool | None = None
+    """DCGM ``DCGM_FI_DEV_CLOCK_THROTTLE_REASONS`` has a thermal or power bit set; None when
+    unknown."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One pod as the scorers see it at pick time (pure data)."""
+
+    address: str
+    """``ip:port``, as Envoy's override-host policy names a host."""
+    metrics: PodMetrics | None
+    """None: unknown (never scraped, failing, or stale)."""
+    sent_since_scrape: int
+    """Requests this replica sent the pod since its metrics were read (not in them yet)."""
+    in_flight: int
+    """Requests this replica has open on the pod."""
+    prefix_match: float = 0.0
+    """0 to 1: share of the prompt's leading blocks this pod served recently."""
+
+
+@dataclass
+class PodState:
+    address: str
+    metrics: PodMetrics | None = None
+    scraped_at: float | None = None
+    """Event-loop time of the last good scrape."""
+    failures: int = 0
+    """Scrapes failed in a row."""
+    sent_since_scrape: int = 0
+    in_flight: int = 0
+    prefix_hit_rate: float | None = None
+    """Hits / queries between the last two good scrapes (None before two)."""
+
+
+@dataclass
+class PoolState:
+    """The pods of one pool, by address, in the order DNS or the YAML gave them."""
+
+    cluster: str
+    stale_s: float
+    pods: dict[str, PodState] = field(default_factory=dict)
+
+    def set_addresses(self, addresses: list[str]) -> None:
+        """The pool's pods are now ``addresses``; known pods keep their state."""
+        self.pods = {a: self.pods.get(a) or PodState(a) for a in addresses}
+
+    def record_scrape(self, address: str, metrics: PodMetrics, now: float) -> None:
+        pod = self.pods.get(address)
+        if pod is None:
+            return  # resolved away while the scrape was in flight
+        if pod.metrics is not None:
+            queries = metrics.prefix_queries - pod.metrics.prefix_queries
+            hits = metrics.prefix_hits - pod.metrics.prefix_hits
+            if queries > 0 and hits >= 0:
+                pod.prefix_hit_rate = min(1.0, hits / queries)
+        pod.metrics, pod.scraped_at, pod.failures, pod.sent_since_scrape = metrics, now, 0, 0
+
+    def record_failure(self, address: str) -> None:
+        pod = self.pods.get(address)
+        if pod is not None:
+            pod.failures += 1
+
+    def fresh(self, pod: PodState, now: float) -> PodMetrics | None:
+        """The pod's metrics if recent enough to trust, else None (unknown)."""
+        if pod.scraped_at is None or now - pod.scraped_at > self.stale_s:
+            return None
+        return pod.metrics
+
+    def sent(self, address: str) -> None:
+        """This replica sent the pod a request (counted until its next scrape, and open)."""
+        pod = self.pods.get(address)
+        if pod is not None:
+            pod.sent_since_scrape += 1
+            pod.in_flight += 1
+
+    def done(self, address: str) -> None:
+        """A request this replica sent the pod ended (answered, failed or aborted)."""
+        pod = self.pods.get(address)
+        if pod is not None and pod.in_flight > 0:
+            pod.in_flight -= 1
