@@ -1,0 +1,201 @@
+"""The pick: which pod of a pool gets a request, and when a low-priority request is shed.
+
+:func:`choose` is the pure decision (candidates in, :class:`Pick` out, O(pods)); the
+:class:`EndpointPicker` holds what it needs between requests: one
+:class:`~extproc.picker.state.PoolState` per picker cluster (the scraper writes metrics and
+addresses into the same objects), the prefix index, and the clock and random source (injected
+for tests). Everything runs on the event loop's thread: no locks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import ipaddress
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from extproc.picker.prefix import PrefixIndex, block_hashes
+from extproc.picker.scoring import PoolContext, Row, saturated, score_rows
+from extproc.picker.state import Candidate, PoolState
+from routing.picker_schema import EndpointPickerSpec, PickerWeights, SaturationSpec
+from routing.schema import RoutingConfig
+from routing.units import parse_hostport
+
+Priority = Literal["high", "medium", "low"]
+Reason = Literal["scored", "prefix", "unknown", "no_endpoints", "saturated"]
+
+FALLBACKS = 2
+"""Runners-up named for Envoy's retries: a pod that refuses the connection is retried on the next
+best, never on itself."""
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One decision. ``endpoint`` None: no pod named (``no_endpoints``: let Envoy balance the pool;
+    ``saturated``: shed, answer 503 ``server_overloaded``).
+
+    ``reason``: ``scored`` (the scorers' best), ``prefix`` (the winner holds part of the prompt
+    and would not have won without the prefix scorer), ``unknown`` (no pod has fresh metrics:
+    picked by what this replica sent and has open), ``no_endpoints``, ``saturated``."""
+
+    endpoint: str | None
+    fallbacks: tuple[str, ...] = ()
+    reason: Reason = "scored"
+    shed: bool = False
+
+
+NO_ENDPOINTS = Pick(None, (), "no_endpoints", False)
+SHED = Pick(None, (), "saturated", True)
+
+
+def choose(candidates: Sequence[Candidate], weights: PickerWeights, saturation: SaturationSpec | None,
+           priority: Priority, rng: random.Random) -> Pick:
+    """The best candidate by total score; ties go to fewer ``in_flight``, then chance.
+
+    Sheds (``saturated``) only a ``low`` request, only when ``saturation`` is set and every
+    candidate has fresh metrics over a threshold: an unknown pod may be free, so it is tried.
+    High and medium requests always get the best pod.
+    """
+    return choose_rows([c.address for c in candidates],
+                       [(c.metrics, c.sent_since_scrape, c.in_flight, c.prefix_match) for c in candidates],
+                       weights, saturation, priority, rng)
+
+
+def choose_rows(addresses: Sequence[str], rows: Sequence[Row], weights: PickerWeights,
+                saturation: SaturationSpec | None, priority: Priority, rng: random.Random) -> Pick:
+    """:func:`choose` on candidates given as ``addresses[i]`` and ``rows[i]`` (see
+    :data:`~extproc.picker.scoring.Row`): what :meth:`EndpointPicker.pick` calls, without a
+    :class:`Candidate` per pod."""
+    if not rows:
+        return NO_ENDPOINTS
+    ctx = PoolContext.of(saturation)
+    if (priority == "low" and saturation is not None
+            and all(row[0] is not None and saturated(row[0], ctx) for row in rows)):
+        return SHED
+    # (total, -in_flight, chance, total without prefix, index): tuples compare in that order, so
+    # the best is the highest total, then the fewest open, then chance (exact ties are common:
+    # equal pods score exactly alike). The index is unique, so comparison never gets past it.
+    totals, bases = score_rows(rows, weights, ctx)
+    chance = rng.random
+    ranked = list(zip(totals, [-row[2] for row in rows], [chance() for _ in rows], bases,
+                      range(len(rows)), strict=True))
+    top = heapq.nlargest(1 + FALLBACKS, ranked)
+    winner = top[0]
+    endpoint = addresses[winner[4]]
+    fallbacks = tuple(addresses[entry[4]] for entry in top[1:])
+    if all(row[0] is None for row in rows):
+        return Pick(endpoint, fallbacks, "unknown")
+    if rows[winner[4]][3] > 0.0 and _prefix_decided(winner, ranked):
+        return Pick(endpoint, fallbacks, "prefix")
+    return Pick(endpoint, fallbacks, "scored")
+
+
+_Ranked = tuple[float, int, float, float, int]
+
+
+def _prefix_decided(winner: _Ranked, ranked: list[_Ranked]) -> bool:
+    """Whether, without the prefix scorer, another pod would rank at least as high (a tie would
+    have been chance, so the prefix still decided it)."""
+    mine = (winner[3], winner[1])
+    return any((entry[3], entry[1]) >= mine for entry in ranked if entry is not winner)
+
+
+def _is_ip_literal(endpoint: str) -> bool:
+    try:
+        ipaddress.ip_address(parse_hostport(endpoint)[0])
+    except ValueError:
+        return False
+    return True
+
+
+def _literals(endpoints: Sequence[str]) -> list[str]:
+    """The endpoints that are ``ip:port`` (IPv6 as ``[::1]:80``), as written: Envoy names a host
+    the same way. DNS names wait for the scraper's resolution."""
+    return [e for e in endpoints if _is_ip_literal(e)]
+
+
+class EndpointPicker:
+    """The picker of every ``endpoint_picker`` cluster of one routing config.
+
+    ``pools`` maps each such cluster to its :class:`PoolState`; the scraper writes into these
+    objects (``set_addresses``, ``record_scrape``, ``record_failure``) and :meth:`update` keeps
+    them for clusters that stay, so a reload loses no pod state. ``clock`` must be the clock the
+    scraper stamps scrapes with (the event loop's ``time``: monotonic seconds).
+    """
+
+    def __init__(self, config: RoutingConfig, *, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None, index: PrefixIndex | None = None) -> None:
+        self.pools: dict[str, PoolState] = {}
+        self._specs: dict[str, EndpointPickerSpec] = {}
+        self._endpoints: dict[str, list[str]] = {}
+        self._clock = clock
+        self._rng = rng if rng is not None else random.Random()
+        # One index for every cluster (its entries are per cluster), kept across reloads.
+        self.index = index if index is not None else PrefixIndex()  # an empty index is falsy
+        self.update(config)
+
+    def update(self, config: RoutingConfig) -> None:
+        """Adopt a reloaded config: pools for the picker clusters it names, the state of pods
+        that remain kept; clusters that lost ``endpoint_picker`` (or are gone) are dropped."""
+        pools: dict[str, PoolState] = {}
+        specs: dict[str, EndpointPickerSpec] = {}
+        endpoints: dict[str, list[str]] = {}
+        for name, cluster in config.clusters.items():
+            spec = cluster.endpoint_picker
+            if spec is None:
+                continue
+            specs[name], endpoints[name] = spec, list(cluster.endpoints)
+            pool = self.pools.get(name)
+            if pool is None:
+                pool = PoolState(name, spec.stale_s)
+                pool.set_addresses(_literals(cluster.endpoints))
+            else:
+                pool.stale_s = spec.stale_s
+                if self._endpoints.get(name) != endpoints[name]:
+                    pool.set_addresses(self._carried(pool, self._endpoints.get(name, []),
+                                                     cluster.endpoints))
+            pools[name] = pool
+        self.pools, self._specs, self._endpoints = pools, specs, endpoints
+
+    @staticmethod
+    def _carried(pool: PoolState, old: Sequence[str], new: Sequence[str]) -> list[str]:
+        """The addresses a pool keeps when its YAML endpoints change: the new IP literals, and,
+        while the new list still has DNS names, the pods resolved from the old names (the
+        scraper's next resolution corrects them; dropping them now would leave a DNS-only pool
+        empty until then)."""
+        keep = _literals(new)
+        if len(keep) < len(new):
+            gone = set(_literals(old))
+            keep += [a for a in pool.pods if a not in gone and a not in keep]
+        return keep
+
+    def pick(self, cluster: str, prompt: bytes, priority: Priority) -> Pick | None:
+        """The pod for one request of ``cluster`` (None: the cluster has no picker). A named pod
+        is counted as sent (and open until :meth:`done`) and remembered for the prompt's prefix.
+        ``prompt`` is the text the model will see first to last (what vLLM's prefix cache keys
+        on), not the JSON body, whose leading fields differ between identical prompts."""
+        pool = self.pools.get(cluster)
+        if pool is None:
+            return None
+        spec = self._specs[cluster]
+        now = self._clock()
+        blocks = block_hashes(prompt)
+        matches = self.index.match(cluster, blocks) if blocks else {}
+        addresses = list(pool.pods)
+        rows: list[Row] = [(pool.fresh(pod, now), pod.sent_since_scrape, pod.in_flight,
+                            matches.get(address, 0.0)) for address, pod in pool.pods.items()]
+        result = choose_rows(addresses, rows, spec.weights, spec.saturation, priority, self._rng)
+        if result.endpoint is not None:
+            if blocks:
+                self.index.record(cluster, blocks, result.endpoint)
+            pool.sent(result.endpoint)
+        return result
+
+    def done(self, cluster: str, address: str) -> None:
+        """A request :meth:`pick` sent to ``address`` ended (answered, failed or aborted)."""
+        pool = self.pools.get(cluster)
+        if pool is not None:
+            pool.done(address)

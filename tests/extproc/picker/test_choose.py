@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from extproc.picker.pick import Pick, Priority, choose
+from extproc.picker.state import Candidate, PodMetrics
+from routing.picker_schema import PickerWeights, SaturationSpec
+
+W = PickerWeights()
+SAT = SaturationSpec()
+FREE, BUSY, OTHER, FOURTH = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
+
+
+def known(address: str, waiting: float = 0, kv: float = 0.1, sent: int = 0, open_: int = 0,
+          prefix: float = 0.0, throttled: bool | None = None) -> Candidate:
+    return Candidate(address, PodMetrics(waiting=waiting, kv_usage=kv, throttled=throttled), sent, open_,
+                     prefix)
+
+
+def unknown(address: str, sent: int = 0, open_: int = 0, prefix: float = 0.0) -> Candidate:
+    return Candidate(address, None, sent, open_, prefix)
+
+
+def pick(*candidates: Candidate, priority: Priority = "medium", seed: int = 0,
+         saturation: SaturationSpec | None = SAT, weights: PickerWeights = W) -> Pick:
+    return choose(candidates, weights, saturation, priority, random.Random(seed))
+
+
+@pytest.mark.parametrize("busy", [
+    known(BUSY, waiting=40),
+    known(BUSY, waiting=6),
+    known(BUSY, kv=0.99),
+    known(BUSY, kv=0.6),
+    known(BUSY, sent=6),             # not in its metrics yet
+    known(BUSY, open_=6),
+    known(BUSY, throttled=True),
+    unknown(BUSY),                   # neutral: worse than a known free pod
+], ids=lambda c: repr(c)[40:120])
+def test_the_free_pod_wins(busy: Candidate) -> None:
+    for seed in range(20):  # whatever the order and the chance
+        assert pick(busy, known(FREE), seed=seed).endpoint == FREE
+        assert pick(known(FREE), busy, seed=seed).endpoint == FREE
+
+
+@pytest.mark.parametrize("busy", [
+    known(BUSY, waiting=24, kv=0.9), known(BUSY, kv=0.95, open_=10), known(BUSY, waiting=32),
+], ids=lambda c: repr(c)[40:120])
+def test_an_unknown_pod_beats_a_busy_one(busy: Candidate) -> None:
+    assert pick(busy, unknown(OTHER)) == Pick(OTHER, (BUSY,), "scored")
+
+
+def test_ties_go_to_fewer_open_then_chance() -> None:
+    # Equal scores (the in-flight weight is 0 here, so open requests do not score).
+    weights = PickerWeights(in_flight=0)
+    assert pick(known(BUSY, open_=3), known(FREE, open_=1), weights=weights).endpoint == FREE
+    winners = Counter(pick(known(FREE), known(BUSY), known(OTHER), seed=seed).endpoint
+                      for seed in range(300))
+    assert set(winners) == {FREE, BUSY, OTHER} and min(winners.values()) > 60
+    assert pick(known(FREE), known(BUSY), seed=7) == pick(known(FREE), known(BUSY), seed=7)
+
+
+def test_fallbacks_are_the_next_best_two() -> None:
+    got = pick(known(BUSY, waiting=20), known(FREE), known(OTHER, waiting=10), known(FOURTH, waiting=30))
+    assert got == Pick(FREE, (OTHER, BUSY), "scored")
+    assert pick(known(FREE), known(BUSY, waiting=5)).fallbacks == (BUSY,)
+    assert pick(known(FREE)).fallbacks == ()
+
+
+@pytest.mark.parametrize(("prefix_pod", "winner", "reason"), [
+    # A cached prefix outweighs a short queue...
+    (known(BUSY, waiting=4, prefix=1.0), BUSY, "prefix"),
+    (known(BUSY, waiting=4, kv=0.3, prefix=1.0), BUSY, "prefix"),
+    (known(BUSY, prefix=0.25), BUSY, "prefix"),  # equal otherwise: the prefix decides the tie
+    # ...but not a deep one (2/3 of the saturation depth), a saturated pod, or throttling.
+    (known(BUSY, waiting=24, prefix=1.0), FREE, "scored"),
+    (known(BUSY, waiting=40, prefix=1.0), FREE, "scored"),
+    (known(BUSY, kv=0.98, prefix=1.0), FREE, "scored"),
+    (known(BUSY, waiting=16, kv=0.9, prefix=1.0), FREE, "scored"),
+])
+def test_prefix_affinity_against_load(prefix_pod: Candidate, winner: str, reason: str) -> None:
+    assert pick(prefix_pod, known(FREE)) == Pick(winner, (FREE if winner == BUSY else BUSY,), reason)
+
+
+def test_a_prefix_on_the_pod_that_wins_anyway_is_scored() -> None:
+    assert pick(known(FREE, prefix=0.5), known(BUSY, waiting=10)).reason == "scored"
+
+
+def test_every_pod_unknown_picks_by_what_this_replica_sent() -> None:
+    got = pick(unknown(BUSY, sent=3, open_=3), unknown(FREE, sent=1, open_=1), unknown(OTHER, sent=2))
+    assert got == Pick(FREE, (OTHER, BUSY), "unknown")
+
+
+def test_no_candidates_is_no_endpoints_whatever_the_priority() -> None:
+    for priority in ("high", "medium", "low"):
+        assert pick(priority=priority) == Pick(None, (), "no_endpoints", False)
+
+
+# Every pod over a threshold; the best of them is BUSY (no queue, KV full).
+FULL = [known(FREE, waiting=32, kv=0.5), known(BUSY, kv=0.99), known(OTHER, waiting=50, kv=1.0)]
+
+
+@pytest.mark.parametrize(("priority", "expected"), [
+    ("low", Pick(None, (), "saturated", True)),
+    ("medium", Pick(BUSY, (FREE, OTHER), "scored")),
+    ("high", Pick(BUSY, (FREE, OTHER), "scored")),
+])
+def test_a_saturated_pool_sheds_low_only(priority: Priority, expected: Pick) -> None:
+    assert pick(*FULL, priority=priority) == expected
+
+
+@pytest.mark.parametrize("extra", [
+    known(FOURTH, waiting=31, kv=0.97),   # one pod under both thresholds
+    unknown(FOURTH),                      # one pod nobody knows: it may be free
+], ids=["one-free", "one-unknown"])
+def test_no_shedding_while_a_pod_may_take_it(extra: Candidate) -> None:
+    got = pick(*FULL, extra, priority="low")
+    assert not got.shed and got.endpoint is not None and got.reason == "scored"
+
+
+def test_no_shedding_when_saturation_is_off() -> None:
+    assert pick(*FULL, priority="low", saturation=None) == Pick(BUSY, (FREE, OTHER), "scored")
+
+
+def test_saturation_thresholds_are_the_configured_ones() -> None:
+    strict = SaturationSpec(queue_depth=4, kv_cache=0.5)
+    pods = [known(FREE, waiting=4), known(BUSY, kv=0.5)]
+    assert pick(*pods, priority="low", saturation=strict).shed
+    assert not pick(*pods, priority="low").shed
