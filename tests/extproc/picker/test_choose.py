@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from extproc.picker.pick import Pick, Priority, choose
+from extproc.picker.pick import Pick, Priority, Reason, choose
 from extproc.picker.state import Candidate, PodMetrics
 from routing.picker_schema import PickerWeights, SaturationSpec
 
@@ -80,7 +80,7 @@ def test_fallbacks_are_the_next_best_two() -> None:
     (known(BUSY, kv=0.98, prefix=1.0), FREE, "scored"),
     (known(BUSY, waiting=16, kv=0.9, prefix=1.0), FREE, "scored"),
 ])
-def test_prefix_affinity_against_load(prefix_pod: Candidate, winner: str, reason: str) -> None:
+def test_prefix_affinity_against_load(prefix_pod: Candidate, winner: str, reason: Reason) -> None:
     assert pick(prefix_pod, known(FREE)) == Pick(winner, (FREE if winner == BUSY else BUSY,), reason)
 
 

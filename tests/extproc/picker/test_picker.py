@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from extproc.picker.pick import EndpointPicker, Pick
+from extproc.picker.pick import EndpointPicker, Pick, Priority
 from extproc.picker.prefix import BLOCK_BYTES, MAX_BLOCKS, PrefixIndex
 from extproc.picker.state import PodMetrics
 
@@ -59,7 +59,7 @@ def test_a_cluster_without_picker_gets_none() -> None:
 def test_a_burst_between_scrapes_spreads_over_equal_pods() -> None:
     p, clock = picker()
     scrape(p, clock.now)
-    got = Counter()
+    got: Counter[str | None] = Counter()
     for i in range(100):
         result = p.pick("pool", prompt(i), "medium")
         assert result is not None and result.endpoint is not None
@@ -78,7 +78,7 @@ def test_one_prompt_sent_in_a_burst_does_not_herd_onto_its_pod() -> None:
 
 def test_a_burst_onto_unknown_pods_spreads_too() -> None:
     p, _ = picker()  # never scraped
-    got = Counter()
+    got: Counter[str | None] = Counter()
     for i in range(100):
         result = p.pick("pool", prompt(i), "low")
         assert result is not None and result.reason == "unknown"
@@ -118,7 +118,7 @@ def test_prefix_affinity_gives_way_to_a_deep_queue() -> None:
     assert home is not None and home.endpoint is not None
     p.done("pool", home.endpoint)
     name = "p" + home.endpoint.split(":")[0].rsplit(".", 1)[1]
-    scrape(p, clock.now, **{name: PodMetrics(waiting=40)})
+    scrape(p, clock.now, "pool", **{name: PodMetrics(waiting=40)})
     moved = p.pick("pool", prompt(1), "medium")
     assert moved is not None and moved.endpoint != home.endpoint and moved.reason == "scored"
 
@@ -126,7 +126,7 @@ def test_prefix_affinity_gives_way_to_a_deep_queue() -> None:
 def test_traffic_follows_the_metrics() -> None:
     p, clock = picker()
     scrape(p, clock.now, p1=PodMetrics(waiting=40), p2=PodMetrics(kv_usage=0.99), p3=PodMetrics(waiting=20))
-    got = Counter()
+    got: Counter[str | None] = Counter()
     for i in range(20):
         result = p.pick("pool", prompt(i), "high")
         assert result is not None and result.endpoint is not None
@@ -156,8 +156,9 @@ def test_a_shed_request_is_neither_counted_nor_remembered() -> None:
     assert p.pick("pool", prompt(1), "low") == Pick(None, (), "saturated", True)
     assert all(pod.sent_since_scrape == 0 and pod.in_flight == 0 for pod in p.pools["pool"].pods.values())
     assert len(p.index) == 0
-    for priority in ("medium", "high"):
-        served = p.pick("pool", prompt(1), priority)  # type: ignore[arg-type]
+    priorities: tuple[Priority, ...] = ("medium", "high")
+    for priority in priorities:
+        served = p.pick("pool", prompt(1), priority)
         assert served is not None and served.endpoint in PODS and not served.shed
 
 
