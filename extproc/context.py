@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from extproc.identity import Identity
+from extproc.picker.pick import Pick, Priority
 from extproc.telemetry import Telemetry
+from llm_sidecar.wire_names import DESTINATION_ENDPOINT
 from routing.compiled import Canary, ModelRoute, Snapshot
 
 LLM_HEADER_PREFIX = "x-llm-"
+
+
+class EndpointPicking(Protocol):
+    """The endpoint picker as a request sees it (:class:`extproc.picker.runtime.PickerRuntime`)."""
+
+    def pick(self, cluster: str, prompt: bytes, priority: Priority) -> Pick | None: ...
+    def done(self, cluster: str, address: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,8 @@ class RequestContext:
     telemetry: Telemetry
     canary_for: Callable[[ModelRoute], Canary | None] = lambda model: model.canary
     """The canary in force for a model (None once a guard stopped it)."""
+    picker: EndpointPicking | None = None
+    """Picks the pod of ``endpoint_picker`` pools; None: Envoy balances every pool."""
 
     def sticky_value(self, sticky: str) -> str:
         if sticky == "tenant":
@@ -36,5 +48,7 @@ class RequestContext:
 
 
 def spoofed_headers(headers: Mapping[str, str]) -> tuple[str, ...]:
-    """Inbound ``x-llm-*`` headers: only extproc may set them, so they are removed first."""
-    return tuple(name for name in headers if name.startswith(LLM_HEADER_PREFIX))
+    """Inbound ``x-llm-*`` and endpoint-picker (``x-gateway-destination-endpoint*``) headers:
+    only extproc may set them, so they are removed first."""
+    return tuple(name for name in headers
+                 if name.startswith(LLM_HEADER_PREFIX) or name.startswith(DESTINATION_ENDPOINT))

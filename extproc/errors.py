@@ -9,8 +9,11 @@ class ClientError(Exception):
     """A request the sidecar refuses; carries the HTTP status and OpenAI ``type``/``code``."""
 
     def __init__(self, status: int, code: str, message: str, *,
-                 type: str = "invalid_request_error", param: str | None = None) -> None:
+                 type: str = "invalid_request_error", param: str | None = None,
+                 headers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
+        self.headers = headers
+        """Sent besides ``content-type`` (a 503's ``retry-after``)."""
         self.status = status
         self.code = code
         self.message = message
@@ -67,3 +70,11 @@ class BackendError(Exception):
 class NodeDown(BackendError):
     """A Redis Cluster master holding some of the keys is down (the others answer): a bypass
     like any backend error, but not counted towards the cache's breaker."""
+
+
+def server_overloaded(cluster: str, retry_after_s: int) -> ClientError:
+    """503 for a low-priority request to a pool whose every pod is saturated (CONTRACT §6)."""
+    return ClientError(503, "server_overloaded",
+                       f"Every server of the pool `{cluster}` is saturated; low-priority requests "
+                       "are shed until it drains. Retry later, or send a smaller request.",
+                       type="server_error", headers=(("retry-after", str(retry_after_s)),))

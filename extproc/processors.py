@@ -7,16 +7,17 @@ state in :mod:`extproc.stream` calls it, and :mod:`extproc.wire` builds the prot
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, cast
 
 import orjson
 
 from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply, Step
 from extproc.admission import admission_metadata, usage_metadata
-from extproc.bodies import Api, parse_generation
+from extproc.bodies import Api, GenerationBody, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, decide, parse_context_hint
-from extproc.errors import bad_request, model_not_found
+from extproc.errors import bad_request, model_not_found, server_overloaded
+from extproc.picker.pick import Priority
 from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.telemetry import RequestRecord
 from extproc.tokens import count_prompt, counter_for
@@ -127,6 +128,8 @@ class GenerationProcessor(BaseProcessor):
         self.token_events = 0
         self.finished = False
         self.reads_body = True
+        self.picked: str | None = None
+        """The pod the endpoint picker sent this request to (told when the request ends)."""
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
         if end_of_stream:
@@ -189,7 +192,15 @@ class GenerationProcessor(BaseProcessor):
     def on_close(self) -> None:
         """A request routed upstream whose response never ended: the client hung up or the
         upstream reset (Envoy then resets the ext_proc stream). It is recorded as aborted,
-        with the completion tokens streamed so far; nothing is settled."""
+        with the completion tokens streamed so far; nothing is settled.
+
+        Every stream of a picked request ends here, so this is where the picker hears the pod
+        has one request less open from this replica. For a response extproc does not read,
+        that is at its headers: the open count then covers requests the pod has not started
+        answering, and the scraped queue covers the rest."""
+        if self.picked is not None and self.decision is not None and self.ctx.picker is not None:
+            self.ctx.picker.done(self.decision.cluster, self.picked)
+            self.picked = None
         if self.decision is None or self.finished:
             return
         self.finished = True
@@ -236,6 +247,7 @@ class GenerationProcessor(BaseProcessor):
         counts = tuple(count_prompt(counter, prompt) for prompt in parsed.prompts)
         decision = decide_demand_for(
             self.ctx, model, Demand(counts, parsed.max_output_tokens, parsed.choices))
+        pods = self._pick(decision, parsed)
         self.decision = decision
         self.model_name = model.name
         self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
@@ -271,7 +283,24 @@ class GenerationProcessor(BaseProcessor):
         if inject:
             metadata[STRIP_USAGE_METADATA_KEY] = "1"  # Envoy's Lua filter takes the chunk out
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,
-                        metadata=metadata)
+                        metadata=metadata, lb_endpoints=pods)
+
+    def _pick(self, decision: Decision, parsed: GenerationBody) -> tuple[str, ...]:
+        """The pods to try, best first, when the pool has an endpoint picker (else none: Envoy
+        balances it); a 503 ``server_overloaded`` for a low-priority request to a saturated
+        pool. The prefix the picker keys on is the first prompt's text in order."""
+        picker = self.ctx.picker
+        if picker is None:
+            return ()
+        prompt = "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts else b""
+        pick = picker.pick(decision.cluster, prompt, cast(Priority, decision.priority))
+        if pick is None or pick.endpoint is None:
+            spec = self.ctx.snapshot.config.clusters[decision.cluster].endpoint_picker
+            if pick is not None and pick.shed and spec is not None and spec.saturation:
+                raise server_overloaded(decision.cluster, spec.saturation.retry_after_s)
+            return ()
+        self.picked = pick.endpoint
+        return (pick.endpoint, *pick.fallbacks)
 
 
 class ModelsProcessor(BaseProcessor):

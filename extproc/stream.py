@@ -24,7 +24,7 @@ from extproc.actions import (
     Verdict,
 )
 from extproc.canary_guard import CanaryGuards
-from extproc.context import RequestContext, spoofed_headers
+from extproc.context import EndpointPicking, RequestContext, spoofed_headers
 from extproc.embeddings import EmbeddingsProcessor
 from extproc.errors import ClientError, error_body, method_not_allowed, unknown_path
 from extproc.identity import identify
@@ -85,9 +85,11 @@ class StreamState:
     def __init__(self, snapshot: Snapshot, key_id_secret: bytes,
                  clock: Callable[[], float] = time.monotonic,
                  telemetry: Telemetry = NULL_TELEMETRY,
-                 guards: CanaryGuards | None = None) -> None:
+                 guards: CanaryGuards | None = None,
+                 picker: EndpointPicking | None = None) -> None:
         self.snapshot = snapshot
         self.guards = guards
+        self.picker = picker
         self.secret = key_id_secret
         self.clock = clock
         self.telemetry = telemetry
@@ -135,7 +137,9 @@ class StreamState:
     def _failed(self, exc: Exception, phase: Phase) -> Reply:
         if isinstance(exc, ClientError):
             self.telemetry.rejected(exc.status, exc.code)
-            return Reply(exc.status, exc.body(), details=exc.code)
+            return Reply(exc.status, exc.body(),
+                         headers=(("content-type", "application/json"), *exc.headers),
+                         details=exc.code)
         log.exception("extproc_internal_error", phase=phase,  # called inside an except block
                       request_id=self.ctx.request_id if self.ctx else None)
         return Reply(500, error_body("The gateway failed to process the request.",
@@ -176,6 +180,7 @@ class StreamState:
             started=self.clock(),
             clock=self.clock,
             telemetry=self.telemetry,
+            picker=self.picker,
         )
         if self.guards is not None:
             ctx = replace(ctx, canary_for=self.guards.effective)
