@@ -44,6 +44,10 @@ class Continue:
     metadata: dict[str, Any] = field(default_factory=dict)
     """Dynamic metadata to hand Envoy (for example LLM tokens to charge at stream end)."""
     store: CacheWrite | None = None
+    lb_endpoints: tuple[str, ...] = ()
+    """The pods (``ip:port``) picked for this request, best first: sent as the endpoint picker
+    protocol's ``envoy.lb`` metadata and ``x-gateway-destination-endpoint`` header, which
+    Envoy's override_host balancer follows in order (the next on a retry)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.actions import Action, Continue, Headers, ModeOverride, Phase
-from llm_sidecar.wire_names import METADATA_NAMESPACE
+from llm_sidecar.wire_names import DESTINATION_ENDPOINT, LB_METADATA_NAMESPACE, METADATA_NAMESPACE
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _BODY_MODES = {
@@ -22,6 +22,9 @@ _BODY_MODES = {
     "streamed": processing_mode_pb2.ProcessingMode.STREAMED,
     "buffered": processing_mode_pb2.ProcessingMode.BUFFERED,
 }
+
+_PICK_PHASES = ("request_headers", "request_body")
+"""Where a pick can still steer the upstream choice (Envoy picks the host after them)."""
 
 
 def header_dict(message: Any) -> dict[str, str]:
@@ -95,8 +98,14 @@ def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
     if phase == "request_trailers":  # a TrailersResponse holds no CommonResponse
         return response
     common = holder.response
-    if action.set_headers or action.remove_headers:
-        _header_mutation(common.header_mutation, action.set_headers, action.remove_headers)
+    set_headers = action.set_headers
+    if action.lb_endpoints:
+        if phase not in _PICK_PHASES:  # a response header would show clients the pods' IPs
+            raise ValueError(f"lb_endpoints answer a request phase, not {phase}")
+        # The protocol's header carries the same value as the metadata: the pod sees its pick.
+        set_headers = (*set_headers, (DESTINATION_ENDPOINT, ",".join(action.lb_endpoints)))
+    if set_headers or action.remove_headers:
+        _header_mutation(common.header_mutation, set_headers, action.remove_headers)
     if action.body is not None:
         if action.body:
             common.body_mutation.body = action.body
@@ -106,6 +115,11 @@ def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
         common.clear_route_cache = True
     if action.mode is not None:
         response.mode_override.CopyFrom(_mode(action.mode))
+    metadata: dict[str, Any] = {}
     if action.metadata:
-        response.dynamic_metadata.CopyFrom(_struct({METADATA_NAMESPACE: action.metadata}))
+        metadata[METADATA_NAMESPACE] = action.metadata
+    if action.lb_endpoints:
+        metadata[LB_METADATA_NAMESPACE] = {DESTINATION_ENDPOINT: ",".join(action.lb_endpoints)}
+    if metadata:
+        response.dynamic_metadata.CopyFrom(_struct(metadata))
     return response

@@ -33,3 +33,13 @@ RELEASE_ENTRY = "llm_sidecar.release"
 DONE_ENTRY = "llm_sidecar.done"
 """Carried by the settle descriptor from ``llm_done``: without it Envoy sends no settle."""
 CONTROL_ENTRIES = frozenset({LEASE_ENTRY, USED_ENTRY, RELEASE_ENTRY, DONE_ENTRY})
+
+LB_METADATA_NAMESPACE = "envoy.lb"
+"""The Gateway API Inference Extension's endpoint picker protocol: the dynamic metadata
+namespace the picked pods go in, where Envoy's override_host load balancer reads them."""
+DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
+"""The protocol's key (in ``envoy.lb``) and request header: ``ip:port``, or ``ip:port,ip:port``
+(the pick, then fallbacks in order). A client's own header of this name (or any name it
+prefixes, like ``-subset``) is removed before any filter sees it."""
+DESTINATION_ENDPOINT_SERVED = "x-gateway-destination-endpoint-served"
+"""Set by Envoy (override_host's ``selected_host_key``, in ``envoy.lb``): the pod that served."""

@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import pytest
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import wire
-from extproc.actions import Continue, ModeOverride, Reply
-from llm_sidecar.wire_names import METADATA_NAMESPACE, RESERVATION_METADATA_KEY
+from extproc.actions import Continue, ModeOverride, Phase, Reply
+from llm_sidecar.wire_names import (
+    DESTINATION_ENDPOINT,
+    LB_METADATA_NAMESPACE,
+    METADATA_NAMESPACE,
+    RESERVATION_METADATA_KEY,
+)
 
 
 def headers_request(**headers: str) -> pb.ProcessingRequest:
@@ -96,3 +103,47 @@ def test_the_reservation_rides_on_the_request_body_answer() -> None:
     assert list(namespace.fields) == [RESERVATION_METADATA_KEY] == ["llm_reservation"]
     assert namespace.fields[RESERVATION_METADATA_KEY].number_value == 2_000_000_123
     assert not wire.build("request_body", Continue()).HasField("dynamic_metadata")
+
+
+
+def test_lb_endpoints_go_out_as_the_endpoint_picker_protocol_says() -> None:
+    """``envoy.lb``/``x-gateway-destination-endpoint``: primary then fallbacks, comma-joined,
+    beside the ``llm_sidecar`` namespace, and the same value as a request header that
+    replaces any copy (never appended to one)."""
+    action = Continue(set_headers=(("x-llm-cluster", "pool"),), clear_route_cache=True,
+                      metadata={RESERVATION_METADATA_KEY: 7},
+                      lb_endpoints=("10.0.0.5:8000", "10.0.0.6:8000"))
+    for phase in ("request_headers", "request_body"):
+        response = wire.build(phase, action)
+        fields = response.dynamic_metadata.fields
+        assert sorted(fields) == [LB_METADATA_NAMESPACE, METADATA_NAMESPACE] == \
+            ["envoy.lb", "llm_sidecar"]
+        lb = fields[LB_METADATA_NAMESPACE].struct_value.fields
+        assert {k: v.string_value for k, v in lb.items()} == {
+            "x-gateway-destination-endpoint": "10.0.0.5:8000,10.0.0.6:8000"}
+        reservation = fields[METADATA_NAMESPACE].struct_value.fields[RESERVATION_METADATA_KEY]
+        assert reservation.number_value == 7
+        common = getattr(response, phase).response
+        headers = {h.header.key: (h.header.raw_value, h.append_action)
+                   for h in common.header_mutation.set_headers}
+        overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+        assert headers == {
+            "x-llm-cluster": (b"pool", overwrite),
+            "x-gateway-destination-endpoint": (b"10.0.0.5:8000,10.0.0.6:8000", overwrite)}
+
+
+def test_one_endpoint_is_sent_alone_and_none_sends_nothing() -> None:
+    response = wire.build("request_body", Continue(lb_endpoints=("10.0.0.5:8000",)))
+    lb = response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields
+    assert lb[DESTINATION_ENDPOINT].string_value == "10.0.0.5:8000"
+    plain = wire.build("request_body", Continue(set_headers=(("x-llm-cluster", "a"),)))
+    assert not plain.HasField("dynamic_metadata")
+    assert [h.header.key for h in plain.request_body.response.header_mutation.set_headers] == \
+        ["x-llm-cluster"]
+
+
+@pytest.mark.parametrize("phase", ["response_headers", "response_body"])
+def test_lb_endpoints_on_a_response_phase_are_refused(phase: Phase) -> None:
+    """A response header would hand the client the pods' addresses; it is a bug, said loudly."""
+    with pytest.raises(ValueError, match="request phase"):
+        wire.build(phase, Continue(lb_endpoints=("10.0.0.5:8000",)))
