@@ -9,8 +9,10 @@ headless Service's name would be).
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -65,8 +67,8 @@ def d_is_down(envoy: PickerEnvoy) -> None:
     wait_for(settled)
 
 
-def wait_for(condition: Any) -> None:
-    import time  # local: polling only, never a bound on what is measured
+def wait_for(condition: Callable[[], bool]) -> None:
+    """Poll until ``condition()``; the 60 s only ends a test that would otherwise hang."""
     deadline = time.monotonic() + 60
     while not condition():
         assert time.monotonic() < deadline, "condition not met in 60 s"
@@ -174,7 +176,6 @@ def test_a_client_header_neither_steers_nor_reaches_a_pod(envoy: PickerEnvoy) ->
 
 
 def sim_clear(port: int) -> None:
-    import urllib.request
     request = urllib.request.Request(f"http://127.0.0.1:{port}/sim/requests", method="DELETE")
     with urllib.request.urlopen(request, timeout=5):
         pass
