@@ -83,6 +83,12 @@ def _struct(values: dict[str, Any]) -> struct_pb2.Struct:
     return out
 
 
+def _endpoints(action: Continue) -> str:
+    """The protocol's value, each pod once in order: Envoy retries down the list without
+    skipping pods already tried (docs/endpoint-picker.md), so a repeat would cost a retry."""
+    return ",".join(dict.fromkeys(action.lb_endpoints))
+
+
 def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
     response = pb.ProcessingResponse()
     if not isinstance(action, Continue):
@@ -103,7 +109,7 @@ def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
         if phase not in _PICK_PHASES:  # a response header would show clients the pods' IPs
             raise ValueError(f"lb_endpoints answer a request phase, not {phase}")
         # The protocol's header carries the same value as the metadata: the pod sees its pick.
-        set_headers = (*set_headers, (DESTINATION_ENDPOINT, ",".join(action.lb_endpoints)))
+        set_headers = (*set_headers, (DESTINATION_ENDPOINT, _endpoints(action)))
     if set_headers or action.remove_headers:
         _header_mutation(common.header_mutation, set_headers, action.remove_headers)
     if action.body is not None:
@@ -119,7 +125,7 @@ def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
     if action.metadata:
         metadata[METADATA_NAMESPACE] = action.metadata
     if action.lb_endpoints:
-        metadata[LB_METADATA_NAMESPACE] = {DESTINATION_ENDPOINT: ",".join(action.lb_endpoints)}
+        metadata[LB_METADATA_NAMESPACE] = {DESTINATION_ENDPOINT: _endpoints(action)}
     if metadata:
         response.dynamic_metadata.CopyFrom(_struct(metadata))
     return response

@@ -11,6 +11,11 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from llm_sidecar.wire_names import (
+    DESTINATION_ENDPOINT,
+    DESTINATION_ENDPOINT_SERVED,
+    LB_METADATA_NAMESPACE,
+)
 from routing.schema import ClusterSpec, RoutingConfig, ServicesTls
 from routing.units import UNIX_PREFIX, parse_hostport
 
@@ -64,11 +69,42 @@ def _thresholds(*, connections: int, pending: int, requests: int) -> dict[str, A
     }]}
 
 
+def _policy(name: str, message: str, config: dict[str, Any]) -> dict[str, Any]:
+    return {"typed_extension_config": {"name": f"envoy.load_balancing_policies.{name}",
+                                       "typed_config": {TYPE: API + message, **config}}}
+
+
+def override_host_policy() -> dict[str, Any]:
+    """The pool's balancer when extproc picks its pods (``endpoint_picker``).
+
+    Envoy's override_host follows the endpoint picker protocol's ``envoy.lb`` metadata
+    (``ip:port,ip:port``): the first listed pod of the cluster, the next one on each retry,
+    then least request once the list is used up; without the metadata, least request. It reads
+    the metadata only, never a header: only a filter (extproc) can set dynamic metadata, while
+    a header could come from the client. It does not look at health (docs/endpoint-picker.md):
+    the picker must leave out pods it knows are down. ``selected_host_key`` records the pod
+    used, as the protocol's ``x-gateway-destination-endpoint-served`` (access log, extproc).
+    """
+    lb_key = {"key": LB_METADATA_NAMESPACE}
+    return {"policies": [_policy(
+        "override_host", "extensions.load_balancing_policies.override_host.v3.OverrideHost", {
+            "override_host_sources": [
+                {"metadata": {**lb_key, "path": [{"key": DESTINATION_ENDPOINT}]}}],
+            "selected_host_key": {**lb_key, "path": [{"key": DESTINATION_ENDPOINT_SERVED}]},
+            "fallback_policy": {"policies": [_policy(
+                "least_request", "extensions.load_balancing_policies.least_request.v3"
+                                 ".LeastRequest", {})]},
+        })]}
+
+
 def pool_cluster(name: str, spec: ClusterSpec) -> dict[str, Any]:
     """One vLLM pool: HTTP/1.1 to each pod, health-checked and ejected when failing."""
     cluster = _base(name, spec.endpoints)
+    if spec.endpoint_picker is not None:
+        cluster["load_balancing_policy"] = override_host_policy()
+    else:
+        cluster["lb_policy"] = "LEAST_REQUEST"
     cluster.update({
-        "lb_policy": "LEAST_REQUEST",
         "health_checks": [{
             "timeout": "2s",
             "interval": "5s",

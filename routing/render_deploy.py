@@ -210,7 +210,8 @@ def _service(name: str, ports: list[tuple[str, int]], *, headless: bool = False)
     spec: dict[str, Any] = {"selector": {LABEL: name}, "ports": [
         {"name": port_name, "port": port, "targetPort": port_name} for port_name, port in ports]}
     if headless:
-        # One DNS record per pod: Envoy's STRICT_DNS cluster balances across all of them.
+        # One DNS record per pod: Envoy's STRICT_DNS cluster balances across all of them, and
+        # an endpoint picker resolves the pods it scores (a pick names a pod's IP).
         spec["clusterIP"] = "None"
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name), "spec": spec}
 
@@ -303,6 +304,8 @@ def kubernetes(config: RoutingConfig, routing_text: str) -> dict[str, list[dict[
     policies = network_policies(
         gateway=GATEWAY, extproc=EXTPROC, ratelimit=RATELIMIT,
         redis_of={role.name: role.user for role in REDIS_ROLES},
-        pools=[name for name, spec in config.clusters.items() if spec.simulator is not None])
+        pools=[name for name, spec in config.clusters.items() if spec.simulator is not None],
+        picked=frozenset(name for name, spec in config.clusters.items()
+                         if spec.endpoint_picker is not None))
     return {"routing.yaml": routing_docs, "services.yaml": services, "gateway.yaml": gateway,
             "pools.yaml": pools, "networkpolicies.yaml": policies}

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_sidecar.wire_names import CLUSTER_METADATA_KEY, METADATA_NAMESPACE, RESERVATION_METADATA_KEY
+from llm_sidecar.wire_names import (
+    CLUSTER_METADATA_KEY,
+    DESTINATION_ENDPOINT,
+    LB_METADATA_NAMESPACE,
+    METADATA_NAMESPACE,
+    RESERVATION_METADATA_KEY,
+)
 from routing.ratelimits import DOMAIN, route_rate_limits
 from routing.render_bounds import http2_options, overload_manager
 from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
@@ -138,6 +144,8 @@ def access_log() -> list[dict[str, Any]]:
         "tenant": "%REQ(X-LLM-TENANT)%", "key_id": "%REQ(X-LLM-KEY-ID)%",
         # The tokens extproc reserved for the request (prompt + requested output, CONTRACT §7).
         "reservation": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{RESERVATION_METADATA_KEY})%",
+        # The pods extproc picked (endpoint_picker pools), best first; upstream_host: the one used.
+        "picked": f"%DYNAMIC_METADATA({LB_METADATA_NAMESPACE}:{DESTINATION_ENDPOINT})%",
         "bytes_in": "%BYTES_RECEIVED%", "bytes_out": "%BYTES_SENT%",
         # duration: whole stream; request: until the body was read; first_byte: until the
         # first response byte (time to first token, for a stream).
@@ -166,6 +174,11 @@ def health_check_filter() -> dict[str, Any]:
 
 
 def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
+    # extproc hands the LLM tokens a response used to the rate limiter in llm_sidecar, and
+    # (endpoint_picker pools) the picked pods to the override_host balancer in envoy.lb.
+    namespaces = [METADATA_NAMESPACE]
+    if any(spec.endpoint_picker is not None for spec in config.clusters.values()):
+        namespaces.append(LB_METADATA_NAMESPACE)
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -187,8 +200,7 @@ def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
             },
             "allow_mode_override": True,
             "mutation_rules": {"allow_all_routing": True},
-            # extproc hands the LLM tokens a response used to the rate limiter this way.
-            "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
+            "metadata_options": {"receiving_namespaces": {"untyped": namespaces}},
         },
     }
 
@@ -219,7 +231,9 @@ def ratelimit_filter(config: RoutingConfig) -> dict[str, Any]:
 
 
 def strip_llm_headers() -> dict[str, Any]:
-    """Drop every client-sent ``x-llm-*`` header before routing or any filter sees it.
+    """Drop every client-sent ``x-llm-*`` and ``x-gateway-destination-endpoint*`` header
+    before routing or any filter sees it (the second: no pod may take a client's value for
+    extproc's pick; the prefix also covers the protocol's ``-subset`` and ``-served`` names).
 
     An early header mutation (not an HTTP filter): it runs before the route is chosen, so no
     route is ever picked on a client's ``x-llm-*`` header, whatever extproc later answers (or
@@ -230,7 +244,8 @@ def strip_llm_headers() -> dict[str, Any]:
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {
             TYPE: API + "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-            "mutations": [{"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}],
+            "mutations": [{"remove_on_match": {"key_matcher": {"prefix": prefix}}}
+                          for prefix in ("x-llm-", DESTINATION_ENDPOINT)],
         },
     }
 

@@ -1,11 +1,12 @@
 """Kubernetes NetworkPolicies of the deployment: who may open a connection to whom.
 
 Only the gateway (Envoy) reaches extproc, ratelimit and the pools; extproc also reaches
-ratelimit (it charges cache hits itself); only ratelimit reaches the buckets Redis and only
-extproc the cache Redis. The metrics ports answer Prometheus (pods labelled
-``app.kubernetes.io/name: prometheus``, in any namespace, as the Prometheus Operator and its
-Helm charts label them). Each policy selects one component's pods, which makes them refuse
-any ingress it does not list; the gateway itself gets none (clients reach it from anywhere).
+ratelimit (it charges cache hits itself) and the pods of ``endpoint_picker`` pools (their
+metrics); only ratelimit reaches the buckets Redis and only extproc the cache Redis.
+The metrics ports answer Prometheus (pods labelled ``app.kubernetes.io/name: prometheus``, in
+any namespace, as the Prometheus Operator and its Helm charts label them). Each policy selects
+one component's pods, which makes them refuse any ingress it does not list; the gateway itself
+gets none (clients reach it from anywhere).
 Probes need no rule: Kubernetes always lets a pod's own node reach it.
 """
 
@@ -41,12 +42,15 @@ def policy(target: str, rules: list[tuple[list[str], list[str]]]) -> dict[str, A
 
 
 def network_policies(*, gateway: str, extproc: str, ratelimit: str, redis_of: dict[str, str],
-                     pools: list[str]) -> list[dict[str, Any]]:
-    """The policies for the named components; ``redis_of`` maps a Redis to its one user."""
+                     pools: list[str], picked: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """The policies for the named components; ``redis_of`` maps a Redis to its one user;
+    ``picked`` pools (``endpoint_picker``) also admit extproc, which scrapes each pod's vLLM
+    ``/metrics``: vLLM serves them on its API port, so the rule is for that port."""
     out = [
         policy(extproc, [([gateway], ["grpc"]), ([], ["metrics"])]),
         policy(ratelimit, [([gateway, extproc], ["grpc"]), ([], ["metrics"])]),
         *(policy(redis, [([user], ["redis"])]) for redis, user in redis_of.items()),
-        *(policy(pool, [([gateway], ["http"])]) for pool in pools),
+        *(policy(pool, [([gateway, extproc] if pool in picked else [gateway], ["http"])])
+          for pool in pools),
     ]
     return out

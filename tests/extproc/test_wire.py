@@ -132,10 +132,13 @@ def test_lb_endpoints_go_out_as_the_endpoint_picker_protocol_says() -> None:
             "x-gateway-destination-endpoint": (b"10.0.0.5:8000,10.0.0.6:8000", overwrite)}
 
 
-def test_one_endpoint_is_sent_alone_and_none_sends_nothing() -> None:
+def test_one_endpoint_alone_each_once_and_none_sends_nothing() -> None:
     response = wire.build("request_body", Continue(lb_endpoints=("10.0.0.5:8000",)))
     lb = response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields
     assert lb[DESTINATION_ENDPOINT].string_value == "10.0.0.5:8000"
+    repeated = wire.build("request_headers", Continue(lb_endpoints=("a:1", "b:1", "a:1", "c:1")))
+    lb = repeated.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields
+    assert lb[DESTINATION_ENDPOINT].string_value == "a:1,b:1,c:1"  # Envoy would retry a repeat
     plain = wire.build("request_body", Continue(set_headers=(("x-llm-cluster", "a"),)))
     assert not plain.HasField("dynamic_metadata")
     assert [h.header.key for h in plain.request_body.response.header_mutation.set_headers] == \

@@ -34,6 +34,7 @@ def variants() -> dict[str, dict[str, Any]]:
     dns = default_doc()
     dns["clusters"]["vllm-long"]["endpoints"] = ["vllm-long.llm.svc:8000",
                                                  "vllm-long-2.llm.svc:8000"]
+    dns["clusters"]["vllm-canary"]["endpoint_picker"] = {"metrics_interval": "250ms"}
     dns["services"] = {"extproc": "extproc.llm.svc:50051", "ratelimit": "[::1]:50052",
                        "failure_mode_allow": True}
     dns["rate_limits"] = {"api_key": {"default": {"requests": "10/s", "tokens": "100k/min"}}}
@@ -87,7 +88,8 @@ def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
         "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
     # a client's own x-llm-* headers are dropped before routing (always, not only failing open)
     assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
-        {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
+        {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}},
+        {"remove_on_match": {"key_matcher": {"prefix": "x-gateway-destination-endpoint"}}}]
     assert hcm["stream_idle_timeout"] == "300s"
     routed = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
     assert routed["route"]["timeout"] == "0s"  # no total timeout may cut a stream
@@ -116,7 +118,8 @@ def test_no_route_reaches_a_pool_without_extprocs_decision(name: str,
     bootstrap = yaml.safe_load(render(name, tmp_path)["envoy.yaml"].read_text())
     hcm = hcm_of(bootstrap)
     assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
-        {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
+        {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}},
+        {"remove_on_match": {"key_matcher": {"prefix": "x-gateway-destination-endpoint"}}}]
     assert "cluster_header" not in str(hcm["route_config"])
     ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
     assert ext_proc["typed_config"]["processing_mode"]["request_trailer_mode"] == "SEND"

@@ -89,7 +89,8 @@ def test_client_llm_headers_are_stripped_before_routing(tmp_path: pathlib.Path,
     mutation, request_id = hcm["early_header_mutation_extensions"]
     assert request_id["typed_config"]["mutations"][-1] == {"remove": "x-request-id"}
     assert mutation["typed_config"]["mutations"] == [
-        {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}}]
+        {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}},
+        {"remove_on_match": {"key_matcher": {"prefix": "x-gateway-destination-endpoint"}}}]
     path = tmp_path / "sidecar-open.yaml"
     path.write_text(yaml.safe_dump(patched))
     validate(path)
