@@ -66,6 +66,30 @@ def test_flags_and_defaults() -> None:
     )
 
 
+def test_picker_signal_flags() -> None:
+    args = _parse("--port=1", "--name=n", "--speed=2.5", "--prefix-block-size=32", "--no-dcgm")
+    config = config_from_args(args)
+    assert (config.speed, config.prefix_block_size, config.dcgm) == (2.5, 32, False)
+    defaults = config_from_args(_parse("--port=1", "--name=n"))
+    assert (defaults.speed, defaults.prefix_block_size, defaults.dcgm) == (1.0, 16, True)
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (("--speed", "0"), "speed must be a positive number"),
+        (("--speed", "-1"), "speed must be a positive number"),
+        (("--speed", "nan"), "speed must be a positive number"),
+        (("--speed", "inf"), "speed must be a positive number"),
+        (("--prefix-block-size", "0"), "prefix_block_size must be at least 1"),
+        (("--kv-cache-tokens", "0"), "kv_cache_tokens must be at least 1"),
+    ],
+)
+def test_invalid_picker_signal_flags(argv: tuple[str, ...], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        config_from_args(_parse("--port=1", "--name=n", *argv))
+
+
 @pytest.mark.parametrize(
     "argv",
     [("--max-model-len", "0"), ("--default-output-tokens", "0"), ("--decode-ms-per-token", "-1")],
