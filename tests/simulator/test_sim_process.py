@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import structlog
 
+from routing.schema import SimulateSpec
 from simulator import SimConfig, add_arguments, config_from_args, run
 
 LAUNCH = (
@@ -72,6 +73,14 @@ def test_picker_signal_flags() -> None:
     assert (config.speed, config.prefix_block_size, config.dcgm) == (2.5, 32, False)
     defaults = config_from_args(_parse("--port=1", "--name=n"))
     assert (defaults.speed, defaults.prefix_block_size, defaults.dcgm) == (1.0, 16, True)
+
+
+def test_what_up_passes_from_the_routing_yaml_reaches_the_simulator() -> None:
+    spec = SimulateSpec(speed=2.0, kv_cache_tokens=4096, decode_ms_per_token=3.0)
+    config = config_from_args(_parse("--port=1", "--name=n", *spec.sim_flags()))
+    assert (config.speed, config.kv_cache_tokens, config.decode_ms_per_token) == (2.0, 4096, 3.0)
+    defaults = config_from_args(_parse("--port=1", "--name=n", *SimulateSpec().sim_flags()))
+    assert defaults == SimConfig(name="n")
 
 
 @pytest.mark.parametrize(
