@@ -86,11 +86,7 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
                 host, port = parse_hostport(endpoint)
                 child = start(f"sim {name}", sidecar_command(
                     "sim", "--host", host, "--port", str(port), "--name", name,
-                    "--max-model-len", str(cluster.max_context),
-                    "--prefill-ms-per-token", str(sim.prefill_ms_per_token),
-                    "--decode-ms-per-token", str(sim.decode_ms_per_token),
-                    "--default-output-tokens", str(sim.default_output_tokens),
-                    "--embedding-dim", str(sim.embedding_dim)),
+                    "--max-model-len", str(cluster.max_context), *sim.sim_flags()),
                     log_path=os.path.join(workdir, f"sim-{name}-{port}.log"))
                 children.append(child)
                 sims.append((child, f"http://{_connect_host(host)}:{port}/health"))

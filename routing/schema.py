@@ -150,6 +150,24 @@ class SimulateSpec(Strict):
     decode_ms_per_token: float = Field(default=2.0, ge=0, le=10_000)
     default_output_tokens: int = Field(default=16, ge=1, le=1_000_000)
     embedding_dim: int = Field(default=256, ge=1, le=65_536)
+    speed: float = Field(default=1.0, gt=0, le=1000)
+    """GPU speed factor of the cluster's simulated pods: prefill and decode times are divided
+    by it (2.0: a GPU twice as fast), for pools of uneven GPUs."""
+    kv_cache_tokens: int | None = Field(default=None, ge=1, le=1_000_000_000)
+    """KV cache of each simulated pod in tokens: a request waits while the running requests'
+    prompts and output budgets leave no room for its own; default 8 x ``max_context``."""
+
+    def sim_flags(self) -> list[str]:
+        """The ``llm-sidecar sim`` flags these settings stand for (besides host, port, name and
+        ``--max-model-len``)."""
+        flags = ["--prefill-ms-per-token", str(self.prefill_ms_per_token),
+                 "--decode-ms-per-token", str(self.decode_ms_per_token),
+                 "--default-output-tokens", str(self.default_output_tokens),
+                 "--embedding-dim", str(self.embedding_dim),
+                 "--speed", str(self.speed)]
+        if self.kv_cache_tokens is not None:
+            flags += ["--kv-cache-tokens", str(self.kv_cache_tokens)]
+        return flags
 
 
 class ClusterSpec(Strict):

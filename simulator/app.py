@@ -1,8 +1,9 @@
 """The aiohttp application of one simulator: routes, error mapping, journal, ``x-sim-name``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
-``GET /v1/models``, ``GET /health``, ``GET /metrics``, and the simulator-only
-``GET``/``DELETE /sim/requests``. Every response, errors and event streams included, carries
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /dcgm/metrics`` (unless
+``config.dcgm`` is off), and the simulator-only ``GET``/``DELETE /sim/requests`` and
+``GET``/``POST /sim/state``. Every response, errors and event streams included, carries
 ``x-sim-name: <name>``.
 """
 
@@ -16,6 +17,7 @@ from aiohttp import web
 from llm_sidecar.logs import get_logger
 from simulator import handlers
 from simulator.config import SimConfig
+from simulator.dcgm import DcgmExporter
 from simulator.engine import Engine
 from simulator.errors import SimError, internal_error, route_error
 from simulator.journal import RequestJournal, header_dict
@@ -45,6 +47,7 @@ def build_app(config: SimConfig) -> web.Application:
         journal=RequestJournal(),
         engine=Engine(config, metrics),
         created=int(time.time()),
+        dcgm=DcgmExporter(),
     )
     app = web.Application(
         middlewares=[_errors, _journal],
@@ -59,6 +62,10 @@ def build_app(config: SimConfig) -> web.Application:
     app.router.add_get("/metrics", handlers.metrics, allow_head=False)
     app.router.add_get("/sim/requests", handlers.list_requests, allow_head=False)
     app.router.add_delete("/sim/requests", handlers.clear_requests)
+    app.router.add_get("/sim/state", handlers.get_state, allow_head=False)
+    app.router.add_post("/sim/state", handlers.set_state)
+    if config.dcgm:
+        app.router.add_get("/dcgm/metrics", handlers.dcgm_metrics, allow_head=False)
     app.on_response_prepare.append(_stamp_name)
     app.on_shutdown.append(_fast_forward)
     return app

@@ -7,6 +7,7 @@ import asyncio
 
 from llm_sidecar.logs import configure, get_logger
 from simulator.config import SimConfig
+from simulator.prefix import DEFAULT_BLOCK_SIZE
 from simulator.server import serve_until_signalled
 
 
@@ -44,7 +45,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-tokens",
         type=int,
         default=None,
-        help="simulated KV-cache size in tokens (default 8 x max-model-len)",
+        help="simulated KV-cache size in tokens; requests wait while running prompts and output "
+        "budgets fill it (default 8 x max-model-len)",
+    )
+    parser.add_argument(
+        "--prefix-block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"prefix-cache block in tokens (default {DEFAULT_BLOCK_SIZE}, as vLLM's --block-size)",
+    )
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="GPU speed factor: prefill and decode times are divided by it (default 1.0)",
+    )
+    parser.add_argument(
+        "--no-dcgm",
+        dest="dcgm",
+        action="store_false",
+        help="do not serve the DCGM-style GPU gauges at /dcgm/metrics",
     )
 
 
@@ -62,6 +82,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         tokenizer=args.tokenizer,
         max_num_seqs=args.max_num_seqs,
         kv_cache_tokens=args.kv_cache_tokens,
+        prefix_block_size=args.prefix_block_size,
+        speed=args.speed,
+        dcgm=args.dcgm,
     )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator.prefix import DEFAULT_BLOCK_SIZE
+
 # How many full-length sequences the simulated KV cache holds when no size is given: enough that a
 # handful of long requests move `vllm:kv_cache_usage_perc` visibly, as on a small real GPU.
 _DEFAULT_KV_SEQUENCES = 8
@@ -14,7 +16,10 @@ class SimConfig:
     """Settings of one simulator; invalid values raise ``ValueError`` at construction.
 
     ``models`` empty means "serve any model name" (the request's ``model`` is echoed back).
-    ``kv_cache_tokens`` ``None`` means ``8 * max_model_len``.
+    ``kv_cache_tokens`` ``None`` means ``8 * max_model_len``; a request waits until every running
+    sequence's prompt and output budget plus its own fit in it. ``prefix_block_size`` is the
+    block of the prefix cache in tokens. ``speed`` divides prefill and decode times (2.0: a GPU
+    twice as fast). ``dcgm`` serves DCGM-exporter-style GPU gauges at ``/dcgm/metrics``.
     """
 
     name: str
@@ -27,6 +32,9 @@ class SimConfig:
     tokenizer: str | None = None
     max_num_seqs: int = 256
     kv_cache_tokens: int | None = None
+    prefix_block_size: int = DEFAULT_BLOCK_SIZE
+    speed: float = 1.0
+    dcgm: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -46,6 +54,10 @@ class SimConfig:
             problems.append("max_num_seqs must be at least 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             problems.append("kv_cache_tokens must be at least 1")
+        if self.prefix_block_size < 1:
+            problems.append("prefix_block_size must be at least 1")
+        if not self.speed > 0 or self.speed == float("inf"):
+            problems.append("speed must be a positive number")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -63,3 +75,8 @@ class SimConfig:
         if self.kv_cache_tokens is not None:
             return self.kv_cache_tokens
         return self.max_model_len * _DEFAULT_KV_SEQUENCES
+
+    @property
+    def prefix_cache_blocks(self) -> int:
+        """Blocks the prefix cache remembers: the KV cache's size in blocks (at least one)."""
+        return max(1, self.kv_capacity // self.prefix_block_size)

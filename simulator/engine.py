@@ -1,8 +1,13 @@
 """The simulated engine: admission to a bounded batch, paced token production, and the metrics.
 
-Like vLLM with ``--scheduling-policy priority``, at most ``max_num_seqs`` sequences run at once;
-the rest wait, lowest ``priority`` value first, then in arrival order. A request with several
-prompts (a batched text completion) runs one sequence per prompt, as vLLM does.
+Like vLLM with ``--scheduling-policy priority``, at most ``max_num_seqs`` sequences run at once
+and their KV cache (prompt plus output budget each) must fit ``kv_cache_tokens``; the rest wait,
+lowest ``priority`` value first, then in arrival order (``simulator.admission``). A request with
+several prompts (a batched text completion) runs one sequence per prompt, as vLLM does.
+
+When a sequence is admitted its prompt is looked up in the prefix cache (``simulator.prefix``):
+the cached part skips prefill. Its blocks are remembered once its prefill is done. Prefill and
+decode times are divided by the pod's ``speed``.
 
 Pacing uses the event loop's clock and never blocks it. After ``stop()`` every wait returns at
 once, so in-flight responses finish within moments when the server shuts down.
@@ -12,14 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from simulator.admission import Admission
 from simulator.config import SimConfig
 from simulator.generation import SequencePlan, timeline
 from simulator.metrics import SimMetrics
+from simulator.prefix import PrefixCache, usable_blocks
+
+__all__ = ["Admission", "Engine", "TokenEvent"]
 
 
 @dataclass(frozen=True)
@@ -32,74 +39,24 @@ class TokenEvent:
     finish_reason: str | None
 
 
-class Admission:
-    """Slots for at most ``capacity`` running sequences, granted by (priority, arrival)."""
-
-    def __init__(self, capacity: int, on_change: Callable[[], None]) -> None:
-        self.capacity = capacity
-        self.running = 0
-        self.waiting = 0
-        self._on_change = on_change
-        self._queue: list[tuple[int, int, int, asyncio.Future[None]]] = []
-        self._arrivals = itertools.count()
-
-    async def acquire(self, sequences: int, priority: int) -> int:
-        """Wait for room for ``sequences`` sequences; returns the weight to ``release``.
-
-        A request larger than the whole batch takes the whole batch rather than waiting forever.
-        """
-        weight = min(sequences, self.capacity)
-        if not self._queue and self.running + weight <= self.capacity:
-            self.running += weight
-            self._on_change()
-            return weight
-        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._queue, (priority, next(self._arrivals), weight, granted))
-        self.waiting += weight
-        self._on_change()
-        try:
-            await granted
-        except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():
-                self.release(weight)  # granted in the same tick we were cancelled
-            else:
-                self.waiting -= weight  # its queue entry is skipped when it surfaces
-                self._grant()
-            raise
-        return weight
-
-    def release(self, weight: int) -> None:
-        """Give back the slots of a finished request."""
-        self.running -= weight
-        self._grant()
-
-    def _grant(self) -> None:
-        while self._queue:
-            _, _, weight, granted = self._queue[0]
-            if granted.done():
-                heapq.heappop(self._queue)
-                continue
-            if self.running + weight > self.capacity:
-                break
-            heapq.heappop(self._queue)
-            self.waiting -= weight
-            self.running += weight
-            granted.set_result(None)
-        self._on_change()
-
-
 class Engine:
     """Runs planned sequences at the configured pace and keeps the metrics current."""
 
     def __init__(self, config: SimConfig, metrics: SimMetrics) -> None:
-        self._prefill = config.prefill_ms_per_token / 1000.0
-        self._decode = config.decode_ms_per_token / 1000.0
+        self._prefill = config.prefill_ms_per_token / 1000.0 / config.speed
+        self._decode = config.decode_ms_per_token / 1000.0 / config.speed
         self._kv_capacity = config.kv_capacity
+        self._block_size = config.prefix_block_size
         self._metrics = metrics
-        self._live_tokens = 0
         self._stopping = asyncio.Event()
-        self.admission = Admission(config.max_num_seqs, self._publish_load)
+        self.prefix_cache = PrefixCache(config.prefix_cache_blocks)
+        self.admission = Admission(config.max_num_seqs, self._publish_load, config.kv_capacity)
         self._publish_load()
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the KV cache the running sequences hold, 0 to 1."""
+        return min(1.0, self.admission.kv_used / self._kv_capacity)
 
     def stop(self) -> None:
         """Stop pacing: every in-flight and later request produces its tokens without delay."""
@@ -111,27 +68,27 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         arrival = loop.time()
-        weight = await self.admission.acquire(len(plans), priority)
+        kv_tokens = sum(plan.kv_tokens for plan in plans)
+        weight = await self.admission.acquire(len(plans), priority, kv_tokens)
         start = loop.time()
-        held = sum(plan.prompt_tokens for plan in plans)
-        self._add_live(held)
         last_token_at: dict[int, float] = {}
         done: set[int] = set()
         try:
-            for step in timeline(plans, self._prefill, self._decode):
+            cached = tuple(self._look_up(plan) for plan in plans)
+            for step in timeline(plans, self._prefill, self._decode, cached):
                 await self._until(start + step.at)
                 now = loop.time()
                 plan = plans[step.seq]
                 if step.token <= 0:
                     self._metrics.first_token(now - arrival, plan.prompt_tokens)
+                    if plan.prefix_blocks:
+                        self.prefix_cache.remember(plan.prefix_blocks)
                 if step.token < 0:
                     done.add(step.seq)
                     self._metrics.finished("stop", now - arrival)
                     continue
                 self._metrics.token(now - last_token_at[step.seq] if step.seq in last_token_at else None)
                 last_token_at[step.seq] = now
-                held += 1
-                self._add_live(1)
                 last = step.token == len(plan.pieces) - 1
                 if last:
                     done.add(step.seq)
@@ -143,8 +100,7 @@ class Engine:
             for seq in range(len(plans)):
                 if seq not in done:
                     self._metrics.finished("abort", now - arrival)
-            self._add_live(-held)
-            self.admission.release(weight)
+            self.admission.release(weight, kv_tokens)
 
     async def _until(self, deadline: float) -> None:
         delay = deadline - asyncio.get_running_loop().time()
@@ -153,10 +109,14 @@ class Engine:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), delay)
 
-    def _add_live(self, tokens: int) -> None:
-        self._live_tokens += tokens
-        self._publish_load()
+    def _look_up(self, plan: SequencePlan) -> int:
+        """Prompt tokens of ``plan`` the prefix cache supplies; counts the query."""
+        if plan.prefix_blocks is None:
+            return 0
+        limit = usable_blocks(plan.prompt_tokens, self._block_size)
+        hit = self.prefix_cache.lookup(plan.prefix_blocks, limit) * self._block_size
+        self._metrics.prefix_query(plan.prompt_tokens, hit)
+        return hit
 
     def _publish_load(self) -> None:
-        usage = min(1.0, self._live_tokens / self._kv_capacity)
-        self._metrics.set_load(self.admission.running, self.admission.waiting, usage)
+        self._metrics.set_load(self.admission.running, self.admission.waiting, self.kv_usage)

@@ -97,3 +97,8 @@ def route_error(reason: str) -> dict[str, Any]:
 def internal_error() -> SimError:
     """A 500 for a simulator bug; never used for bad input."""
     return SimError(500, "Internal server error", err_type="InternalServerError")
+
+
+def metrics_failure() -> SimError:
+    """The 500 a metrics endpoint answers while ``POST /sim/state`` makes it fail."""
+    return SimError(500, "Metrics are failing (simulated).", err_type="InternalServerError")

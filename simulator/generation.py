@@ -8,8 +8,9 @@ window leaves fewer, in which case it gets what is left and ``length``.
 Text: one word per token, chosen from a small vocabulary by a hash of the prompt, so the same
 prompt always produces the same text in every process.
 
-Timing (``timeline``): a sequence's prefill takes ``prefill * prompt_tokens``; its k-th token
-(0-based) is produced ``(k + 1) * decode`` after that.
+Timing (``timeline``): a sequence's prefill takes ``prefill * (prompt_tokens - cached)``, where
+``cached`` is the part of its prompt found in the prefix cache; its k-th token (0-based) is
+produced ``(k + 1) * decode`` after that.
 """
 
 from __future__ import annotations
@@ -33,11 +34,21 @@ _WORDS = (
 
 @dataclass(frozen=True)
 class SequencePlan:
-    """One sequence to run: its prompt size, the text of each output token, and why it ends."""
+    """One sequence to run: its prompt size, the text of each output token, and why it ends.
+
+    ``prefix_blocks`` are the prompt's block hashes for the prefix cache (``simulator.prefix``);
+    ``None`` for a sequence the prefix cache does not see (embeddings).
+    """
 
     prompt_tokens: int
     pieces: tuple[str, ...]
     finish_reason: FinishReason
+    prefix_blocks: tuple[bytes, ...] | None = None
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV-cache tokens the sequence holds at most: its prompt and its whole output."""
+        return self.prompt_tokens + len(self.pieces)
 
     @property
     def text(self) -> str:
@@ -80,6 +91,7 @@ def plan_output(
     max_tokens: int | None,
     default_output_tokens: int,
     max_model_len: int,
+    prefix_blocks: tuple[bytes, ...] | None = None,
 ) -> SequencePlan:
     """The output of one prompt (see module docstring); checks the context window first."""
     check_context(prompt_tokens, max_tokens, max_model_len)
@@ -92,7 +104,7 @@ def plan_output(
         count, finish = default_output_tokens, "stop"
     else:
         count, finish = room, "length"
-    return SequencePlan(prompt_tokens, output_pieces(prompt_seed(prompt), count), finish)
+    return SequencePlan(prompt_tokens, output_pieces(prompt_seed(prompt), count), finish, prefix_blocks)
 
 
 def prompt_seed(prompt: Prompt) -> bytes:
@@ -119,12 +131,19 @@ def output_pieces(seed: bytes, count: int) -> tuple[str, ...]:
 
 
 def timeline(
-    plans: tuple[SequencePlan, ...], prefill_s_per_token: float, decode_s_per_token: float
+    plans: tuple[SequencePlan, ...],
+    prefill_s_per_token: float,
+    decode_s_per_token: float,
+    cached: tuple[int, ...] | None = None,
 ) -> list[TimelineStep]:
-    """Every token of every sequence in the order they are produced (ties: sequence order)."""
+    """Every token of every sequence in the order they are produced (ties: sequence order).
+
+    ``cached[i]`` is how many prompt tokens of sequence ``i`` the prefix cache supplied.
+    """
     steps = []
     for seq, plan in enumerate(plans):
-        prefill = prefill_s_per_token * plan.prompt_tokens
+        computed = plan.prompt_tokens - (cached[seq] if cached is not None else 0)
+        prefill = prefill_s_per_token * computed
         if not plan.pieces:
             steps.append(TimelineStep(prefill, seq, -1))
         for k in range(len(plan.pieces)):

@@ -15,9 +15,12 @@ import orjson
 from aiohttp import web
 
 from simulator import embeddings, sse
-from simulator.errors import bad_request, validation_error
+from simulator.dcgm import simulated_reading
+from simulator.errors import bad_request, metrics_failure, validation_error
 from simulator.generation import SequencePlan, check_pooling_context, plan_output
 from simulator.metrics import CONTENT_TYPE
+from simulator.overrides import parse_overrides
+from simulator.prefix import prompt_blocks
 from simulator.protocol import (
     GenerationRequest,
     parse_chat_request,
@@ -117,9 +120,64 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """``GET /metrics``: Prometheus text."""
-    body = request.app[STATE].metrics.render()
+    """``GET /metrics``: Prometheus text (a 500 while ``fail_metrics`` is overridden)."""
+    state = request.app[STATE]
+    if state.metrics.overrides.fail_metrics:
+        raise metrics_failure()
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def dcgm_metrics(request: web.Request) -> web.Response:
+    """``GET /dcgm/metrics``: dcgm-exporter-style GPU gauges (a 500 while ``fail_dcgm``)."""
+    state = request.app[STATE]
+    overrides = state.metrics.overrides
+    if overrides.fail_dcgm:
+        raise metrics_failure()
+    real = simulated_reading(state.engine.kv_usage, state.engine.admission.running)
+    body = state.dcgm.render(overrides.gpu(real))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def get_state(request: web.Request) -> web.Response:
+    """``GET /sim/state`` (simulator only): the pod's settings, the overrides in force and the
+    real values they hide."""
+    return json_response(_state_view(request.app[STATE]))
+
+
+async def set_state(request: web.Request) -> web.Response:
+    """``POST /sim/state`` (simulator only): replace the overrides (see ``simulator.overrides``)."""
+    state = request.app[STATE]
+    parsed = parse_body(await request.read())
+    if parsed.error is not None:
+        raise bad_request(parsed.error)
+    state.metrics.set_overrides(parse_overrides(parsed.value))
+    return json_response(_state_view(state))
+
+
+def _state_view(state: SimState) -> dict[str, Any]:
+    running, waiting, kv_usage = state.metrics.real_load
+    gpu = simulated_reading(kv_usage, running)
+    config = state.config
+    return {
+        "settings": {
+            "speed": config.speed,
+            "kv_capacity_tokens": config.kv_capacity,
+            "prefix_block_size": config.prefix_block_size,
+            "max_num_seqs": config.max_num_seqs,
+        },
+        "overrides": state.metrics.overrides.as_json(),
+        "real": {
+            "running": running,
+            "waiting": waiting,
+            "kv_usage": kv_usage,
+            "kv_used_tokens": state.engine.admission.kv_used,
+            "prefix_cached_blocks": len(state.engine.prefix_cache),
+            "gpu_temp_c": gpu.temp_c,
+            "fb_used_mib": gpu.fb_used_mib,
+            "fb_free_mib": gpu.fb_free_mib,
+            "throttle_reasons": gpu.throttle_reasons,
+        },
+    }
 
 
 async def list_requests(request: web.Request) -> web.Response:
@@ -158,6 +216,7 @@ async def _generate(request: web.Request, parsed: GenerationRequest, *, chat: bo
             parsed.max_tokens,
             config.default_output_tokens,
             config.max_model_len,
+            prompt_blocks(prompt, state.tokenizer, config.prefix_block_size),
         )
         for prompt in parsed.prompts
     )

@@ -3,12 +3,19 @@
 Names, label and buckets follow vLLM's V1 engine (``vllm/v1/metrics/loggers.py``); every series is
 labelled ``model_name`` with the served name, as vLLM labels with its first served model name. A
 registry per simulator lets several simulators share one process without name collisions.
+
+The prefix-cache counters are vLLM's (>= 0.10) ``vllm:prefix_cache_queries`` and
+``vllm:prefix_cache_hits``, in tokens; like every counter here the exposition names their samples
+``..._total``. Overrides set by ``POST /sim/state`` replace the three scheduler gauges in what is
+reported; the real values are kept and come back when the overrides are cleared.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from simulator.overrides import NONE, SimOverrides
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -38,6 +45,18 @@ class SimMetrics:
         kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means full.", labels, registry=reg)
         prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
         generation = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=reg)
+        queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels,
+            registry=reg,
+        )
+        hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels,
+            registry=reg,
+        )
         success = Counter(
             "vllm:request_success",
             "Finished requests, by finish reason.",
@@ -70,6 +89,10 @@ class SimMetrics:
         self._kv = kv.labels(model_name)
         self._prompt = prompt.labels(model_name)
         self._generation = generation.labels(model_name)
+        self._queries = queries.labels(model_name)
+        self._hits = hits.labels(model_name)
+        self._real: tuple[int, int, float] = (0, 0, 0.0)
+        self.overrides = NONE
         self._success = success
         self._model_name = model_name
         self._ttft = ttft.labels(model_name)
@@ -81,9 +104,30 @@ class SimMetrics:
 
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
         """Current scheduler state."""
-        self._running.set(running)
-        self._waiting.set(waiting)
-        self._kv.set(kv_usage)
+        self._real = (running, waiting, kv_usage)
+        self._publish()
+
+    def set_overrides(self, overrides: SimOverrides) -> None:
+        """Report ``overrides`` instead of the real values they name (``NONE``: report all real)."""
+        self.overrides = overrides
+        self._publish()
+
+    @property
+    def real_load(self) -> tuple[int, int, float]:
+        """The real (running, waiting, kv_usage), whatever is overridden."""
+        return self._real
+
+    def _publish(self) -> None:
+        running, waiting, kv_usage = self._real
+        o = self.overrides
+        self._running.set(running if o.running is None else o.running)
+        self._waiting.set(waiting if o.waiting is None else o.waiting)
+        self._kv.set(kv_usage if o.kv_usage is None else o.kv_usage)
+
+    def prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:
+        """A sequence looked its prompt up in the prefix cache and found ``hit_tokens`` of it."""
+        self._queries.inc(queried_tokens)
+        self._hits.inc(hit_tokens)
 
     def first_token(self, seconds: float, prompt_tokens: int) -> None:
         """A sequence finished prefill and produced its first token (or its embedding)."""

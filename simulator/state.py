@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from simulator.config import SimConfig
+from simulator.dcgm import DcgmExporter
 from simulator.engine import Engine
 from simulator.errors import model_not_found
 from simulator.journal import RequestJournal
@@ -16,7 +17,10 @@ from simulator.tokens import TextTokenizer
 
 @dataclass(frozen=True)
 class SimState:
-    """The parts of one running simulator; ``created`` is its start time (Unix seconds)."""
+    """The parts of one running simulator; ``created`` is its start time (Unix seconds).
+
+    ``dcgm`` holds the GPU gauges, served only when ``config.dcgm`` is set.
+    """
 
     config: SimConfig
     tokenizer: TextTokenizer | None
@@ -24,6 +28,7 @@ class SimState:
     journal: RequestJournal
     engine: Engine
     created: int
+    dcgm: DcgmExporter
 
     def resolve_model(self, requested: str | None) -> str:
         """The model name to answer with; 404 ``SimError`` for a name not served.

@@ -52,6 +52,10 @@ class TextTokenizer(Protocol):
         """Number of tokens ``text`` encodes to."""
         ...
 
+    def ids(self, text: str) -> list[int]:
+        """The token ids of ``text`` (``len(ids(text)) == count(text)``)."""
+        ...
+
 
 def estimate_text_tokens(text: str) -> int:
     """The heuristic count: ``ceil(len(utf8) / 4)``; 0 only for the empty text."""
@@ -86,4 +90,8 @@ class FileTokenizer:
 
     def count(self, text: str) -> int:
         """Tokens of ``text`` without special tokens."""
-        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return len(self.ids(text))
+
+    def ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)

@@ -87,7 +87,8 @@ async def test_closing_early_counts_an_abort_and_frees_everything() -> None:
     events = engine.run((SequencePlan(40, ("a", " b", " c"), "length"),), priority=0)
     await anext(events)
     assert _value(metrics, "vllm:num_requests_running") == 1
-    assert _value(metrics, "vllm:kv_cache_usage_perc") == pytest.approx(0.41)
+    # The prompt and the whole output budget are held from admission: (40 + 3) / 100.
+    assert _value(metrics, "vllm:kv_cache_usage_perc") == pytest.approx(0.43)
     await events.aclose()
     assert _value(metrics, "vllm:request_success_total", finished_reason="abort") == 1
     assert _value(metrics, "vllm:num_requests_running") == 0

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import structlog
 
+from routing.schema import SimulateSpec
 from simulator import SimConfig, add_arguments, config_from_args, run
 
 LAUNCH = (
@@ -64,6 +65,38 @@ def test_flags_and_defaults() -> None:
         max_num_seqs=2,
         kv_cache_tokens=9,
     )
+
+
+def test_picker_signal_flags() -> None:
+    args = _parse("--port=1", "--name=n", "--speed=2.5", "--prefix-block-size=32", "--no-dcgm")
+    config = config_from_args(args)
+    assert (config.speed, config.prefix_block_size, config.dcgm) == (2.5, 32, False)
+    defaults = config_from_args(_parse("--port=1", "--name=n"))
+    assert (defaults.speed, defaults.prefix_block_size, defaults.dcgm) == (1.0, 16, True)
+
+
+def test_what_up_passes_from_the_routing_yaml_reaches_the_simulator() -> None:
+    spec = SimulateSpec(speed=2.0, kv_cache_tokens=4096, decode_ms_per_token=3.0)
+    config = config_from_args(_parse("--port=1", "--name=n", *spec.sim_flags()))
+    assert (config.speed, config.kv_cache_tokens, config.decode_ms_per_token) == (2.0, 4096, 3.0)
+    defaults = config_from_args(_parse("--port=1", "--name=n", *SimulateSpec().sim_flags()))
+    assert defaults == SimConfig(name="n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (("--speed", "0"), "speed must be a positive number"),
+        (("--speed", "-1"), "speed must be a positive number"),
+        (("--speed", "nan"), "speed must be a positive number"),
+        (("--speed", "inf"), "speed must be a positive number"),
+        (("--prefix-block-size", "0"), "prefix_block_size must be at least 1"),
+        (("--kv-cache-tokens", "0"), "kv_cache_tokens must be at least 1"),
+    ],
+)
+def test_invalid_picker_signal_flags(argv: tuple[str, ...], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        config_from_args(_parse("--port=1", "--name=n", *argv))
 
 
 @pytest.mark.parametrize(
