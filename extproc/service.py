@@ -24,7 +24,9 @@ from extproc.cache_metrics import CacheMetrics
 from extproc.cache_store import MemoryVectorStore
 from extproc.canary_guard import CanaryGuards, GuardedTelemetry
 from extproc.canary_report import MIN_SAMPLES, render_all
+from extproc.context import EndpointPicking
 from extproc.metrics import ExtprocMetrics
+from extproc.picker.runtime import PickerRuntime
 from extproc.request_log import LoggedTelemetry
 from extproc.rls_client import RateLimitClient
 from extproc.stream import StreamState
@@ -50,8 +52,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                  telemetry: Telemetry = NULL_TELEMETRY,
                  guards: CanaryGuards | None = None,
                  cache: VectorCache | None = None,
-                 limits: RateLimitClient | None = None) -> None:
+                 limits: RateLimitClient | None = None,
+                 picker: EndpointPicking | None = None) -> None:
         self._snapshot = snapshot
+        self._picker = picker
         self._secret = settings.key_id_secret.get_secret_value().encode()
         self._telemetry = telemetry
         self._guards = guards
@@ -67,7 +71,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         telemetry = self._telemetry
         clock = time.perf_counter
         state = StreamState(self._snapshot(), self._secret, telemetry=telemetry,
-                            guards=self._guards)
+                            guards=self._guards, picker=self._picker)
         responses_asked = False  # the filter config skips response messages unless asked
         try:
             async for request in request_iterator:
@@ -141,7 +145,9 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     cache = open_vector_cache(settings, CacheMetrics(registry))
     await cache.connect()
     limits = RateLimitClient(registry)
-    servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache, limits)
+    picker = PickerRuntime(snapshot, registry)
+    await picker.start()
+    servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache, limits, picker)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -168,6 +174,7 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
         await server.stop(grace=settings.shutdown_grace_s)
         await cache.aclose()
         await limits.aclose()
+        await picker.stop()
         await runner.cleanup()
         log.info("extproc_stopped")
 

@@ -158,7 +158,10 @@ class EndpointPicker:
                     pool.set_addresses(self._carried(pool, self._endpoints.get(name, []),
                                                      cluster.endpoints))
             pools[name] = pool
-        self.pools, self._specs, self._endpoints = pools, specs, endpoints
+        # In place: the scraper and the metrics hold this same dict.
+        self.pools.clear()
+        self.pools.update(pools)
+        self._specs, self._endpoints = specs, endpoints
 
     @staticmethod
     def _carried(pool: PoolState, old: Sequence[str], new: Sequence[str]) -> list[str]:
