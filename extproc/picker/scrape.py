@@ -243,16 +243,22 @@ class Scraper:
 
     async def _resolve_loop(self, plan: PoolPlan) -> None:
         names = [(h, p) for h, p in map(parse_hostport, plan.endpoints) if _ip_literal(h) is None]
+        failing: set[tuple[str, int]] = set()  # logged when a name starts failing, not each time
         while True:
             results = await asyncio.gather(*(self._resolve(h, p) for h, p in names),
                                            return_exceptions=True)
-            for (host, port), result in zip(names, results, strict=True):
+            for name, result in zip(names, results, strict=True):
                 if isinstance(result, BaseException) or not result:
-                    log.warning("picker_resolve_failed", cluster=plan.cluster, host=host,
-                                error=repr(result) if result else "no addresses",
-                                kept=len(self._resolved.get((host, port), [])))
+                    if name not in failing:
+                        failing.add(name)
+                        log.warning("picker_resolve_failed", cluster=plan.cluster, host=name[0],
+                                    error=repr(result) if result else "no addresses",
+                                    kept=len(self._resolved.get(name, [])))
                 else:
-                    self._resolved[(host, port)] = list(result)
+                    if name in failing:
+                        failing.discard(name)
+                        log.info("picker_resolve_recovered", cluster=plan.cluster, host=name[0])
+                    self._resolved[name] = list(result)
             self._set_addresses(plan, self._known_addresses(plan))
             await asyncio.sleep(plan.resolve_s)
 
@@ -309,13 +315,12 @@ class Scraper:
             pool = self._pools.get(plan.cluster)
             try:
                 metrics = parse_vllm(await self._fetch(url, timeout_s))
-            except _FETCH_ERRORS as exc:
+            except Exception as exc:  # any failure is a failed scrape; the loop lives on
                 failures += 1
                 if pool is not None:
                     pool.record_failure(pod)
-                if failures == 1:
-                    log.warning("picker_scrape_failing", cluster=plan.cluster, endpoint=pod,
-                                error=_describe(exc))
+                if failures == 1 or not isinstance(exc, _FETCH_ERRORS):
+                    _log_failure("picker_scrape_failing", plan.cluster, pod, exc)
                 await asyncio.sleep(backoff_s(plan.interval_s, failures, random.uniform(0.8, 1.2)))
                 continue
             gpu = self._gpu.get((plan.cluster, pod))
@@ -338,20 +343,22 @@ class Scraper:
             try:
                 self._gpu[(plan.cluster, pod)] = parse_dcgm(
                     await self._fetch(url, scrape_timeout_s(interval_s)))
-            except _FETCH_ERRORS as exc:
+            except Exception as exc:
                 failures += 1
                 self._gpu.pop((plan.cluster, pod), None)  # unknown, not the last reading
-                if failures == 1:
-                    log.warning("picker_dcgm_failing", cluster=plan.cluster, endpoint=pod,
-                                error=_describe(exc))
+                if failures == 1 or not isinstance(exc, _FETCH_ERRORS):
+                    _log_failure("picker_dcgm_failing", plan.cluster, pod, exc)
                 await asyncio.sleep(backoff_s(interval_s, failures, random.uniform(0.8, 1.2)))
                 continue
             failures = 0
             await asyncio.sleep(interval_s)
 
 
-def _describe(exc: BaseException) -> str:
-    """A short cause for the log (aiohttp's connect errors carry the address, never a secret:
-    the scraper sends no credentials)."""
-    text = str(exc) or type(exc).__name__
-    return text[:200]
+def _log_failure(event: str, cluster: str, pod: str, exc: Exception) -> None:
+    """Once when a pod starts failing (and for every error nobody expected, as a bug): the
+    cause, short. aiohttp's errors carry the address, never a secret (none is sent)."""
+    cause = (str(exc) or type(exc).__name__)[:200]
+    if isinstance(exc, _FETCH_ERRORS):
+        log.warning(event, cluster=cluster, endpoint=pod, error=cause)
+    else:
+        log.error(event, cluster=cluster, endpoint=pod, error=cause, unexpected=repr(type(exc)))

@@ -52,10 +52,14 @@ class FakePod:
         self.mode = "vllm"
         self.hits: list[float] = []
         self.port = 0
+        self.written = 0
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    async def moved(self, _: web.Request) -> web.Response:
+        return web.Response(text=VLLM_BODY)
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         self.hits.append(asyncio.get_running_loop().time())
@@ -71,6 +75,15 @@ class FakePod:
             raise web.HTTPFound("/metrics-moved")  # a valid body there: following is the bug
         if self.mode == "slow":
             await asyncio.sleep(30)
+        if self.mode == "endless":
+            response = web.StreamResponse()
+            await response.prepare(request)
+            chunk = b"# padding padding padding\n" * 40_000
+            with contextlib.suppress(ConnectionError):
+                while self.mode == "endless":
+                    await response.write(chunk)
+                    self.written += len(chunk)
+            return response
         if self.mode == "huge":  # chunked: no Content-Length to refuse it by
             response = web.StreamResponse()
             await response.prepare(request)
@@ -90,7 +103,7 @@ async def fake_pod() -> AsyncIterator[Callable[[], Any]]:
             pod = FakePod()
             app = web.Application()
             app.router.add_get("/metrics", pod.metrics)
-            app.router.add_get("/metrics-moved", lambda _: web.Response(text=VLLM_BODY))
+            app.router.add_get("/metrics-moved", pod.moved)
             runner = web.AppRunner(app, shutdown_timeout=0.1)
             await runner.setup()
             stack.push_async_callback(runner.cleanup)
@@ -194,6 +207,17 @@ async def test_a_failing_pod_goes_stale_and_stays_in_the_pool(
         bad.mode = "vllm"
         await until(lambda: metrics_of(pools, "pool", bad_address) is not None, "recovery")
         assert pool.pods[bad_address].failures == 0
+
+
+async def test_an_endless_body_is_cut_off_at_the_cap(fake_pod: Any, scraping: Any) -> None:
+    endless = await fake_pod()
+    endless.mode = "endless"
+    _, pools = await scraping(routing({"pool": picker_pool([endless.address])}))
+    await until(lambda: pools["pool"].pods[endless.address].failures >= 2, "two failures")
+    # Read up to the cap, then the connection is dropped: the pod wrote little more than the
+    # cap (plus socket buffers) per attempt, not what 250 ms of loopback would carry.
+    assert endless.written <= len(endless.hits) * (MAX_BODY_BYTES + 8 * 2**20)
+    endless.mode = "vllm"
 
 
 async def test_a_slow_pod_delays_no_other_pod(fake_pod: Any, scraping: Any) -> None:
