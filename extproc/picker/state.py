@@ -61,6 +61,8 @@ class PodState:
     """Event-loop time of the last good scrape."""
     failures: int = 0
     """Scrapes failed in a row."""
+    failures_total: int = 0
+    """Scrapes failed since the pod joined the pool (the metrics' counter)."""
     sent_since_scrape: int = 0
     in_flight: int = 0
     prefix_hit_rate: float | None = None
@@ -94,6 +96,7 @@ class PoolState:
         pod = self.pods.get(address)
         if pod is not None:
             pod.failures += 1
+            pod.failures_total += 1
 
     def fresh(self, pod: PodState, now: float) -> PodMetrics | None:
         """The pod's metrics if recent enough to trust, else None (unknown)."""
