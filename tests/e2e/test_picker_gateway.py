@@ -8,6 +8,7 @@ report a deep queue, a full KV cache or failing metrics without loading it; each
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import urllib.error
@@ -66,7 +67,8 @@ def clean_pods(gateway: Gateway) -> Iterator[None]:
     clear_journals()
     yield
     for port in PODS:
-        sim_state(port, {})
+        with contextlib.suppress(urllib.error.URLError):  # the last test stops pod C
+            sim_state(port, {})
 
 
 def sim_state(port: int, state: dict[str, Any]) -> None:
@@ -154,7 +156,7 @@ def test_a_shared_prefix_sticks_to_one_pod_and_different_prefixes_spread(
     assert sorted(same.values()) == [0, 0, 10], same
 
     clear_journals()
-    for i in range(12):
+    for _ in range(12):
         chat(client, f"{uuid.uuid4()} {LONG_PREFIX}")  # a different first block each time
     spread = served()
     assert sum(1 for n in spread.values() if n > 0) >= 2, spread
@@ -203,7 +205,8 @@ def test_the_pods_control_paths_are_not_reachable_through_the_gateway(gateway: G
     assert caught.value.code == 404
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(f"{gateway.url}/metrics", timeout=5)
-    assert all(extproc_metric(gateway, "llm_sidecar_endpoint_queue", p) == 0 for p in PODS)
+    wait_for(lambda: all(extproc_metric(gateway, "llm_sidecar_endpoint_queue", p) == 0
+                         for p in PODS), timeout=10, what="every pod's queue read as empty")
 
 
 def test_failing_metrics_and_a_dead_pod_cost_no_client_errors(gateway: Gateway,
