@@ -27,6 +27,29 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             (f"sum by (cluster, variant) (rate(llm_sidecar_route_decisions_total{RATE}))",
              "{{cluster}} {{variant}}")]),
     ]),
+    # The field notes' diagnosis order: the KV (prefix) cache hit rate first (below 75 %,
+    # start there), then prefill, then decode: the rows and panels read in that order.
+    ("Pods of picker pools: prefix-cache hit rate first, then load", [
+        ("Prefix-cache hit rate by pod (below 75 %: diagnose this first)", "percentunit", [
+            ("avg by (cluster, endpoint) (llm_sidecar_endpoint_prefix_hit_rate)",
+             "{{cluster}} {{endpoint}}")]),
+        ("Requests waiting by pod (vllm:num_requests_waiting)", "short", [
+            ("max by (cluster, endpoint) (llm_sidecar_endpoint_queue)",
+             "{{cluster}} {{endpoint}}")]),
+        ("KV-cache use by pod", "percentunit", [
+            ("max by (cluster, endpoint) (llm_sidecar_endpoint_kv_cache_usage)",
+             "{{cluster}} {{endpoint}}")]),
+        ("Picks by pod and reason", "reqps", [
+            (f"sum by (cluster, endpoint, reason) (rate(llm_sidecar_endpoint_picks_total{RATE}))",
+             "{{endpoint}} {{reason}}")]),
+        ("Low-priority requests shed (pool saturated)", "reqps", [
+            (f"sum by (cluster) (rate(llm_sidecar_shed_total{RATE}))", "{{cluster}}")]),
+        ("Metrics scrape age and failures by pod", "s", [
+            ("max by (cluster, endpoint) (llm_sidecar_endpoint_scrape_age_seconds)",
+             "age {{endpoint}}"),
+            (f"sum by (cluster, endpoint) (rate(llm_sidecar_endpoint_scrape_failures_total{RATE}))",
+             "failures/s {{endpoint}}")]),
+    ]),
     ("Prefill and decode latency by pool", [
         ("P50/P99 time to first token (prefill) by cluster", "s", [
             (f"histogram_quantile(0.5, sum by (le, cluster) "

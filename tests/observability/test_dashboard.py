@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from extproc.metrics import ExtprocMetrics
+from extproc.picker.metrics import EndpointMetrics
 from llm_sidecar.key_audit import audit_key_id_secret
 from llm_sidecar.redis_audit import audit_redis
 from ratelimit.metrics import RateLimitMetrics
@@ -31,6 +32,7 @@ def exported() -> set[str]:
     RateLimitMetrics(registry)
     audit_redis(None, True, registry, "any")  # llm_sidecar_redis_unauthenticated, both services
     audit_key_id_secret(SecretStr("x"), True, registry)  # extproc
+    EndpointMetrics(registry, {}, lambda: 0.0)  # extproc's endpoint picker
     cache_metrics = importlib.util.find_spec("extproc.cache_metrics")
     if cache_metrics is not None:
         module = importlib.import_module("extproc.cache_metrics")
@@ -72,7 +74,9 @@ def test_every_dashboard_and_alert_query_names_an_exported_metric() -> None:
 def test_the_dashboard_covers_the_four_funnels() -> None:
     board = json.loads((OBS / "llm-sidecar-dashboard.json").read_text())
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
-    assert rows == ["Traffic and errors by route", "Prefill and decode latency by pool",
+    assert rows == ["Traffic and errors by route",
+                    "Pods of picker pools: prefix-cache hit rate first, then load",
+                    "Prefill and decode latency by pool",
                     "Rate-limit pressure by tenant and key", "Embedding cache"]
 
 
