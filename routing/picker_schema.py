@@ -60,8 +60,9 @@ class EndpointPickerSpec(_Strict):
     """A pod whose last good scrape is older than this is scored as unknown (never dropped:
     Envoy's health checks decide liveness)."""
     dcgm_url: str | None = Field(default=None, pattern=r"^https?://\S*\{host\}\S*$")
-    """Optional DCGM exporter URL per pod, ``{host}`` replaced by the pod's IP, like
-    ``http://{host}:9400/metrics``: GPU temperature, memory and clock-throttle reasons."""
+    """Optional DCGM exporter URL per pod, ``{host}`` replaced by the pod's IP (and ``{port}``
+    by its vLLM port), like ``http://{host}:9400/metrics``: GPU temperature, memory and
+    clock-throttle reasons."""
     weights: PickerWeights = Field(default_factory=PickerWeights)
     saturation: SaturationSpec | None = Field(default_factory=SaturationSpec)
     """Shedding of low-priority requests when the whole pool is saturated; ``null`` never sheds."""

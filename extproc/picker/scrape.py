@@ -115,8 +115,8 @@ class PoolPlan:
     def dcgm_for(self, pod: str) -> str | None:
         if self.dcgm_url is None:
             return None
-        host = pod.rpartition(":")[0]  # keeps [v6] brackets, as a URL needs them
-        return self.dcgm_url.replace("{host}", host)
+        host, _, port = pod.rpartition(":")  # keeps [v6] brackets, as a URL needs them
+        return self.dcgm_url.replace("{host}", host).replace("{port}", port)
 
 
 def plans(config: RoutingConfig) -> dict[str, PoolPlan]:

@@ -42,7 +42,9 @@ def doc() -> dict[str, Any]:
         "clusters": {"pool": {
             "endpoints": [ip(p) for p in PODS], "max_context": 8192,
             "simulate": {"decode_ms_per_token": 0.2},
-            "endpoint_picker": {"metrics_interval": "50ms", "stale_after": "1s"}}},
+            "endpoint_picker": {"metrics_interval": "50ms", "stale_after": "1s",
+                                # the simulator serves DCGM's gauges beside vLLM's
+                                "dcgm_url": "http://{host}:{port}/dcgm/metrics"}}},
         "models": {"m": {"clusters": ["pool"], "default_max_tokens": 8}},
         # weight = prompt tokens x output / 1000: a short chat is high, a long ask is low.
         "priority": {"high_below": 50, "low_from": 1000},
@@ -146,6 +148,17 @@ def test_a_full_kv_cache_alone_turns_traffic_away(gateway: Gateway,
         chat(client, f"kv {i} {uuid.uuid4()}")
     counts = served()
     assert counts[C] <= 1, counts
+
+
+def test_a_throttling_gpu_turns_traffic_away(gateway: Gateway, client: openai.OpenAI) -> None:
+    sim_state(B, {"throttled": True, "gpu_temp_c": 93})
+    wait_for(lambda: extproc_metric(gateway, "llm_sidecar_endpoint_throttled", B) == 1,
+             timeout=15, what="extproc to read B's DCGM throttle reasons")
+    assert extproc_metric(gateway, "llm_sidecar_endpoint_gpu_temperature_celsius", B) == 93
+    for i in range(24):
+        chat(client, f"hot {i} {uuid.uuid4()}")
+    counts = served()
+    assert counts[B] <= 1, counts
 
 
 def test_a_shared_prefix_sticks_to_one_pod_and_different_prefixes_spread(

@@ -14,7 +14,14 @@ import pytest
 from aiohttp import web
 
 from extproc.picker.parse import MAX_BODY_BYTES
-from extproc.picker.scrape import BACKOFF_CAP_S, Scraper, backoff_s, resolve_system, scrape_timeout_s
+from extproc.picker.scrape import (
+    BACKOFF_CAP_S,
+    PoolPlan,
+    Scraper,
+    backoff_s,
+    resolve_system,
+    scrape_timeout_s,
+)
 from extproc.picker.state import PodMetrics, PoolState
 from routing.schema import RoutingConfig
 from simulator import RunningSimulator, SimConfig, running_simulator
@@ -181,8 +188,10 @@ async def test_metrics_arrive_and_follow_the_pods_load(sims: Any, scraping: Any)
         for response in await asyncio.gather(*requests):
             assert response.status == 200
             response.release()
-    await until(lambda: metrics_of(pools, "pool", addresses[0]) == PodMetrics(),
-                "the busy pod idle again")
+    # Idle again; its prefix-cache counters keep what the two requests looked up.
+    await until(lambda: queue(pools, addresses[0]) == (0, 0), "the busy pod idle again")
+    served = metrics_of(pools, "pool", addresses[0])
+    assert served is not None and served.kv_usage == 0 and served.prefix_queries > 0
 
 
 @pytest.mark.parametrize("mode", ["500", "html", "redirect", "huge", "huge-length", "refused"])
@@ -346,3 +355,13 @@ async def test_stop_leaves_no_task_and_closes_the_session(sims: Any) -> None:
     assert scraper.tasks == () and not scraper.running
     assert [t for t in asyncio.all_tasks() if t.get_name().startswith("picker-")] == []
     assert list(pools["pool"].pods) == [f"127.0.0.1:{sim.port}"]  # the state stays for the picker
+
+
+@pytest.mark.parametrize(("pattern", "pod", "url"), [
+    ("http://{host}:9400/metrics", "10.0.0.5:8000", "http://10.0.0.5:9400/metrics"),
+    ("http://{host}:{port}/dcgm/metrics", "127.0.0.1:8101", "http://127.0.0.1:8101/dcgm/metrics"),
+    ("http://{host}:9400/metrics", "[fd00::5]:8000", "http://[fd00::5]:9400/metrics"),
+])
+def test_the_dcgm_url_names_each_pod(pattern: str, pod: str, url: str) -> None:
+    plan = PoolPlan("pool", (pod,), "/metrics", 0.1, 5.0, 2.0, pattern)
+    assert plan.dcgm_for(pod) == url
