@@ -101,11 +101,7 @@ def sim_command(name: str, config: RoutingConfig) -> list[str]:
     sim = spec.simulator
     assert sim is not None
     return ["sim", "--host", "0.0.0.0", "--port", str(SIM_PORT), "--name", name,
-            "--max-model-len", str(spec.max_context),
-            "--prefill-ms-per-token", str(sim.prefill_ms_per_token),
-            "--decode-ms-per-token", str(sim.decode_ms_per_token),
-            "--default-output-tokens", str(sim.default_output_tokens),
-            "--embedding-dim", str(sim.embedding_dim)]
+            "--max-model-len", str(spec.max_context), *sim.sim_flags()]
 
 
 def _ports(config: RoutingConfig) -> dict[str, int]:
