@@ -14,12 +14,12 @@ import ipaddress
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from extproc.picker.prefix import PrefixIndex, block_hashes
 from extproc.picker.scoring import PoolContext, Row, saturated, score_rows
-from extproc.picker.state import Candidate, PoolState
+from extproc.picker.state import UNREACHABLE_AFTER, Candidate, PoolState
 from routing.picker_schema import EndpointPickerSpec, PickerWeights, SaturationSpec
 from routing.schema import RoutingConfig
 from routing.units import parse_hostport
@@ -57,11 +57,39 @@ def choose(candidates: Sequence[Candidate], weights: PickerWeights, saturation: 
 
     Sheds (``saturated``) only a ``low`` request, only when ``saturation`` is set and every
     candidate has fresh metrics over a threshold: an unknown pod may be free, so it is tried.
-    High and medium requests always get the best pod.
+    High and medium requests always get the best pod. An ``unreachable`` candidate comes after
+    every reachable one (:func:`choose_reachable`).
     """
-    return choose_rows([c.address for c in candidates],
-                       [(c.metrics, c.sent_since_scrape, c.in_flight, c.prefix_match) for c in candidates],
-                       weights, saturation, priority, rng)
+    return choose_reachable([c.address for c in candidates],
+                            [(c.metrics, c.sent_since_scrape, c.in_flight, c.prefix_match)
+                             for c in candidates],
+                            [c.unreachable for c in candidates],
+                            weights, saturation, priority, rng)
+
+
+def choose_reachable(addresses: Sequence[str], rows: Sequence[Row], unreachable: Sequence[bool],
+                     weights: PickerWeights, saturation: SaturationSpec | None,
+                     priority: Priority, rng: random.Random) -> Pick:
+    """:func:`choose_rows` among the pods not ``unreachable[i]``; unreachable pods only fill
+    the fallbacks the reachable ones leave free (best first), so Envoy tries them last. Envoy
+    tries a named pod whatever its health checks say, so naming a dead pod first costs every
+    such request a failed connect (up to the cluster's connect timeout when packets are
+    dropped). Shedding looks at the reachable pods only: a dead pod takes nothing. When no pod
+    is reachable (or all are), it is :func:`choose_rows` over all of them: the scraper may be
+    the one cut off, and Envoy's own fallback still balances by health.
+    """
+    if not any(unreachable) or all(unreachable):
+        return choose_rows(addresses, rows, weights, saturation, priority, rng)
+    up = [i for i, down in enumerate(unreachable) if not down]
+    result = choose_rows([addresses[i] for i in up], [rows[i] for i in up], weights, saturation,
+                         priority, rng)
+    if result.endpoint is None or len(result.fallbacks) >= FALLBACKS:
+        return result
+    down = [i for i, dead in enumerate(unreachable) if dead]
+    last = choose_rows([addresses[i] for i in down], [rows[i] for i in down], weights, None,
+                       "high", rng)
+    extra = tuple(a for a in (last.endpoint, *last.fallbacks) if a is not None)
+    return replace(result, fallbacks=result.fallbacks + extra[:FALLBACKS - len(result.fallbacks)])
 
 
 def choose_rows(addresses: Sequence[str], rows: Sequence[Row], weights: PickerWeights,
@@ -190,7 +218,9 @@ class EndpointPicker:
         addresses = list(pool.pods)
         rows: list[Row] = [(pool.fresh(pod, now), pod.sent_since_scrape, pod.in_flight,
                             matches.get(address, 0.0)) for address, pod in pool.pods.items()]
-        result = choose_rows(addresses, rows, spec.weights, spec.saturation, priority, self._rng)
+        unreachable = [pod.connect_failures >= UNREACHABLE_AFTER for pod in pool.pods.values()]
+        result = choose_reachable(addresses, rows, unreachable, spec.weights, spec.saturation,
+                                  priority, self._rng)
         if result.endpoint is not None:
             if blocks:
                 self.index.record(cluster, blocks, result.endpoint)

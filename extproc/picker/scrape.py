@@ -10,7 +10,11 @@ Choices, and why:
 - **Timeout** of one scrape: ``min(1 s, max(250 ms, interval))``. vLLM serves ``/metrics`` on the
   same event loop as its streams, so a busy pod can take a few hundred ms to answer; a tighter
   timeout would blind the picker to exactly the pods whose load matters. Past 1 s the numbers
-  are too old to steer by.
+  are too old to steer by. Connecting gets half of it, so that a pod whose packets are dropped
+  shows as a connect failure (:func:`connect_failed`), not as a slow answer.
+- **Unreachable**: a scrape that could not connect (refused, connect timeout) is told apart from
+  one that connected and failed (HTTP error, bad body, slow answer): Envoy pays a failed connect
+  only for the former (``PodState.unreachable``, which the pick avoids).
 - **Schedule**: every ``interval`` from the start of the previous scrape (a pod's scrapes never
   overlap), each pod starting at a random point of the first interval so that 64 pods are not
   scraped in one burst.
@@ -63,6 +67,13 @@ _FETCH_ERRORS = (aiohttp.ClientError, TimeoutError, OSError, MetricsError)
 
 def scrape_timeout_s(interval_s: float) -> float:
     return min(1.0, max(0.25, interval_s))
+
+
+def connect_failed(exc: BaseException) -> bool:
+    """Whether a scrape failed before a connection was made: refused, unroutable, or the connect
+    timeout (packets dropped). A pod that accepted the connection is reachable, whatever it
+    answered."""
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
 def backoff_s(interval_s: float, failures: int, jitter: float = 1.0) -> float:
@@ -288,8 +299,10 @@ class Scraper:
         session = self._session
         if session is None:
             raise MetricsError("scraper stopped")
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                               allow_redirects=False) as response:
+        # The connect timeout under the total: a pod that drops SYNs raises
+        # ConnectionTimeoutError (unreachable) rather than the total's plain TimeoutError.
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=timeout_s / 2)
+        async with session.get(url, timeout=timeout, allow_redirects=False) as response:
             if response.status != 200:
                 raise MetricsError(f"HTTP {response.status}")
             if (response.content_length or 0) > MAX_BODY_BYTES:
@@ -318,7 +331,7 @@ class Scraper:
             except Exception as exc:  # any failure is a failed scrape; the loop lives on
                 failures += 1
                 if pool is not None:
-                    pool.record_failure(pod)
+                    pool.record_failure(pod, connect=connect_failed(exc))
                 if failures == 1 or not isinstance(exc, _FETCH_ERRORS):
                     _log_failure("picker_scrape_failing", plan.cluster, pod, exc)
                 await asyncio.sleep(backoff_s(plan.interval_s, failures, random.uniform(0.8, 1.2)))

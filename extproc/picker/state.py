@@ -6,12 +6,20 @@ picker (:mod:`extproc.picker.pick`) reads ``candidates`` and writes ``sent`` / `
 runs on the event loop's thread, so no locks.
 
 A pod whose metrics are missing, failing or older than ``stale_s`` is *unknown*: still a
-candidate (Envoy's health checks decide liveness, not a scrape), scored neutrally.
+candidate, scored neutrally. A pod the scraper could not even connect to on
+:data:`UNREACHABLE_AFTER` scrapes in a row is *unreachable*: still a candidate, but the picker
+names it first only when no pod is reachable, because Envoy tries a picked pod whatever its
+health checks say (docs/endpoint-picker.md), so a dead first pick costs a failed connect.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+UNREACHABLE_AFTER = 2
+"""Connection failures in a row that make a pod unreachable: one can be a blip (a pod
+restarting, a dropped SYN), two at the scrape interval and its backoff (~3 intervals) is a pod
+that would cost a failed connect now."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,8 @@ class Candidate:
     """Requests this replica has open on the pod."""
     prefix_match: float = 0.0
     """0 to 1: share of the prompt's leading blocks this pod served recently."""
+    unreachable: bool = False
+    """The scraper could not connect to it lately (:attr:`PodState.unreachable`)."""
 
 
 @dataclass
@@ -63,10 +73,18 @@ class PodState:
     """Scrapes failed in a row."""
     failures_total: int = 0
     """Scrapes failed since the pod joined the pool (the metrics' counter)."""
+    connect_failures: int = 0
+    """Scrapes in a row that could not connect (refused, connect timeout); 0 once a scrape
+    connects, whatever it then gets (an HTTP error or a bad body is a pod that answers)."""
     sent_since_scrape: int = 0
     in_flight: int = 0
     prefix_hit_rate: float | None = None
     """Hits / queries between the last two good scrapes (None before two)."""
+
+    @property
+    def unreachable(self) -> bool:
+        """The scraper could not connect on the last :data:`UNREACHABLE_AFTER` scrapes."""
+        return self.connect_failures >= UNREACHABLE_AFTER
 
 
 @dataclass
@@ -91,12 +109,16 @@ class PoolState:
             if queries > 0 and hits >= 0:
                 pod.prefix_hit_rate = min(1.0, hits / queries)
         pod.metrics, pod.scraped_at, pod.failures, pod.sent_since_scrape = metrics, now, 0, 0
+        pod.connect_failures = 0
 
-    def record_failure(self, address: str) -> None:
+    def record_failure(self, address: str, *, connect: bool = False) -> None:
+        """A failed scrape; ``connect``: no connection could be made (else the pod answered,
+        badly: its metrics are broken, not the pod unreachable)."""
         pod = self.pods.get(address)
         if pod is not None:
             pod.failures += 1
             pod.failures_total += 1
+            pod.connect_failures = pod.connect_failures + 1 if connect else 0
 
     def fresh(self, pod: PodState, now: float) -> PodMetrics | None:
         """The pod's metrics if recent enough to trust, else None (unknown)."""

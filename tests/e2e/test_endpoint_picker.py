@@ -9,10 +9,12 @@ headless Service's name would be).
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -179,3 +181,80 @@ def sim_clear(port: int) -> None:
     request = urllib.request.Request(f"http://127.0.0.1:{port}/sim/requests", method="DELETE")
     with urllib.request.urlopen(request, timeout=5):
         pass
+
+
+# -- settings render does not write, tried so the docs can say what they do ------------------
+
+F, G, X = free_port(), free_port(), free_port()
+"""F and G: simulators; X: a pod that passes its health checks but answers every request 503,
+so outlier detection ejects it (``consecutive_gateway_failure: 3``)."""
+
+
+class _Failing(BaseHTTPRequestHandler):
+    hits = 0
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        status = 200 if self.path == "/health" else 503
+        if status == 503:
+            _Failing.hits += 1
+        self.send_response(status)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def with_override_host_status(bootstrap: dict[str, Any]) -> None:
+    """The pool's ``common_lb_config.override_host_status``: only HEALTHY and DEGRADED hosts
+    may be overrides (what the stateful session filter's overrides obey)."""
+    for cluster in bootstrap["static_resources"]["clusters"]:
+        if cluster["name"] == "pool":
+            cluster["common_lb_config"] = {
+                "override_host_status": {"statuses": ["HEALTHY", "DEGRADED"]}}
+
+
+@pytest.fixture(scope="module")
+def strict_envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PickerEnvoy]:
+    """Pool F, G, D (closed) and X (503s), with :func:`with_override_host_status`; D down.
+    Its own pods: the module's first Envoy still holds A, B and C."""
+    server = ThreadingHTTPServer(("127.0.0.1", X), _Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = doc()
+    config["clusters"] = {"pool": {"endpoints": [ip(p) for p in (F, G, D, X)],
+                                   "max_context": 4096, "endpoint_picker": {}}}
+    config["models"] = {"m": {"clusters": ["pool"]}}
+    try:
+        with picker_envoy(config, str(tmp_path_factory.mktemp("strict")), [F, G],
+                          patch=with_override_host_status) as proxy:
+            wait_for(lambda: "failed_active_hc" in proxy.host_flags("pool").get(ip(D), ""))
+            yield proxy
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_override_host_status_does_not_keep_a_pick_off_an_unhealthy_pod(
+        strict_envoy: PickerEnvoy) -> None:
+    """``override_host_status`` applies to the stateful session filter's override, not to the
+    override_host balancer: D, failing its health checks, is still connected to first."""
+    fails = strict_envoy.counter("cluster.pool.upstream_cx_connect_fail")
+    tried = strict_envoy.counter("cluster.pool.upstream_rq_retry")
+    assert send(strict_envoy, 3, **{TEST_PICK: f"{ip(D)},{ip(G)}"}) == {pod_name(G): 3}
+    assert strict_envoy.counter("cluster.pool.upstream_cx_connect_fail") - fails == 3
+    assert strict_envoy.counter("cluster.pool.upstream_rq_retry") - tried == 3
+
+
+def test_an_outlier_ejected_pod_is_still_picked(strict_envoy: PickerEnvoy) -> None:
+    """X answers 503 (not retried: the route retries connect failures and resets only); after
+    three, outlier detection ejects it, and a pick still sends the next request there."""
+    pick = {TEST_CLUSTER: "pool", TEST_PICK: f"{ip(X)},{ip(G)}"}
+    for _ in range(3):
+        assert strict_envoy.chat(pick)[0] == 503
+    wait_for(lambda: "failed_outlier_check" in strict_envoy.host_flags("pool").get(ip(X), ""))
+    hits = _Failing.hits
+    assert strict_envoy.chat(pick)[0] == 503
+    assert _Failing.hits == hits + 1

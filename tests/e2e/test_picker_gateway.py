@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from llm_sidecar.procs import free_port
-from tests.harness.gateway import Gateway, running_gateway
+from tests.harness.gateway import Gateway, envoy_counter, running_gateway
 from tests.harness.waits import wait_for
 
 A, B, C = (free_port() for _ in range(3))
@@ -228,10 +228,20 @@ def test_failing_metrics_and_a_dead_pod_cost_no_client_errors(gateway: Gateway,
     sim_state(A, {"fail_metrics": True})
     wait_for(lambda: (extproc_metric(gateway, "llm_sidecar_endpoint_scrape_failures_total", A)
                       or 0) >= 3, timeout=10, what="extproc to see A's metrics fail")
+    failed_before = extproc_metric(gateway, "llm_sidecar_endpoint_scrape_failures_total", C) or 0
     dead = next(c for c in gateway.children if c.name == "sim pool" and str(C) in c.process.args)
     dead.stop()
+    # Three failed scrapes: the first may be the kept-alive connection closing, the next two are
+    # refused connects, which make C unreachable for the picker.
+    wait_for(lambda: (extproc_metric(gateway, "llm_sidecar_endpoint_scrape_failures_total", C)
+                      or 0) >= failed_before + 3, timeout=10, what="extproc to see C refuse")
+    connect_failures = envoy_counter(gateway.admin_url, r"^cluster\.pool\.upstream_cx_connect_fail$")
     answers = [chat(client, f"still there {i} {uuid.uuid4()}") for i in range(30)]
     assert all(answers)  # every request answered: none failed on the dead pod
     counts = {port: len(journal(port)) for port in (A, B)}
     assert counts[A] + counts[B] == 30
     assert counts[A] >= 1  # failing metrics make A unknown, not dropped
+    # Envoy tries a picked pod whatever its health checks say; extproc no longer names the
+    # unreachable C first, so no request paid a failed connect to it.
+    assert envoy_counter(gateway.admin_url,
+                         r"^cluster\.pool\.upstream_cx_connect_fail$") == connect_failures

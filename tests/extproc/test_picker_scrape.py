@@ -19,6 +19,7 @@ from extproc.picker.scrape import (
     PoolPlan,
     Scraper,
     backoff_s,
+    connect_failed,
     resolve_system,
     scrape_timeout_s,
 )
@@ -157,6 +158,23 @@ def refused_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@contextlib.contextmanager
+def blackholed_port() -> Any:
+    """A port whose SYNs are dropped, as a pod behind a dead node's or a firewall's: a listener
+    with a full accept queue (backlog 0, filled by connections nobody accepts)."""
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = int(listener.getsockname()[1])
+        for _ in range(3):
+            filler = stack.enter_context(socket.socket())
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+        yield port
+
+
 def metrics_of(pools: dict[str, PoolState], cluster: str, address: str) -> PodMetrics | None:
     pool = pools[cluster]
     pod = pool.pods.get(address)
@@ -216,6 +234,48 @@ async def test_a_failing_pod_goes_stale_and_stays_in_the_pool(
         bad.mode = "vllm"
         await until(lambda: metrics_of(pools, "pool", bad_address) is not None, "recovery")
         assert pool.pods[bad_address].failures == 0
+
+
+async def test_a_pod_that_cannot_be_connected_to_is_unreachable(
+        sims: Any, scraping: Any) -> None:
+    good = await sims()
+    good_address = f"127.0.0.1:{good.port}"
+    with blackholed_port() as dropped:
+        refused, dropping = f"127.0.0.1:{refused_port()}", f"127.0.0.1:{dropped}"
+        _, pools = await scraping(routing({"pool": picker_pool([good_address, refused, dropping])}))
+        pool = pools["pool"]
+        await until(lambda: pool.pods[refused].connect_failures >= 3, "refused three times")
+        await until(lambda: pool.pods[dropping].connect_failures >= 3, "three connect timeouts")
+        assert pool.pods[refused].unreachable and pool.pods[dropping].unreachable
+        assert list(pool.pods) == [good_address, refused, dropping]  # never dropped
+        assert not pool.pods[good_address].unreachable
+
+
+@pytest.mark.parametrize("mode", ["500", "html", "huge", "slow"])
+async def test_a_pod_that_answers_badly_is_not_unreachable(
+        mode: str, fake_pod: Any, scraping: Any) -> None:
+    """An HTTP error, a body that is not metrics, or an answer slower than the scrape timeout:
+    the pod took the connection, so Envoy's would succeed too; only its metrics are unknown."""
+    bad = await fake_pod()
+    bad.mode = mode
+    _, pools = await scraping(routing({"pool": picker_pool([bad.address])}))
+    pod = pools["pool"].pods[bad.address]
+    await until(lambda: pod.failures >= 3, "three failures in a row")
+    assert pod.connect_failures == 0 and not pod.unreachable
+
+
+@pytest.mark.parametrize(("exc", "expected"), [
+    (aiohttp.ClientConnectorError(
+        aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None),
+        ConnectionRefusedError(111, "refused")), True),
+    (aiohttp.ConnectionTimeoutError("Connection timeout to host"), True),
+    (TimeoutError(), False),                     # the total timeout: connected, answered late
+    (aiohttp.ServerDisconnectedError(), False),  # connected, then closed
+    (aiohttp.ClientPayloadError("bad chunk"), False),
+    (ValueError("bad body"), False),
+])
+def test_connect_failed_table(exc: BaseException, expected: bool) -> None:
+    assert connect_failed(exc) is expected
 
 
 async def test_an_endless_body_is_cut_off_at_the_cap(fake_pod: Any, scraping: Any) -> None:

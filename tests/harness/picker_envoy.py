@@ -17,7 +17,7 @@ import os
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -125,9 +125,11 @@ def sim_journal(port: int) -> list[dict[str, Any]]:
 
 
 @contextmanager
-def picker_envoy(doc: dict[str, Any], workdir: str, pods: list[int]) -> Iterator[PickerEnvoy]:
+def picker_envoy(doc: dict[str, Any], workdir: str, pods: list[int],
+                 patch: Callable[[dict[str, Any]], None] | None = None) -> Iterator[PickerEnvoy]:
     """Simulators on 127.0.0.1 at ``pods`` (ports), and Envoy rendered from ``doc`` with the
-    fake picker; ``doc``'s clusters name the pods (or closed ports, or ``localhost``)."""
+    fake picker; ``doc``'s clusters name the pods (or closed ports, or ``localhost``).
+    ``patch`` edits the bootstrap first (to try settings ``render`` does not write)."""
     try:
         binary = envoy_binary()
     except FileNotFoundError:
@@ -142,6 +144,8 @@ def picker_envoy(doc: dict[str, Any], workdir: str, pods: list[int]) -> Iterator
     with open(envoy_yaml, encoding="utf-8") as handle:
         bootstrap = yaml.safe_load(handle)
     swap_ext_proc_for_fake_picker(bootstrap)
+    if patch is not None:
+        patch(bootstrap)
     with open(envoy_yaml, "w", encoding="utf-8") as handle:
         yaml.safe_dump(bootstrap, handle)
     with ExitStack() as stack:

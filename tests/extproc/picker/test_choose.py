@@ -129,3 +129,51 @@ def test_saturation_thresholds_are_the_configured_ones() -> None:
     pods = [known(FREE, waiting=4), known(BUSY, kv=0.5)]
     assert pick(*pods, priority="low", saturation=strict).shed
     assert not pick(*pods, priority="low").shed
+
+
+def dead(candidate: Candidate) -> Candidate:
+    """``candidate`` as the scraper left a pod it could not connect to."""
+    return Candidate(candidate.address, candidate.metrics, candidate.sent_since_scrape,
+                     candidate.in_flight, candidate.prefix_match, unreachable=True)
+
+
+@pytest.mark.parametrize("gone", [
+    known(FREE),                     # its last metrics still fresh and the best
+    unknown(FREE),
+    known(FREE, prefix=1.0),         # holding the prompt's prefix
+], ids=["fresh", "unknown", "prefix"])
+def test_an_unreachable_pod_is_only_a_last_fallback(gone: Candidate) -> None:
+    for seed in range(20):
+        assert pick(dead(gone), known(BUSY, waiting=20), seed=seed) == Pick(BUSY, (FREE,), "scored")
+        got = pick(known(BUSY, waiting=20), dead(gone), known(OTHER, waiting=30), seed=seed)
+        assert got == Pick(BUSY, (OTHER, FREE), "scored")
+
+
+def test_an_unreachable_pod_is_left_out_when_the_reachable_fill_the_list() -> None:
+    got = pick(dead(known(FREE)), known(BUSY, waiting=9), known(OTHER, waiting=5),
+               known(FOURTH, waiting=7))
+    assert got == Pick(OTHER, (FOURTH, BUSY), "scored")
+
+
+def test_unreachable_fallbacks_come_best_first() -> None:
+    got = pick(dead(known(FREE, waiting=20)), known(BUSY, waiting=30), dead(known(OTHER)))
+    assert got == Pick(BUSY, (OTHER, FREE), "scored")
+
+
+def test_every_pod_unreachable_picks_as_before() -> None:
+    pods = [known(BUSY, waiting=20), known(FREE), unknown(OTHER)]
+    for seed in range(10):
+        assert pick(*map(dead, pods), seed=seed) == pick(*pods, seed=seed)
+    assert pick(*map(dead, FULL), priority="low").shed
+
+
+def test_a_pod_whose_metrics_fail_but_that_answers_still_gets_traffic() -> None:
+    # An HTTP 500 on /metrics: unknown, not unreachable, so it wins against busy pods.
+    assert pick(known(BUSY, waiting=30), unknown(OTHER)).endpoint == OTHER
+
+
+def test_an_unreachable_pod_does_not_stop_shedding() -> None:
+    # Unlike an unknown pod that answers (test_no_shedding_while_a_pod_may_take_it), a pod
+    # nobody can connect to takes nothing: the reachable pods are all saturated.
+    assert pick(*FULL, dead(unknown(FOURTH)), priority="low") == Pick(None, (), "saturated", True)
+    assert pick(*FULL, dead(unknown(FOURTH)), priority="high") == Pick(BUSY, (FREE, OTHER), "scored")

@@ -257,3 +257,62 @@ def test_an_injected_index_is_used() -> None:
     scrape(p, 0.0)
     p.pick("pool", prompt(1), "medium")
     assert len(index) == 10
+
+
+def firsts(p: EndpointPicker, n: int = 100) -> Counter[str | None]:
+    """The first pick of ``n`` requests of distinct prompts (each closed at once)."""
+    got: Counter[str | None] = Counter()
+    for i in range(n):
+        result = p.pick("pool", prompt(i), "medium")
+        assert result is not None and result.endpoint is not None
+        got[result.endpoint] += 1
+        p.done("pool", result.endpoint)
+    return got
+
+
+def test_a_pod_unreachable_twice_in_a_row_is_never_picked_first() -> None:
+    p, clock = picker()
+    scrape(p, clock.now, p2=PodMetrics(waiting=20), p3=PodMetrics(waiting=20),
+           p4=PodMetrics(waiting=20))
+    pool = p.pools["pool"]
+    pool.record_failure(PODS[0], connect=True)  # one refused connect may be a blip
+    assert not pool.pods[PODS[0]].unreachable
+    assert firsts(p, 5) == {PODS[0]: 5}  # its metrics are still fresh and the best
+    pool.record_failure(PODS[0], connect=True)
+    assert pool.pods[PODS[0]].unreachable
+    got = firsts(p)
+    assert PODS[0] not in got and sum(got.values()) == 100, got
+    # Still a candidate: the last fallback when the reachable pods leave room.
+    only = p.pick("pool", prompt(1), "medium")
+    assert only is not None and PODS[0] not in only.fallbacks  # three reachable fill the list
+    # Back: one good scrape and it is the best pod again.
+    pool.record_scrape(PODS[0], PodMetrics(), clock.now)
+    assert firsts(p, 5) == {PODS[0]: 5}
+
+
+def test_an_http_failure_clears_unreachable_and_the_pod_gets_traffic() -> None:
+    p, clock = picker()
+    scrape(p, clock.now, p2=PodMetrics(waiting=20), p3=PodMetrics(waiting=20),
+           p4=PodMetrics(waiting=20))
+    pool = p.pools["pool"]
+    for _ in range(3):
+        pool.record_failure(PODS[0], connect=True)
+    pool.record_failure(PODS[0])  # it answers again (a 500): unknown, not unreachable
+    assert not pool.pods[PODS[0]].unreachable and pool.pods[PODS[0]].connect_failures == 0
+    for _ in range(10):
+        pool.record_failure(PODS[0])
+    clock.now += 2.5  # its metrics stale (unknown); the others scraped again, busy
+    for address in PODS[1:]:
+        pool.record_scrape(address, PodMetrics(waiting=20, kv_usage=0.9), clock.now)
+    assert pool.fresh(pool.pods[PODS[0]], clock.now) is None
+    assert firsts(p, 10) == {PODS[0]: 10}  # unknown beats three busy pods
+
+
+def test_every_pod_unreachable_still_picks() -> None:
+    p, clock = picker()
+    scrape(p, clock.now)
+    for address in PODS:
+        for _ in range(2):
+            p.pools["pool"].record_failure(address, connect=True)
+    got = firsts(p)
+    assert set(got) == set(PODS), got
