@@ -1,6 +1,7 @@
 """``python -m bench.picker_load``: the endpoint picker against Envoy's least request (issue 15).
 
     .venv/bin/python -m bench.picker_load [--quick] [--duration S] [--clients N] [--order least,picker]
+        [--picker '{"weights": {"in_flight": 2}}']
 
 One run measures the same workload twice through the whole gateway (real Envoy, extproc, four
 simulated vLLM pods of uneven speed, started afresh for each mode so no cache carries over): the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import sys
 import tempfile
@@ -113,11 +115,12 @@ def running_pods(pool: Pool, workdir: str) -> Iterator[list[Pod]]:
             pod.child.stop()
 
 
-def gateway_doc(pods: list[Pod], picker: bool) -> dict[str, Any]:
+def gateway_doc(pods: list[Pod], picker: dict[str, Any] | None) -> dict[str, Any]:
+    """The routing YAML: one pool of ``pods``, with ``endpoint_picker: PICKER`` unless None."""
     cluster: dict[str, Any] = {"endpoints": [p.url.removeprefix("http://") for p in pods],
                                "max_context": MAX_CONTEXT}
-    if picker:
-        cluster["endpoint_picker"] = {}
+    if picker is not None:
+        cluster["endpoint_picker"] = picker
     return {
         "version": 1,
         "envoy": {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}"},
@@ -254,7 +257,7 @@ def pick_reasons(gw: Gateway) -> dict[str, float]:
     return reasons
 
 
-def run_mode(mode: str, picker: bool, pool: Pool, workload: Workload, clients: int,
+def run_mode(mode: str, picker: dict[str, Any] | None, pool: Pool, workload: Workload, clients: int,
              duration_s: float, per_client: int | None) -> tuple[ModeReport, dict[str, float]]:
     with ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"picker-load-{mode}-"))
@@ -277,12 +280,11 @@ def run_mode(mode: str, picker: bool, pool: Pool, workload: Workload, clients: i
         deltas = [PodDelta(pod.name, pod.speed, a[0] - b[0], a[1] - b[1], a[2] - b[2],
                            tuple(states[pod.name]))
                   for pod, b, a in zip(pods, before, after, strict=True)]
-        reasons = pick_reasons(gw) if picker else {}
+        reasons = pick_reasons(gw) if picker is not None else {}
     return ModeReport(mode, done.window_s, done.results, deltas, cpu, done.attempts, load,
                       idle), reasons
 
 
-MODES = {"least": ("least request", False), "picker": ("picker", True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,21 +297,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=Workload.seed)
     parser.add_argument("--speeds", default="2.0,1.0,1.0,0.5", help="one pod per speed")
     parser.add_argument("--order", default="least,picker", help="which mode runs first")
+    parser.add_argument("--picker", default="{}", type=json.loads,
+                        help="the pool's endpoint_picker settings in the picker mode, as JSON")
     args = parser.parse_args(argv)
     duration = args.duration or (30.0 if args.quick else 120.0)
     pool = Pool(speeds=tuple(float(s) for s in args.speeds.split(",")))
     workload = Workload(seed=args.seed)
+    modes: dict[str, tuple[str, dict[str, Any] | None]] = {
+        "least": ("least request", None), "picker": ("picker", args.picker)}
     order = args.order.split(",")
-    if sorted(order) != sorted(MODES):
-        parser.error(f"--order must name {' and '.join(MODES)}")
+    if sorted(order) != sorted(modes):
+        parser.error(f"--order must name {' and '.join(modes)}")
     print(f"pods: speeds {pool.speeds}, prefill {pool.prefill_ms_per_token} ms/token, decode "
           f"{pool.decode_ms_per_token} ms/token (divided by speed), KV cache "
           f"{pool.kv_cache_tokens} tokens; {args.clients} clients, {duration:g} s a mode, seed "
-          f"{args.seed}, order {args.order}; load average at start {os.getloadavg()[0]:.2f}",
+          f"{args.seed}, order {args.order}, endpoint_picker: {json.dumps(args.picker)}; "
+          f"load average at start {os.getloadavg()[0]:.2f}",
           flush=True)
     reports: dict[str, ModeReport] = {}
     for key in order:
-        label, picker = MODES[key]
+        label, picker = modes[key]
         began = time.monotonic()
         reports[key], reasons = run_mode(label, picker, pool, workload, args.clients, duration,
                                          args.requests)

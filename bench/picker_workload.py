@@ -232,16 +232,18 @@ def table(baseline: ModeReport, candidate: ModeReport) -> str:
 def pod_table(report: ModeReport) -> str:
     """Where the requests went and what each pod went through: evidence for the reading."""
     lines = [f"| {report.mode}: pod | speed | share | mean running | mean waiting | mean KV use | "
-             "prefix hits | chat TTFT P50 ms | chat TTFT P99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "prefix hits | long asks | chat TTFT P50 ms | chat TTFT P99 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     served = sum(p.requests for p in report.pods)
     for pod in report.pods:
         ttft = [r.ttft * 1000 for r in _ok(report.results, "chat")
                 if r.pod == pod.name and r.ttft is not None]
         share = pod.requests / served if served else math.nan
         hits = pod.prefix_hits / pod.prefix_queries if pod.prefix_queries else math.nan
+        longs = sum(1 for r in _ok(report.results, "long") if r.pod == pod.name)
         lines.append(f"| {pod.name} | {pod.speed:g} | {_fmt(share, '{:.1%}')} | "
                      f"{_fmt(pod.mean(0), '{:.1f}')} | {_fmt(pod.mean(1), '{:.1f}')} | "
-                     f"{_fmt(pod.mean(2), '{:.0%}')} | {_fmt(hits, '{:.1%}')} | "
+                     f"{_fmt(pod.mean(2), '{:.0%}')} | {_fmt(hits, '{:.1%}')} | {longs} | "
                      f"{_fmt(percentile(ttft, 50), '{:.0f}')} | {_fmt(percentile(ttft, 99), '{:.0f}')} |")
     return "\n".join(lines) + "\n"
 

@@ -114,8 +114,8 @@ def test_the_report_counts_what_the_clients_and_pods_saw() -> None:
     assert "| TTFT P50 ms (chat) | 200 | 100 | 0.50x |" in text
     assert "| load average (1 min), mean in run | 1.50 | 1.50 |  |" in text
     pods = pod_table(_report("picker", 0.1))
-    assert "| pod0 | 2 | 75.0% | 2.0 | 1.0 | 75% | 50.0% | 100 | 100 |" in pods
-    assert "| pod1 | 0.5 | 25.0% | n/a | n/a | n/a | 0.0% | n/a | n/a |" in pods
+    assert "| pod0 | 2 | 75.0% | 2.0 | 1.0 | 75% | 50.0% | 0 | 100 | 100 |" in pods
+    assert "| pod1 | 0.5 | 25.0% | n/a | n/a | n/a | 0.0% | 1 | n/a | n/a |" in pods
 
 
 @pytest.mark.e2e
