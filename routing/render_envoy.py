@@ -21,7 +21,7 @@ from llm_sidecar.wire_names import (
 from routing.ratelimits import DOMAIN, route_rate_limits
 from routing.render_bounds import http2_options, overload_manager
 from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
-from routing.render_usage import usage_filters
+from routing.render_usage import usage_filters_after_ext_proc, usage_filters_before_ext_proc
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport
 
@@ -365,6 +365,7 @@ def routes(config: RoutingConfig) -> list[dict[str, Any]]:
 
 
 def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
+    envoy_usage = config.rate_limits is not None and config.telemetry.envoy_usage
     return {
         TYPE: API + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "llm",
@@ -384,9 +385,9 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
             {"name": "llm", "domains": ["*"], "routes": routes(config)}]},
         "http_filters": [
             health_check_filter(),
+            *(usage_filters_before_ext_proc() if envoy_usage else []),
             ext_proc_filter(config),
-            *(usage_filters() if config.rate_limits is not None
-              and config.telemetry.envoy_usage else []),
+            *(usage_filters_after_ext_proc() if envoy_usage else []),
             *([ratelimit_filter(config)] if config.rate_limits is not None else []),
             router_filter(),
         ],

@@ -10,17 +10,25 @@ settles nothing.
 
 A stream whose client did not ask for usage gets ``stream_options.include_usage`` added by
 extproc (metadata ``strip_usage``), and a Lua filter removes the usage chunk from what the client
-receives: it runs before the metadata filter in the chain, so after it on the response, which
-the metadata filter reads first. It holds back only an event not yet ended by its blank line
-(vLLM writes whole events), and drops such a tail at the end of a stream, as every SSE client
-does. Both filters sit after ext_proc in the chain, so they see the pool's bytes before ext_proc
-could change them, and both act on every route (Envoy decides a route's per-filter config
-before extproc's answer re-routes the request): the Lua filter only where extproc set
-``strip_usage``, the SSE filter only on ``text/event-stream`` answers, whose usage is the same
-whoever reads it. Not ``json_to_metadata``: it holds a whole JSON answer, and one above Envoy's
-buffer limit (an embeddings batch, a chat answer with logprobs) would become a 500; it could
-not be turned off for those routes. Verified with Envoy 1.40 in
-``tests/e2e/test_envoy_usage.py`` (bench/README.md, "Usage read by Envoy").
+receives. The Lua filter sits *before* ext_proc in the chain, so on the response it runs after
+ext_proc, once ext_proc has let the response headers go to the client: its ``setBytes`` also
+sets the response's ``content-length`` to the length of the chunk it rewrote (Envoy's
+``BufferWrapper::luaSetBytes``, meant for whole buffered bodies), and while ext_proc still held
+the headers for extproc's answer (a short stream under load) they left with that length (``0``
+for an emptied last chunk) instead of chunked framing: the client read that many bytes, the rest
+broke the next response on the keep-alive connection (``ClientResponseError``), and HTTP/2
+clients refused the stream (bench/README.md, "Usage read by Envoy"; ``bench.lua_strip_repro``).
+It holds back only an event not yet ended by its blank line (vLLM writes whole events), drops
+such a tail at the end of a stream, as every SSE client does, and calls ``setBytes`` only on a
+chunk it changes. The SSE filter sits after ext_proc, so it reads the pool's bytes; ext_proc
+reads no body where ``strip_usage`` is set, so the Lua filter sees the pool's bytes too. Both
+act on every route (Envoy decides a route's per-filter config before extproc's answer re-routes
+the request): the Lua filter only where extproc set ``strip_usage``, the SSE filter only on
+``text/event-stream`` answers, whose usage is the same whoever reads it. Not
+``json_to_metadata``: it holds a whole JSON answer, and one above Envoy's buffer limit (an
+embeddings batch, a chat answer with logprobs) would become a 500; it could not be turned off
+for those routes. Verified with Envoy 1.40 in ``tests/e2e/test_envoy_usage.py`` and
+``tests/e2e/test_usage_strip_order.py``.
 """
 
 from __future__ import annotations
@@ -81,7 +89,8 @@ function envoy_on_response(handle)
   if string.find(ctype, "text/event-stream", 1, true) ~= 1 then return end
   local carry = ""
   for chunk in handle:bodyChunks() do
-    local data = carry .. chunk:getBytes(0, chunk:length())
+    local got = chunk:getBytes(0, chunk:length())
+    local data = carry .. got
     local last, from = nil, 1
     while true do
       local _, e = string.find(data, "\\n\\n", from, true)
@@ -97,7 +106,8 @@ function envoy_on_response(handle)
       -- content).
       out = string.gsub(out, 'data: {{[^\\n]-"choices":%[%],"usage":{{[^\\n]*\\n\\n', "")
     end
-    chunk:setBytes(out)
+    -- setBytes also rewrites the response's content-length: only on a chunk that changed.
+    if out ~= got then chunk:setBytes(out) end
   end
 end
 """
@@ -109,6 +119,13 @@ def strip_usage_filter() -> dict[str, Any]:
         "default_source_code": {"inline_string": STRIP_USAGE_LUA}}}
 
 
-def usage_filters() -> list[dict[str, Any]]:
-    """The filters, placed after ext_proc (before the rate-limit filter and the router)."""
-    return [strip_usage_filter(), sse_usage_filter()]
+def usage_filters_before_ext_proc() -> list[dict[str, Any]]:
+    """The Lua strip: before ext_proc in the chain, so after it on the response (its
+    ``setBytes`` must not run while ext_proc holds the response headers)."""
+    return [strip_usage_filter()]
+
+
+def usage_filters_after_ext_proc() -> list[dict[str, Any]]:
+    """The usage reader: after ext_proc (before the rate-limit filter and the router), so it
+    reads the pool's bytes."""
+    return [sse_usage_filter()]

@@ -364,14 +364,12 @@ class TelemetrySection(Strict):
     id. Canary traffic always is, and while a model has a canary as many of its stable requests
     as canary ones. 1: every request (as before; a 256-token stream then costs extproc ~15x a
     short answer); 0: only those and the responses Envoy cannot read usage from."""
-    envoy_usage: bool = False
-    """Experimental, off by default. true: for the other streamed requests Envoy's
-    sse_to_metadata filter reads the usage for the rate limiter (and a Lua filter strips the
-    usage chunk a client did not ask for; the bootstrap ``render`` writes has both), and no
-    response body goes to extproc. Off because the Lua filter cut streams short under
-    concurrent load (tests/e2e/test_reload.py with it on: 10 to 22 of its streams lost their
-    end); false: extproc reads every response body, as before. Never true where Envoy runs
-    another bootstrap (Istio's EnvoyFilter does not carry these filters)."""
+    envoy_usage: bool = True
+    """true: for the other streamed requests Envoy's sse_to_metadata filter reads the usage for
+    the rate limiter (and a Lua filter strips the usage chunk a client did not ask for; the
+    bootstrap ``render`` writes has both), and no response body goes to extproc. Set false
+    where Envoy runs another bootstrap (Istio's EnvoyFilter does not carry these filters):
+    extproc then reads every response body, as before."""
 
 
 class IstioSection(Strict):

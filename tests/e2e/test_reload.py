@@ -34,6 +34,9 @@ def base_doc() -> dict[str, Any]:
         "api_key": {"default": {"requests": "10000/s", "tokens": "100M/min"}},
         "tenant": {"default": {"requests": "600000/min"}},
     }
+    # No stream sampled: each one's usage chunk is injected, read by Envoy and stripped by its
+    # Lua filter, and every stream must still arrive whole and as asked for (issue 16).
+    doc["telemetry"] = {"sample": 0}
     return doc
 
 
@@ -116,6 +119,8 @@ class Load:
             problem = f"{path} {resp.status} {data[:300]!r}"
         elif kind == 1 and (data.count(b"data: ") < 31 or not data.rstrip().endswith(b"[DONE]")):
             problem = f"stream cut short: {data[-200:]!r}"
+        elif kind == 1 and b'"choices":[]' in data:
+            problem = f"a usage chunk the client did not ask for: {data[-300:]!r}"
         with self.lock:
             if problem:
                 self.failures.append(problem)

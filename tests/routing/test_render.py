@@ -83,8 +83,11 @@ def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
     bootstrap = yaml.safe_load(render("dns-limits-gateway", tmp_path)["envoy.yaml"].read_text())
     assert bootstrap["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     hcm = hcm_of(bootstrap)
+    # The usage strip (Lua) runs after ext_proc on the response, once ext_proc let the headers
+    # go (its setBytes sets content-length); the usage reader reads the pool's bytes.
     assert [f["name"] for f in hcm["http_filters"]] == [
-        "envoy.filters.http.health_check", "envoy.filters.http.ext_proc",
+        "envoy.filters.http.health_check", "envoy.filters.http.lua",
+        "envoy.filters.http.ext_proc", "envoy.filters.http.sse_to_metadata",
         "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
     # a client's own x-llm-* headers are dropped before routing (always, not only failing open)
     assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
