@@ -9,7 +9,7 @@ from typing import Protocol
 from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
 from extproc.telemetry import Telemetry
-from llm_sidecar.wire_names import DESTINATION_ENDPOINT
+from llm_sidecar.wire_names import DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
 from routing.compiled import Canary, ModelRoute, Snapshot
 
 LLM_HEADER_PREFIX = "x-llm-"
@@ -49,6 +49,9 @@ class RequestContext:
 
 def spoofed_headers(headers: Mapping[str, str]) -> tuple[str, ...]:
     """Inbound ``x-llm-*`` and endpoint-picker (``x-gateway-destination-endpoint*``) headers:
-    only extproc may set them, so they are removed first."""
+    only extproc may set them, so they are removed first. Not Envoy's own
+    ``x-llm-envoy-usage`` (a client's copy is gone before Envoy adds it; a spoofed one could
+    only leave the spoofer's own stream unsettled, its reservation standing)."""
     return tuple(name for name in headers
-                 if name.startswith(LLM_HEADER_PREFIX) or name.startswith(DESTINATION_ENDPOINT))
+                 if (name.startswith(LLM_HEADER_PREFIX) and name != ENVOY_USAGE_HEADER)
+                 or name.startswith(DESTINATION_ENDPOINT))

@@ -22,7 +22,7 @@ from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.telemetry import RequestRecord
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
-from llm_sidecar.wire_names import STRIP_USAGE_METADATA_KEY
+from llm_sidecar.wire_names import ENVOY_USAGE_HEADER, STRIP_USAGE_METADATA_KEY
 from routing.compiled import ModelRoute
 
 
@@ -254,8 +254,9 @@ class GenerationProcessor(BaseProcessor):
         snapshot = self.ctx.snapshot
         canary = self.ctx.canary_for(model)
         plan = usage_plan(parsed)
-        if not snapshot.config.telemetry.envoy_usage:
-            plan = "extproc"
+        if not snapshot.config.telemetry.envoy_usage \
+                or self.ctx.headers.get(ENVOY_USAGE_HEADER) != "1":
+            plan = "extproc"  # this Envoy cannot read the usage (an Istio EnvoyFilter)
         self.reads_body = (
             decision.variant == "canary"
             or sampled(self.ctx.request_id, stable_share(

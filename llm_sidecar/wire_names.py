@@ -43,3 +43,9 @@ DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
 prefixes, like ``-subset``) is removed before any filter sees it."""
 DESTINATION_ENDPOINT_SERVED = "x-gateway-destination-endpoint-served"
 """Set by Envoy (override_host's ``selected_host_key``, in ``envoy.lb``): the pod that served."""
+
+ENVOY_USAGE_HEADER = "x-llm-envoy-usage"
+"""Added by the bootstrap ``render`` writes, after every client ``x-llm-*`` header is gone, when
+its Envoy carries the usage filters (``telemetry.envoy_usage``): only then does extproc leave
+an unsampled stream's usage to Envoy. An Envoy without them (Istio's EnvoyFilter) sends no
+marker, so extproc reads those streams itself, whatever the YAML says."""

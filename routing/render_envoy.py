@@ -14,6 +14,7 @@ from typing import Any
 from llm_sidecar.wire_names import (
     CLUSTER_METADATA_KEY,
     DESTINATION_ENDPOINT,
+    ENVOY_USAGE_HEADER,
     LB_METADATA_NAMESPACE,
     METADATA_NAMESPACE,
     RESERVATION_METADATA_KEY,
@@ -275,11 +276,27 @@ def own_request_id() -> dict[str, Any]:
     }
 
 
-def early_header_mutations() -> dict[str, Any]:
+def envoy_usage_marker() -> dict[str, Any]:
+    """``x-llm-envoy-usage: 1`` on every request, after the client's ``x-llm-*`` are removed:
+    this Envoy reads stream usage itself (:data:`ENVOY_USAGE_HEADER`)."""
+    return {
+        "name": "envoy.http.early_header_mutation.header_mutation.envoy_usage",
+        "typed_config": {
+            TYPE: API + "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [{"append": {"header": {"key": ENVOY_USAGE_HEADER, "value": "1"},
+                                      "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}],
+        },
+    }
+
+
+def early_header_mutations(envoy_usage: bool = False) -> dict[str, Any]:
     """The connection manager's ``early_header_mutation_extensions``, run before routing and
     before Envoy makes the request id: always rendered (extproc failing closed is no
-    protection for a request whose route was chosen before it answered)."""
-    return {"early_header_mutation_extensions": [strip_llm_headers(), own_request_id()]}
+    protection for a request whose route was chosen before it answered). ``envoy_usage``: the
+    bootstrap has the usage filters, and says so to extproc."""
+    marker = [envoy_usage_marker()] if envoy_usage else []
+    return {"early_header_mutation_extensions": [strip_llm_headers(), own_request_id(),
+                                                 *marker]}
 
 
 def router_filter() -> dict[str, Any]:
@@ -378,7 +395,7 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "request_timeout": f"{parse_duration(config.envoy.request_timeout)}s",
         "request_headers_timeout": "10s",
         "http2_protocol_options": http2_options(config.envoy),
-        **early_header_mutations(),
+        **early_header_mutations(envoy_usage),
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),
         "route_config": {"name": "llm", "virtual_hosts": [

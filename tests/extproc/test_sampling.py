@@ -14,7 +14,7 @@ from extproc.bodies import parse_generation
 from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.stream import StreamState
 from extproc.telemetry import NullTelemetry, RequestRecord
-from llm_sidecar.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
+from llm_sidecar.wire_names import DONE_METADATA_KEY, ENVOY_USAGE_HEADER, TOKENS_METADATA_KEY
 from tests.extproc.helpers import snapshot
 
 LIMITS = {"tenant": {"default": {"tokens": "1M/h"}}}
@@ -71,11 +71,16 @@ class Records(NullTelemetry):
         self.records.append(record)
 
 
-def routed(doc: dict[str, Any], **sections: Any) -> tuple[StreamState, Continue, Records]:
+def routed(doc: dict[str, Any], *, marker: bool = True, **sections: Any
+           ) -> tuple[StreamState, Continue, Records]:
+    """``marker``: the request came through an Envoy that reads usage (the bootstrap's
+    ``x-llm-envoy-usage``)."""
     records = Records()
     state = StreamState(snapshot(**sections), b"secret", telemetry=records)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
-                                     "x-request-id": "r-1"}, b"", False)
+    headers = {":path": "/v1/chat/completions", ":method": "POST", "x-request-id": "r-1"}
+    if marker:
+        headers[ENVOY_USAGE_HEADER] = "1"
+    state.handle("request_headers", headers, b"", False)
     action = state.handle("request_body", None, orjson.dumps(
         {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}], **doc}), True)
     assert isinstance(action, Continue)
@@ -98,6 +103,15 @@ def test_an_unsampled_stream_leaves_its_usage_to_envoy_and_asks_for_no_body() ->
     assert not record.sampled and record.status == 200 and record.charged_tokens is None
     state.close()  # Envoy's reset after that answer: not an abort, not a second record
     assert len(records.records) == 1
+
+
+def test_without_envoys_marker_extproc_reads_the_stream_itself() -> None:
+    """An Envoy without the usage filters (Istio's EnvoyFilter) says nothing: extproc does not
+    leave the usage to it, whatever the YAML says, and adds nothing to strip."""
+    state, action, _ = routed({"stream": True}, marker=False, **UNREAD)
+    assert action.body is None and "strip_usage" not in action.metadata
+    answer = state.handle("response_headers", SSE, b"", False)
+    assert answer != NO_BODY  # it goes on reading the body
 
 
 def test_an_unsampled_error_is_settled_to_zero_from_its_headers() -> None:

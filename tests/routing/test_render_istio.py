@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
 import pytest
 import yaml
 
+from llm_sidecar.wire_names import ENVOY_USAGE_HEADER
 from routing.loader import validate as validate_config
+from routing.render_envoy import http_connection_manager
 from routing.render_istio import envoy_filter
 from routing.schema import RoutingConfig
 from routing.yamlsrc import Located
@@ -117,3 +120,17 @@ def test_the_context_is_checked() -> None:
     doc["istio"] = {"context": "SIDECAR_OUTBOUND"}
     with pytest.raises(ValueError, match=r"istio\.context"):
         validate_config(Located("t.yaml", doc, {}))
+
+
+def test_only_the_bootstrap_tells_extproc_it_reads_stream_usage() -> None:
+    """The EnvoyFilter carries no usage filters, so it must not say it does: without the
+    marker extproc reads streams itself (``telemetry.envoy_usage`` is on by default)."""
+    cfg = config()
+    assert cfg.telemetry.envoy_usage
+    assert ENVOY_USAGE_HEADER not in json.dumps(envoy_filter(cfg))
+    hcm = http_connection_manager(cfg)
+    names = [e["name"] for e in hcm["early_header_mutation_extensions"]]
+    assert names[-1].endswith(".envoy_usage")  # after the strip of the client's x-llm-*
+    off = validate_config(Located("t.yaml", {**default_doc(), "telemetry": {"envoy_usage": False},
+                                             "rate_limits": cfg.model_dump()["rate_limits"]}, {}))
+    assert ENVOY_USAGE_HEADER not in json.dumps(http_connection_manager(off))
