@@ -20,10 +20,10 @@ from extproc.cache_metrics import CacheMetrics
 from extproc.cache_redis import RedisVectorStore
 from extproc.cache_store import MemoryVectorStore, VectorStore
 from extproc.errors import BackendError, NodeDown
-from llm_sidecar.breaker import Breaker, BreakerState
-from llm_sidecar.logs import get_logger
-from llm_sidecar.redis_client import make_client
-from llm_sidecar.settings import Settings, redis_url_for_logs
+from sidecar_runtime.breaker import Breaker, BreakerState
+from sidecar_runtime.logs import get_logger
+from sidecar_runtime.redis_client import make_client
+from sidecar_runtime.settings import Settings, redis_url_for_logs
 
 log = get_logger("extproc.cache")
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from prometheus_client import Gauge
 
 from extproc.telemetry import ForwardingTelemetry, RequestRecord, Telemetry
-from llm_sidecar.logs import get_logger
 from routing.compiled import Canary, ModelRoute, Snapshot
 from routing.schema import GuardSpec
+from sidecar_runtime.logs import get_logger
 
 log = get_logger("extproc.canary_guard")
 WINDOW = 2000

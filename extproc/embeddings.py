@@ -72,8 +72,8 @@ from extproc.processors import (
 )
 from extproc.telemetry import RequestRecord
 from extproc.tokens import counter_for
-from llm_sidecar.logs import get_logger
 from routing.compiled import CachePolicy, ModelRoute
+from sidecar_runtime.logs import get_logger
 
 log = get_logger("extproc.embeddings")
 

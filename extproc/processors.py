@@ -22,8 +22,8 @@ from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.telemetry import RequestRecord
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
-from llm_sidecar.wire_names import STRIP_USAGE_METADATA_KEY
 from routing.compiled import ModelRoute
+from sidecar_runtime.wire_names import STRIP_USAGE_METADATA_KEY
 
 
 class Processor(Protocol):

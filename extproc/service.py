@@ -31,13 +31,13 @@ from extproc.request_log import LoggedTelemetry
 from extproc.rls_client import RateLimitClient
 from extproc.stream import StreamState
 from extproc.telemetry import NULL_TELEMETRY, Telemetry
-from llm_sidecar.grpc_listen import add_port, listen_address, reuse_port_option
-from llm_sidecar.key_audit import audit_key_id_secret
-from llm_sidecar.logs import get_logger
-from llm_sidecar.ops_http import start_ops_server
-from llm_sidecar.redis_audit import audit_redis
-from llm_sidecar.settings import Settings
 from routing.compiled import Snapshot
+from sidecar_runtime.grpc_listen import add_port, listen_address, reuse_port_option
+from sidecar_runtime.key_audit import audit_key_id_secret
+from sidecar_runtime.logs import get_logger
+from sidecar_runtime.ops_http import start_ops_server
+from sidecar_runtime.redis_audit import audit_redis
+from sidecar_runtime.settings import Settings
 
 log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"

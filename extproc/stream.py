@@ -36,9 +36,9 @@ from extproc.processors import (
     body_required,
 )
 from extproc.telemetry import NULL_TELEMETRY, Telemetry
-from llm_sidecar.logs import get_logger
-from llm_sidecar.wire_names import CLUSTER_METADATA_KEY
 from routing.compiled import Snapshot
+from sidecar_runtime.logs import get_logger
+from sidecar_runtime.wire_names import CLUSTER_METADATA_KEY
 
 log = get_logger("extproc.stream")
 

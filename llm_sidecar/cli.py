@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from llm_sidecar.logs import configure
-from llm_sidecar.settings import Settings
 from routing.errors import ConfigError
+from sidecar_runtime.logs import configure
+from sidecar_runtime.settings import Settings
 
 
 def _parser() -> argparse.ArgumentParser:

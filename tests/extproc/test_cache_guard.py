@@ -12,7 +12,7 @@ from extproc.cache_guard import VectorCache
 from extproc.cache_metrics import CacheMetrics
 from extproc.cache_store import MemoryVectorStore
 from extproc.errors import BackendError, NodeDown
-from llm_sidecar.breaker import BreakerState
+from sidecar_runtime.breaker import BreakerState
 
 
 class Clock:

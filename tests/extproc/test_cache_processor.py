@@ -11,7 +11,7 @@ from extproc.actions import CacheWrite, Continue, Found, Lookup, ModeOverride, R
 from extproc.cache_codec import decode_vector, encode_vector
 from extproc.cache_keys import KEY_PREFIX
 from extproc.stream import StreamState
-from llm_sidecar.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
+from sidecar_runtime.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
 from simulator.embeddings import embed, encode_base64
 from tests.extproc.helpers import snapshot
 

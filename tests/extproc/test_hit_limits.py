@@ -21,12 +21,12 @@ from extproc.hit_limits import (
 from extproc.stream import StreamState
 from extproc.telemetry import NullTelemetry, RequestRecord, outcome
 from extproc.tokens import counter_for
-from llm_sidecar.wire_names import RESERVATION_METADATA_KEY
 from ratelimit import wire as ratelimit_wire
 from ratelimit.descriptors import Limit
 from ratelimit.limiter import DescriptorOutcome, LimitOutcome
 from ratelimit.wire import response_to_proto
 from routing.compiled import listed_key_id
+from sidecar_runtime.wire_names import RESERVATION_METADATA_KEY
 from simulator.embeddings import embed
 from tests.extproc.helpers import snapshot
 

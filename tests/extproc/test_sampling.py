@@ -14,7 +14,7 @@ from extproc.bodies import parse_generation
 from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.stream import StreamState
 from extproc.telemetry import NullTelemetry, RequestRecord
-from llm_sidecar.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
+from sidecar_runtime.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
 from tests.extproc.helpers import snapshot
 
 LIMITS = {"tenant": {"default": {"tokens": "1M/h"}}}

@@ -17,8 +17,8 @@ from extproc.cache_keys import plan_keys, request_salt
 from extproc.cache_metrics import CacheMetrics
 from extproc.cache_redis import RedisVectorStore
 from extproc.cache_store import MemoryVectorStore, VectorStore
-from llm_sidecar.breaker import BreakerState
-from llm_sidecar.redis_client import make_client
+from sidecar_runtime.breaker import BreakerState
+from sidecar_runtime.redis_client import make_client
 from simulator.embeddings import embed
 from tests.harness.redis_servers import RedisServer
 

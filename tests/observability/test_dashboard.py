@@ -13,9 +13,9 @@ from pydantic import SecretStr
 
 from extproc.metrics import ExtprocMetrics
 from extproc.picker.metrics import EndpointMetrics
-from llm_sidecar.key_audit import audit_key_id_secret
-from llm_sidecar.redis_audit import audit_redis
 from ratelimit.metrics import RateLimitMetrics
+from sidecar_runtime.key_audit import audit_key_id_secret
+from sidecar_runtime.redis_audit import audit_redis
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OBS = ROOT / "deploy" / "observability"

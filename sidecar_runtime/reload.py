@@ -16,10 +16,10 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from llm_sidecar.logs import get_logger
+from sidecar_runtime.logs import get_logger
 
 T = TypeVar("T")
-log = get_logger("llm_sidecar.reload")
+log = get_logger("sidecar_runtime.reload")
 YAML_SUFFIXES = (".yaml", ".yml")
 
 

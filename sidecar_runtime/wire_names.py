@@ -43,3 +43,7 @@ DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
 prefixes, like ``-subset``) is removed before any filter sees it."""
 DESTINATION_ENDPOINT_SERVED = "x-gateway-destination-endpoint-served"
 """Set by Envoy (override_host's ``selected_host_key``, in ``envoy.lb``): the pod that served."""
+
+UNIX_PREFIX = "unix:"
+"""A service address that names a Unix socket: ``unix:/absolute/path`` (gRPC's scheme, and what
+the rendered Envoy config turns into a ``pipe`` address)."""

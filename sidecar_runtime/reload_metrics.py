@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class ReloadMetrics:
-    """``on_result`` callback for :class:`llm_sidecar.reload.Reloader`."""
+    """``on_result`` callback for :class:`sidecar_runtime.reload.Reloader`."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
         self.reloads = Counter(

@@ -1,4 +1,5 @@
-"""Child processes for ``llm-sidecar up`` and the tests: start, wait until ready, stop cleanly."""
+"""Child processes for ``llm-sidecar up``, the worker supervisor and the tests: start, wait
+until ready, stop cleanly."""
 
 from __future__ import annotations
 

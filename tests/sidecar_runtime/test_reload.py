@@ -9,10 +9,10 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from llm_sidecar.reload import Reloader
-from llm_sidecar.reload_metrics import ReloadMetrics
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
+from sidecar_runtime.reload import Reloader
+from sidecar_runtime.reload_metrics import ReloadMetrics
 from tests.routing.test_check import GOOD
 
 

@@ -5,7 +5,7 @@ Unlisted keys become ids as HMAC(secret, sha256(key)). With the default secret, 
 this repository, anyone holding a key can compute its id, and anyone holding an id can test
 guessed keys against it offline: ids then hide nothing. So the default logs a warning at
 start-up (unless ``dev_mode``) and sets the ``llm_sidecar_key_id_secret_default`` gauge
-(always: it states a fact an alert can watch), as :mod:`llm_sidecar.redis_audit` does for Redis.
+(always: it states a fact an alert can watch), as :mod:`sidecar_runtime.redis_audit` does for Redis.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Gauge
 from pydantic import SecretStr
 
-from llm_sidecar.logs import get_logger
-from llm_sidecar.settings import PUBLIC_KEY_ID_SECRETS
+from sidecar_runtime.logs import get_logger
+from sidecar_runtime.settings import PUBLIC_KEY_ID_SECRETS
 
 log = get_logger("llm_sidecar.keys")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 
-from llm_sidecar.settings import Settings
-from routing.units import UNIX_PREFIX
+from sidecar_runtime.settings import Settings
+from sidecar_runtime.wire_names import UNIX_PREFIX
 
 
 def listen_address(host: str, port: int) -> str:

@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_sidecar.cli import _dispatch, _parser
-from llm_sidecar.metrics_merge import Scrape, exposition, merge
-from llm_sidecar.settings import Settings
-from llm_sidecar.workers import port_in_use, workers_problem
+from sidecar_runtime.metrics_merge import Scrape, exposition, merge
+from sidecar_runtime.settings import Settings
+from sidecar_runtime.workers import port_in_use, workers_problem
 
 
 def main(argv: list[str]) -> int:

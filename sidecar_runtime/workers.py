@@ -5,7 +5,7 @@ supervisor (the process you started) starts N copies of the service, each bindin
 ``host:port`` with SO_REUSEPORT: the kernel spreads Envoy's connections over them. Each worker
 serves its own ``/metrics`` and ``/healthz`` on a private Unix socket; the supervisor owns the
 metrics port and answers ``/metrics`` with the workers' numbers merged
-(:mod:`llm_sidecar.metrics_merge`), ``/healthz`` with 200 only while every worker is healthy.
+(:mod:`sidecar_runtime.metrics_merge`), ``/healthz`` with 200 only while every worker is healthy.
 
 - SIGTERM or SIGINT: the supervisor's ``/healthz`` turns 503 and every worker gets SIGTERM and
   drains as a single process does (gRPC health NOT_SERVING, streams in flight get
@@ -39,12 +39,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_sidecar.logs import get_logger
-from llm_sidecar.metrics_merge import Scrape, exposition, merge
-from llm_sidecar.procs import Child, start
-from routing.units import UNIX_PREFIX
+from sidecar_runtime.logs import get_logger
+from sidecar_runtime.metrics_merge import Scrape, exposition, merge
+from sidecar_runtime.procs import Child, start
+from sidecar_runtime.wire_names import UNIX_PREFIX
 
-log = get_logger("llm_sidecar.workers")
+log = get_logger("sidecar_runtime.workers")
 READY_TIMEOUT_S = 120.0
 """How long a worker may take to answer ``/healthz`` (a loaded 2-core machine is slow)."""
 SCRAPE_TIMEOUT_S = 5.0

@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CollectorRegistry, Gauge
 from pydantic import SecretStr
 
-from llm_sidecar.logs import get_logger
+from sidecar_runtime.logs import get_logger
 
 log = get_logger("llm_sidecar.redis")
 

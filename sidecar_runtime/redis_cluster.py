@@ -51,7 +51,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from llm_sidecar.logs import get_logger
+from sidecar_runtime.logs import get_logger
 
 log = get_logger("llm_sidecar.redis")
 
