@@ -1,7 +1,7 @@
 """``/v1/embeddings``: routed by its longest input, answered from the embedding cache when it can be.
 
 For a model with ``cache:`` the request body step returns a :class:`Lookup` of its inputs' keys;
-with the values (see :mod:`extproc.cache_merge`):
+with the values (see :mod:`extproc.cache.merge`):
 
 * all cached (``hit``): a 200 ImmediateResponse. vLLM is never called. Envoy's rate-limit
   filter (after ext_proc in the chain) never sees the request, so extproc asks the rate-limit
@@ -46,8 +46,8 @@ from extproc.actions import (
 )
 from extproc.admission import admission_metadata, usage_metadata
 from extproc.bodies import EmbeddingsBody, parse_embeddings
-from extproc.cache_keys import KeyPlan, namespace_for, plan_keys, request_salt
-from extproc.cache_merge import (
+from extproc.cache.keys import KeyPlan, namespace_for, plan_keys, request_salt
+from extproc.cache.merge import (
     MergeError,
     Resolution,
     entries_to_store,

@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc import wire
 from extproc.actions import Continue, Lookup, Phase, Reply, Step
-from extproc.cache_guard import VectorCache, open_vector_cache
-from extproc.cache_metrics import CacheMetrics
-from extproc.cache_store import MemoryVectorStore
+from extproc.cache.guard import VectorCache, open_vector_cache
+from extproc.cache.metrics import CacheMetrics
+from extproc.cache.store import MemoryVectorStore
 from extproc.canary_guard import CanaryGuards, GuardedTelemetry
 from extproc.canary_report import MIN_SAMPLES, render_all
 from extproc.context import EndpointPicking

@@ -11,7 +11,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 
 from extproc import rls_wire
 from extproc.actions import Continue, LimitStatus, Lookup, RateCheck, Reply, Verdict
-from extproc.cache_codec import encode_vector
+from extproc.cache.codec import encode_vector
 from extproc.hit_limits import (
     BACKEND_DENY_HEADER,
     answer,

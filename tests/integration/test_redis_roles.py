@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
-from extproc.cache_redis import RedisVectorStore
+from extproc.cache.redis_store import RedisVectorStore
 from ratelimit.bucket import BucketSpec, Hit
 from ratelimit.errors import BackendError
 from ratelimit.keys import bucket_key

@@ -33,9 +33,9 @@ def exported() -> set[str]:
     audit_redis(None, True, registry, "any")  # llm_sidecar_redis_unauthenticated, both services
     audit_key_id_secret(SecretStr("x"), True, registry)  # extproc
     EndpointMetrics(registry, {}, lambda: 0.0)  # extproc's endpoint picker
-    cache_metrics = importlib.util.find_spec("extproc.cache_metrics")
+    cache_metrics = importlib.util.find_spec("extproc.cache.metrics")
     if cache_metrics is not None:
-        module = importlib.import_module("extproc.cache_metrics")
+        module = importlib.import_module("extproc.cache.metrics")
         module.CacheMetrics(registry)
     names: set[str] = set()
     for family in registry.collect():

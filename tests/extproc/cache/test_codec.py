@@ -8,7 +8,7 @@ import struct
 import orjson
 import pytest
 
-from extproc.cache_codec import decode_vector, encode_vector
+from extproc.cache.codec import decode_vector, encode_vector
 from simulator.embeddings import embed, encode_base64
 
 FLOAT32 = embed("some text", 256)  # float32-exact, as vLLM's tensors are

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from extproc.cache_store import ENTRY_OVERHEAD_BYTES, MemoryVectorStore
+from extproc.cache.store import ENTRY_OVERHEAD_BYTES, MemoryVectorStore
 
 
 class Clock:

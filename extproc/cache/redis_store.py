@@ -3,7 +3,7 @@
 A lookup is one ``MGET``; a store is one pipeline of ``SET key value PX ttl``. On a Cluster,
 through :class:`~sidecar_runtime.redis_cluster.ClusterRouter`: one ``MGET`` per slot, one pipeline
 per master, masters in parallel, and a master that is down fails the call at once. Values are
-the bytes of :mod:`extproc.cache_codec`, with no client-side encoding.
+the bytes of :mod:`extproc.cache.codec`, with no client-side encoding.
 """
 
 from __future__ import annotations

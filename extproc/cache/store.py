@@ -1,6 +1,6 @@
 """Where cached vectors live: the :class:`VectorStore` seam and its in-process memory backend.
 
-Redis (shared by every replica) is :mod:`extproc.cache_redis`; memory is the default without a
+Redis (shared by every replica) is :mod:`extproc.cache.redis_store`; memory is the default without a
 Redis URL: right for one replica, wrong for several (each would compute and keep its own copy).
 """
 
@@ -16,7 +16,7 @@ ENTRY_OVERHEAD_BYTES = 96
 
 
 class VectorStore(Protocol):
-    """Stored vectors by key. Errors propagate; the guard in :mod:`extproc.cache_guard` turns
+    """Stored vectors by key. Errors propagate; the guard in :mod:`extproc.cache.guard` turns
     them (and missed deadlines) into a bypass."""
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:

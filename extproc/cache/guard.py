@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from extproc.actions import CacheWrite, Found
-from extproc.cache_merge import outcome_of
-from extproc.cache_metrics import CacheMetrics
-from extproc.cache_redis import RedisVectorStore
-from extproc.cache_store import MemoryVectorStore, VectorStore
+from extproc.cache.merge import outcome_of
+from extproc.cache.metrics import CacheMetrics
+from extproc.cache.redis_store import RedisVectorStore
+from extproc.cache.store import MemoryVectorStore, VectorStore
 from extproc.errors import BackendError, NodeDown
 from sidecar_runtime.breaker import Breaker, BreakerState
 from sidecar_runtime.logs import get_logger

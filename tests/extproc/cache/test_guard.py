@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from extproc.actions import CacheWrite
-from extproc.cache_guard import VectorCache
-from extproc.cache_metrics import CacheMetrics
-from extproc.cache_store import MemoryVectorStore
+from extproc.cache.guard import VectorCache
+from extproc.cache.metrics import CacheMetrics
+from extproc.cache.store import MemoryVectorStore
 from extproc.errors import BackendError, NodeDown
 from sidecar_runtime.breaker import BreakerState
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from extproc.cache_keys import KEY_PREFIX, namespace_for, plan_keys, request_salt
+from extproc.cache.keys import KEY_PREFIX, namespace_for, plan_keys, request_salt
 from routing.compiled import CachePolicy
 
 

@@ -7,9 +7,9 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc.cache_codec import encode_vector
-from extproc.cache_keys import KeyPlan, plan_keys, request_salt
-from extproc.cache_merge import (
+from extproc.cache.codec import encode_vector
+from extproc.cache.keys import KeyPlan, plan_keys, request_salt
+from extproc.cache.merge import (
     MergeError,
     entries_to_store,
     hit_body,

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import orjson
 
-from extproc.cache_codec import Vector, decode_vector, encode_vector
-from extproc.cache_keys import KeyPlan
+from extproc.cache.codec import Vector, decode_vector, encode_vector
+from extproc.cache.keys import KeyPlan
 
 Outcome = Literal["hit", "partial", "miss"]
 
