@@ -22,8 +22,8 @@ from extproc.actions import Continue, Lookup, Phase, Reply, Step
 from extproc.cache.guard import VectorCache, open_vector_cache
 from extproc.cache.metrics import CacheMetrics
 from extproc.cache.store import MemoryVectorStore
-from extproc.canary_guard import CanaryGuards, GuardedTelemetry
-from extproc.canary_report import MIN_SAMPLES, render_all
+from extproc.canary.guard import CanaryGuards, GuardedTelemetry
+from extproc.canary.report import MIN_SAMPLES, render_all
 from extproc.context import EndpointPicking
 from extproc.metrics import ExtprocMetrics
 from extproc.picker.runtime import PickerRuntime

@@ -23,7 +23,7 @@ from extproc.actions import (
     Step,
     Verdict,
 )
-from extproc.canary_guard import CanaryGuards
+from extproc.canary.guard import CanaryGuards
 from extproc.context import EndpointPicking, RequestContext, spoofed_headers
 from extproc.embeddings import EmbeddingsProcessor
 from extproc.errors import ClientError, error_body, method_not_allowed, unknown_path

@@ -30,7 +30,7 @@ class RequestRecord:
     streamed: bool
     errored: bool
     """5xx, or an error body/event (a vLLM 400's included): see
-    :func:`extproc.canary_guard.canary_error` for what the canary guard counts."""
+    :func:`extproc.canary.guard.canary_error` for what the canary guard counts."""
     duration_s: float
     ttft_s: float | None
     """Request start to the first content chunk (streamed responses only): the prefill side."""

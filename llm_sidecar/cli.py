@@ -107,7 +107,7 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
         code: int = ratelimit_run(args, settings)
         return code
     if args.command == "canary":
-        from extproc.canary_cli import run as canary_run
+        from extproc.canary.cli import run as canary_run
         return canary_run(args)
     if args.command == "sim":
         from simulator import run as sim_run

@@ -19,7 +19,7 @@ from routing.compiled import Canary, ModelRoute, Snapshot
 from routing.schema import GuardSpec
 from sidecar_runtime.logs import get_logger
 
-log = get_logger("extproc.canary_guard")
+log = get_logger("extproc.canary.guard")
 WINDOW = 2000
 ERROR_FLOOR = 0.01
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from extproc.canary_report import judge, quantile, render_all, report
+from extproc.canary.report import judge, quantile, render_all, report
 from extproc.metrics import ExtprocMetrics
 from extproc.telemetry import RequestRecord
 

@@ -7,7 +7,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from extproc.canary_report import render, render_all, report
+from extproc.canary.report import render, render_all, report
 
 
 def run(args: argparse.Namespace) -> int:
