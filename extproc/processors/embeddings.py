@@ -63,7 +63,7 @@ from extproc.context import RequestContext
 from extproc.decide import Decision
 from extproc.errors import error_body
 from extproc.hit_limits import answer, hit_check
-from extproc.processors import (
+from extproc.processors.base import (
     BaseProcessor,
     body_required,
     decide_for,
@@ -75,7 +75,7 @@ from extproc.tokens import counter_for
 from routing.compiled import CachePolicy, ModelRoute
 from sidecar_runtime.logs import get_logger
 
-log = get_logger("extproc.embeddings")
+log = get_logger("extproc.processors.embeddings")
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 """Largest vLLM answer held to merge or store (the gRPC message limit of extproc, too)."""
