@@ -8,7 +8,7 @@ from typing import Protocol
 
 from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
-from extproc.telemetry import Telemetry
+from extproc.telemetry.events import Telemetry
 from routing.compiled import Canary, ModelRoute, Snapshot
 from sidecar_runtime.wire_names import DESTINATION_ENDPOINT
 

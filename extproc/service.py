@@ -25,12 +25,12 @@ from extproc.cache.store import MemoryVectorStore
 from extproc.canary.guard import CanaryGuards, GuardedTelemetry
 from extproc.canary.report import MIN_SAMPLES, render_all
 from extproc.context import EndpointPicking
-from extproc.metrics import ExtprocMetrics
 from extproc.picker.runtime import PickerRuntime
-from extproc.request_log import LoggedTelemetry
 from extproc.rls_client import RateLimitClient
 from extproc.stream import StreamState
-from extproc.telemetry import NULL_TELEMETRY, Telemetry
+from extproc.telemetry.events import NULL_TELEMETRY, Telemetry
+from extproc.telemetry.metrics import ExtprocMetrics
+from extproc.telemetry.request_log import LoggedTelemetry
 from routing.compiled import Snapshot
 from sidecar_runtime.grpc_listen import add_port, listen_address, reuse_port_option
 from sidecar_runtime.key_audit import audit_key_id_secret

@@ -32,7 +32,7 @@ from extproc.processors.embeddings import EmbeddingsProcessor
 from extproc.processors.error import ErrorProcessor
 from extproc.processors.generation import GenerationProcessor
 from extproc.processors.models import ModelsProcessor
-from extproc.telemetry import NULL_TELEMETRY, Telemetry
+from extproc.telemetry.events import NULL_TELEMETRY, Telemetry
 from routing.compiled import Snapshot
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.wire_names import CLUSTER_METADATA_KEY

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Gauge
 
-from extproc.telemetry import ForwardingTelemetry, RequestRecord, Telemetry
+from extproc.telemetry.events import ForwardingTelemetry, RequestRecord, Telemetry
 from routing.compiled import Canary, ModelRoute, Snapshot
 from routing.schema import GuardSpec
 from sidecar_runtime.logs import get_logger

@@ -22,7 +22,7 @@ clients), so a merged body of another length needs no header fix-up.
 Every embeddings response that reaches vLLM is read to charge its ``usage`` tokens (CONTRACT §7);
 the request-body answer that sends it upstream carries its reservation (the counted tokens of
 the inputs that go upstream) as dynamic metadata. Every request that got past the body step is
-recorded once (:class:`extproc.telemetry.RequestRecord`), as aborted when its stream ends first.
+recorded once (:class:`extproc.telemetry.events.RequestRecord`), as aborted when its stream ends first.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from extproc.processors.base import (
     resolve_model,
     route_headers,
 )
-from extproc.telemetry import RequestRecord
+from extproc.telemetry.events import RequestRecord
 from extproc.tokens import counter_for
 from routing.compiled import CachePolicy, ModelRoute
 from sidecar_runtime.logs import get_logger

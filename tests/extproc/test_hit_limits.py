@@ -19,7 +19,7 @@ from extproc.hit_limits import (
     x_ratelimit_headers,
 )
 from extproc.stream import StreamState
-from extproc.telemetry import NullTelemetry, RequestRecord, outcome
+from extproc.telemetry.events import NullTelemetry, RequestRecord, outcome
 from extproc.tokens import counter_for
 from ratelimit import wire as ratelimit_wire
 from ratelimit.descriptors import Limit

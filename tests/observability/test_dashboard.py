@@ -11,8 +11,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from extproc.metrics import ExtprocMetrics
 from extproc.picker.metrics import EndpointMetrics
+from extproc.telemetry.metrics import ExtprocMetrics
 from ratelimit.metrics import RateLimitMetrics
 from sidecar_runtime.key_audit import audit_key_id_secret
 from sidecar_runtime.redis_audit import audit_redis

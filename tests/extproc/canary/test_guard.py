@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from extproc.canary.guard import CanaryGuards, Window, canary_error, verdict
-from extproc.telemetry import RequestRecord
+from extproc.telemetry.events import RequestRecord
 from routing.schema import GuardSpec
 from tests.extproc.helpers import snapshot
 

@@ -4,8 +4,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.canary.report import judge, quantile, render_all, report
-from extproc.metrics import ExtprocMetrics
-from extproc.telemetry import RequestRecord
+from extproc.telemetry.events import RequestRecord
+from extproc.telemetry.metrics import ExtprocMetrics
 
 
 def test_quantile_interpolates_inside_buckets() -> None:

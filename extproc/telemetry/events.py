@@ -1,6 +1,6 @@
 """What extproc reports about each request, as plain values; metrics and logs consume them.
 
-Processors call a :class:`Telemetry`; the Prometheus implementation is in :mod:`extproc.metrics`,
+Processors call a :class:`Telemetry`; the Prometheus implementation is in :mod:`extproc.telemetry.metrics`,
 and tests use :class:`NullTelemetry` or a recording fake.
 """
 

@@ -11,9 +11,9 @@ import pytest
 
 from extproc.actions import Continue, ModeOverride
 from extproc.bodies import parse_generation
-from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.stream import StreamState
-from extproc.telemetry import NullTelemetry, RequestRecord
+from extproc.telemetry.events import NullTelemetry, RequestRecord
+from extproc.telemetry.sampling import sampled, stable_share, usage_plan
 from sidecar_runtime.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
 from tests.extproc.helpers import snapshot
 
