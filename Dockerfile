@@ -4,6 +4,7 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY llm_sidecar ./llm_sidecar
+COPY sidecar_runtime ./sidecar_runtime
 COPY extproc ./extproc
 COPY ratelimit ./ratelimit
 COPY routing ./routing

@@ -20,7 +20,7 @@ import yaml
 
 from bench import bodies
 from bench.stack import START_TIMEOUT_S, Shared, spawn
-from llm_sidecar.procs import Child, free_port, wait_http_ok
+from sidecar_runtime.procs import Child, free_port, wait_http_ok
 
 VENV = Path(__file__).resolve().parent / ".venv-litellm"
 PACKAGE = "litellm[proxy]"

@@ -42,12 +42,12 @@ from typing import Any
 import aiohttp
 import yaml
 
-from llm_sidecar.procs import envoy_binary, start, wait_http_ok
-from llm_sidecar.wire_names import METADATA_NAMESPACE, STRIP_USAGE_METADATA_KEY
 from routing.loader import load_config
 from routing.render_clusters import API, TYPE
 from routing.render_envoy import http_connection_manager
 from routing.render_usage import LUA_FILTER, SSE_FILTER, sse_usage_filter, strip_usage_filter
+from sidecar_runtime.procs import envoy_binary, start, wait_http_ok
+from sidecar_runtime.wire_names import METADATA_NAMESPACE, STRIP_USAGE_METADATA_KEY
 
 MAIN_LUA = f"""
 function envoy_on_response(handle)

@@ -21,9 +21,9 @@ from typing import Literal
 import yaml
 
 from bench import front, upstream
-from llm_sidecar.procs import Child, envoy_binary, free_port, sidecar_command, wait_http_ok, wait_tcp
 from routing.loader import load_config
 from routing.units import parse_hostport
+from sidecar_runtime.procs import Child, envoy_binary, free_port, sidecar_command, wait_http_ok, wait_tcp
 
 Store = Literal["memory", "redis"]
 START_TIMEOUT_S = 60.0

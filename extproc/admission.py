@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from llm_sidecar.wire_names import (
+from sidecar_runtime.wire_names import (
     DONE_METADATA_KEY,
     LEASE_METADATA_KEY,
     RESERVATION_METADATA_KEY,

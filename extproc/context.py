@@ -8,9 +8,9 @@ from typing import Protocol
 
 from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
-from extproc.telemetry import Telemetry
-from llm_sidecar.wire_names import DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
+from extproc.telemetry.events import Telemetry
 from routing.compiled import Canary, ModelRoute, Snapshot
+from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
 
 LLM_HEADER_PREFIX = "x-llm-"
 

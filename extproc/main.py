@@ -10,16 +10,16 @@ import uvloop
 from prometheus_client import CollectorRegistry
 
 from extproc.service import canary_text, install_stop_handlers, serve
-from llm_sidecar.grpc_listen import metrics_host
-from llm_sidecar.logs import bind_worker, get_logger
-from llm_sidecar.procs import sidecar_command
-from llm_sidecar.reload import Reloader
-from llm_sidecar.reload_metrics import ReloadMetrics
-from llm_sidecar.settings import Settings
-from llm_sidecar.workers import add_worker_arguments, supervise, workers_problem
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
 from routing.units import parse_service_address
+from sidecar_runtime.grpc_listen import metrics_host
+from sidecar_runtime.logs import bind_worker, get_logger
+from sidecar_runtime.procs import sidecar_command
+from sidecar_runtime.reload import Reloader
+from sidecar_runtime.reload_metrics import ReloadMetrics
+from sidecar_runtime.settings import Settings
+from sidecar_runtime.workers import add_worker_arguments, supervise, workers_problem
 
 log = get_logger("extproc")
 

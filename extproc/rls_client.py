@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from extproc import rls_wire
 from extproc.actions import RateCheck, Verdict
-from llm_sidecar.logs import get_logger
 from routing.schema import ServicesTls
+from sidecar_runtime.logs import get_logger
 
 log = get_logger("extproc.rls_client")
 UNAVAILABLE = Verdict("unavailable")

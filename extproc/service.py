@@ -19,25 +19,25 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc import wire
 from extproc.actions import Continue, Lookup, Phase, Reply, Step
-from extproc.cache_guard import VectorCache, open_vector_cache
-from extproc.cache_metrics import CacheMetrics
-from extproc.cache_store import MemoryVectorStore
-from extproc.canary_guard import CanaryGuards, GuardedTelemetry
-from extproc.canary_report import MIN_SAMPLES, render_all
+from extproc.cache.guard import VectorCache, open_vector_cache
+from extproc.cache.metrics import CacheMetrics
+from extproc.cache.store import MemoryVectorStore
+from extproc.canary.guard import CanaryGuards, GuardedTelemetry
+from extproc.canary.report import MIN_SAMPLES, render_all
 from extproc.context import EndpointPicking
-from extproc.metrics import ExtprocMetrics
 from extproc.picker.runtime import PickerRuntime
-from extproc.request_log import LoggedTelemetry
 from extproc.rls_client import RateLimitClient
 from extproc.stream import StreamState
-from extproc.telemetry import NULL_TELEMETRY, Telemetry
-from llm_sidecar.grpc_listen import add_port, listen_address, reuse_port_option
-from llm_sidecar.key_audit import audit_key_id_secret
-from llm_sidecar.logs import get_logger
-from llm_sidecar.ops_http import start_ops_server
-from llm_sidecar.redis_audit import audit_redis
-from llm_sidecar.settings import Settings
+from extproc.telemetry.events import NULL_TELEMETRY, Telemetry
+from extproc.telemetry.metrics import ExtprocMetrics
+from extproc.telemetry.request_log import LoggedTelemetry
 from routing.compiled import Snapshot
+from sidecar_runtime.grpc_listen import add_port, listen_address, reuse_port_option
+from sidecar_runtime.key_audit import audit_key_id_secret
+from sidecar_runtime.logs import get_logger
+from sidecar_runtime.ops_http import start_ops_server
+from sidecar_runtime.redis_audit import audit_redis
+from sidecar_runtime.settings import Settings
 
 log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"

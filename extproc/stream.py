@@ -23,22 +23,19 @@ from extproc.actions import (
     Step,
     Verdict,
 )
-from extproc.canary_guard import CanaryGuards
+from extproc.canary.guard import CanaryGuards
 from extproc.context import EndpointPicking, RequestContext, spoofed_headers
-from extproc.embeddings import EmbeddingsProcessor
 from extproc.errors import ClientError, error_body, method_not_allowed, unknown_path
 from extproc.identity import identify
-from extproc.processors import (
-    ErrorProcessor,
-    GenerationProcessor,
-    ModelsProcessor,
-    Processor,
-    body_required,
-)
-from extproc.telemetry import NULL_TELEMETRY, Telemetry
-from llm_sidecar.logs import get_logger
-from llm_sidecar.wire_names import CLUSTER_METADATA_KEY
+from extproc.processors.base import Processor, body_required
+from extproc.processors.embeddings import EmbeddingsProcessor
+from extproc.processors.error import ErrorProcessor
+from extproc.processors.generation import GenerationProcessor
+from extproc.processors.models import ModelsProcessor
+from extproc.telemetry.events import NULL_TELEMETRY, Telemetry
 from routing.compiled import Snapshot
+from sidecar_runtime.logs import get_logger
+from sidecar_runtime.wire_names import CLUSTER_METADATA_KEY
 
 log = get_logger("extproc.stream")
 

@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
 from extproc.actions import Action, Continue, Headers, ModeOverride, Phase
-from llm_sidecar.wire_names import DESTINATION_ENDPOINT, LB_METADATA_NAMESPACE, METADATA_NAMESPACE
+from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, LB_METADATA_NAMESPACE, METADATA_NAMESPACE
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _BODY_MODES = {

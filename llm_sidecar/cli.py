@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from llm_sidecar.logs import configure
-from llm_sidecar.settings import Settings
 from routing.errors import ConfigError
+from sidecar_runtime.logs import configure
+from sidecar_runtime.settings import Settings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,7 +107,7 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
         code: int = ratelimit_run(args, settings)
         return code
     if args.command == "canary":
-        from extproc.canary_cli import run as canary_run
+        from extproc.canary.cli import run as canary_run
         return canary_run(args)
     if args.command == "sim":
         from simulator import run as sim_run

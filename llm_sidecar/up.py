@@ -15,7 +15,11 @@ import tempfile
 import threading
 from importlib import resources
 
-from llm_sidecar.procs import (
+from routing.loader import load_config
+from routing.render import write_all
+from routing.schema import RoutingConfig
+from routing.units import parse_hostport, parse_service_address
+from sidecar_runtime.procs import (
     Child,
     envoy_binary,
     sidecar_command,
@@ -24,10 +28,7 @@ from llm_sidecar.procs import (
     wait_tcp,
     wait_unix,
 )
-from routing.loader import load_config
-from routing.render import write_all
-from routing.schema import RoutingConfig
-from routing.units import UNIX_PREFIX, parse_hostport, parse_service_address
+from sidecar_runtime.wire_names import UNIX_PREFIX
 
 
 def example_config_path() -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llm_sidecar.logs import configure
-from llm_sidecar.settings import Settings
 from ratelimit.main import add_arguments, run
+from sidecar_runtime.logs import configure
+from sidecar_runtime.settings import Settings
 
 
 def main() -> int:

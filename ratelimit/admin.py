@@ -7,8 +7,8 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from llm_sidecar.ops_http import listen
 from ratelimit.metrics import RateLimitMetrics
+from sidecar_runtime.ops_http import listen
 
 
 def make_app(metrics: RateLimitMetrics, healthy: Callable[[], bool]) -> web.Application:

@@ -9,12 +9,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from llm_sidecar.breaker import Breaker, BreakerState
-from llm_sidecar.logs import get_logger
 from ratelimit.bucket import Hit, Settle
 from ratelimit.errors import BackendError, NodeDown
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import BucketStore, StoreResult
+from sidecar_runtime.breaker import Breaker, BreakerState
+from sidecar_runtime.logs import get_logger
 
 log = get_logger("ratelimit.backend")
 T = TypeVar("T")

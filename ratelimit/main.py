@@ -10,16 +10,16 @@ from pathlib import Path
 
 import uvloop
 
-from llm_sidecar.grpc_listen import metrics_host
-from llm_sidecar.logs import bind_worker
-from llm_sidecar.procs import sidecar_command
-from llm_sidecar.settings import Settings
-from llm_sidecar.workers import add_worker_arguments, supervise, workers_problem
 from ratelimit.document import parse_yaml
 from ratelimit.errors import ConfigError
 from ratelimit.loader import is_routing_yaml, load_path
 from ratelimit.service import serve
-from routing.units import UNIX_PREFIX
+from sidecar_runtime.grpc_listen import metrics_host
+from sidecar_runtime.logs import bind_worker
+from sidecar_runtime.procs import sidecar_command
+from sidecar_runtime.settings import Settings
+from sidecar_runtime.wire_names import UNIX_PREFIX
+from sidecar_runtime.workers import add_worker_arguments, supervise, workers_problem
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50052
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 def run_workers(args: argparse.Namespace, settings: Settings, workers: int, host: str,
                 port: int) -> int:
-    """``--workers N``: N processes on one port under a supervisor (llm_sidecar.workers).
+    """``--workers N``: N processes on one port under a supervisor (sidecar_runtime.workers).
     Refused without Redis: each worker's memory buckets would admit N times the limit."""
     problem = workers_problem("ratelimit", workers, host, port,
                               needs_shared_store=settings.redis_url is None)

@@ -14,12 +14,6 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from llm_sidecar.grpc_listen import add_port, metrics_host, reuse_port_option
-from llm_sidecar.logs import get_logger
-from llm_sidecar.redis_audit import audit_redis
-from llm_sidecar.redis_client import make_client
-from llm_sidecar.reload import Reloader
-from llm_sidecar.settings import Settings, redis_url_for_logs
 from ratelimit.admin import start_admin
 from ratelimit.descriptors import RateLimitConfig
 from ratelimit.errors import ConfigError
@@ -31,6 +25,12 @@ from ratelimit.metrics import RateLimitMetrics
 from ratelimit.redis_store import RedisStore
 from ratelimit.store import BucketStore
 from ratelimit.wire import request_from_proto, response_to_proto
+from sidecar_runtime.grpc_listen import add_port, metrics_host, reuse_port_option
+from sidecar_runtime.logs import get_logger
+from sidecar_runtime.redis_audit import audit_redis
+from sidecar_runtime.redis_client import make_client
+from sidecar_runtime.reload import Reloader
+from sidecar_runtime.settings import Settings, redis_url_for_logs
 
 log = get_logger("ratelimit")
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
@@ -173,7 +173,7 @@ async def serve(
     """Serve until ``stop`` is set (or the task is cancelled), then stop gracefully.
 
     Raises :class:`ConfigError` when the initial config is invalid. ``worker_ops_socket``:
-    this process is one of ``--workers N`` (see :mod:`llm_sidecar.workers`).
+    this process is one of ``--workers N`` (see :mod:`sidecar_runtime.workers`).
     """
     server = RateLimitServer(config_path, host, port, metrics_port, settings,
                              worker_ops_socket=worker_ops_socket)

@@ -19,7 +19,7 @@ of each kind (``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-tokens``, 
 Envoy adds to the client's response; the IETF draft headers Envoy builds from the descriptor
 statuses never show ``remaining`` above ``limit``.
 
-Descriptor entries named in :data:`llm_sidecar.wire_names.CONTROL_ENTRIES` (the request's lease,
+Descriptor entries named in :data:`sidecar_runtime.wire_names.CONTROL_ENTRIES` (the request's lease,
 the tokens its response used, a slot release) are taken out here, before any matching.
 """
 
@@ -34,7 +34,6 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 from envoy.type.v3 import ratelimit_unit_pb2
 
-from llm_sidecar.wire_names import CONTROL_ENTRIES, LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
 from ratelimit.descriptors import CONCURRENT, REQUESTS, TOKENS, UNIT_SECONDS, Limit
 from ratelimit.limiter import (
     UNLIMITED_REMAINING,
@@ -45,6 +44,7 @@ from ratelimit.limiter import (
     Override,
     Phase,
 )
+from sidecar_runtime.wire_names import CONTROL_ENTRIES, LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
 
 _Response = rls_pb2.RateLimitResponse
 _UNITS = {

@@ -22,7 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_sidecar.wire_names import (
+from routing.compiled import listed_key_id
+from routing.loader import load_config
+from routing.schema import LevelLimits, Limit, RoutingConfig
+from routing.units import parse_rate
+from sidecar_runtime.wire_names import (
     DONE_ENTRY,
     DONE_METADATA_KEY,
     LEASE_ENTRY,
@@ -33,10 +37,6 @@ from llm_sidecar.wire_names import (
     TOKENS_METADATA_KEY,
     USED_ENTRY,
 )
-from routing.compiled import listed_key_id
-from routing.loader import load_config
-from routing.schema import LevelLimits, Limit, RoutingConfig
-from routing.units import parse_rate
 
 KINDS = ("requests", "tokens", "concurrent")
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-from llm_sidecar.wire_names import (
+from routing.schema import ClusterSpec, RoutingConfig, ServicesTls
+from routing.units import parse_hostport
+from sidecar_runtime.wire_names import (
     DESTINATION_ENDPOINT,
     DESTINATION_ENDPOINT_SERVED,
     LB_METADATA_NAMESPACE,
+    UNIX_PREFIX,
 )
-from routing.schema import ClusterSpec, RoutingConfig, ServicesTls
-from routing.units import UNIX_PREFIX, parse_hostport
 
 EXTPROC_CLUSTER = "llm-sidecar-extproc"
 RATELIMIT_CLUSTER = "llm-sidecar-ratelimit"

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_sidecar.wire_names import (
+from routing.ratelimits import DOMAIN, route_rate_limits
+from routing.render_bounds import http2_options, overload_manager
+from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
+from routing.render_usage import usage_filters_after_ext_proc, usage_filters_before_ext_proc
+from routing.schema import RoutingConfig
+from routing.units import parse_duration, parse_hostport
+from sidecar_runtime.wire_names import (
     CLUSTER_METADATA_KEY,
     DESTINATION_ENDPOINT,
     ENVOY_USAGE_HEADER,
@@ -19,12 +25,6 @@ from llm_sidecar.wire_names import (
     METADATA_NAMESPACE,
     RESERVATION_METADATA_KEY,
 )
-from routing.ratelimits import DOMAIN, route_rate_limits
-from routing.render_bounds import http2_options, overload_manager
-from routing.render_clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
-from routing.render_usage import usage_filters_after_ext_proc, usage_filters_before_ext_proc
-from routing.schema import RoutingConfig
-from routing.units import parse_duration, parse_hostport
 
 RATELIMIT_DOMAIN = DOMAIN
 HEALTH_PATH = "/healthz"

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm_sidecar.wire_names import (
+from routing.render_clusters import API, TYPE
+from sidecar_runtime.wire_names import (
     DONE_METADATA_KEY,
     METADATA_NAMESPACE,
     STRIP_USAGE_METADATA_KEY,
     TOKENS_METADATA_KEY,
 )
-from routing.render_clusters import API, TYPE
 
 SSE_FILTER = "envoy.filters.http.sse_to_metadata"
 LUA_FILTER = "envoy.filters.http.lua"

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from sidecar_runtime.wire_names import UNIX_PREFIX
+
 _UNIT_SECONDS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 DURATION_PATTERN = r"^(\d+)(s|m|h|d)$"
 RATE_PATTERN = r"^(\d+(?:\.\d+)?)([kM]?)/(\d*)(s|min|m|h|d)$"
@@ -90,9 +92,6 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"bad address {raw!r}: use host:port, like 10.0.0.11:8000")
     return host.strip("[]"), int(port)
-
-
-UNIX_PREFIX = "unix:"
 
 
 def parse_service_address(text: str) -> tuple[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from llm_sidecar.logs import configure, get_logger
+from sidecar_runtime.logs import configure, get_logger
 from simulator.config import SimConfig
 from simulator.prefix import DEFAULT_BLOCK_SIZE
 from simulator.server import serve_until_signalled

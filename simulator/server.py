@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from llm_sidecar.logs import get_logger
+from sidecar_runtime.logs import get_logger
 from simulator.app import build_app
 from simulator.config import SimConfig
 from simulator.state import STATE

@@ -49,9 +49,9 @@ import aiohttp
 
 from extproc.picker.parse import MAX_BODY_BYTES, GpuReading, MetricsError, parse_dcgm, parse_vllm
 from extproc.picker.state import PoolState
-from llm_sidecar.logs import get_logger
 from routing.schema import ClusterSpec, RoutingConfig
 from routing.units import parse_hostport
+from sidecar_runtime.logs import get_logger
 
 log = get_logger("extproc.picker.scrape")
 

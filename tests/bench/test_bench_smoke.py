@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_sidecar.procs import envoy_binary
+from sidecar_runtime.procs import envoy_binary
 from tests.harness.ci import unavailable
 
 pytestmark = pytest.mark.e2e

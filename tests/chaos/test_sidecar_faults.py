@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from llm_sidecar.procs import free_port, wait_tcp
 from routing.units import parse_hostport
+from sidecar_runtime.procs import free_port, wait_tcp
 from tests.chaos.load import Call, Load, percentile
 from tests.chaos.replicas import Replica, ResettingPod, add_to_envoy, start_replica
 from tests.chaos.support import (
@@ -150,7 +150,7 @@ def ensure_running(rig: Rig, kind: str) -> None:
 def start_again(gw: Gateway, replica: Replica) -> Replica:
     import os
 
-    from llm_sidecar.procs import start
+    from sidecar_runtime.procs import start
 
     args = replica.child.process.args
     assert isinstance(args, list)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from llm_sidecar.procs import free_port
+from sidecar_runtime.procs import free_port
 from tests.harness.picker_envoy import (
     TEST_CLUSTER,
     TEST_PICK,

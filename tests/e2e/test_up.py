@@ -13,7 +13,7 @@ import openai
 import pytest
 import yaml
 
-from llm_sidecar.procs import envoy_binary
+from sidecar_runtime.procs import envoy_binary
 from tests.harness.ci import unavailable
 from tests.harness.gateway import default_doc
 

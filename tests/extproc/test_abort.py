@@ -11,10 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.actions import Continue, Lookup
-from extproc.metrics import ExtprocMetrics
 from extproc.stream import StreamState
-from extproc.telemetry import NullTelemetry, RequestRecord, outcome
-from llm_sidecar.wire_names import DONE_METADATA_KEY, RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
+from extproc.telemetry.events import NullTelemetry, RequestRecord, outcome
+from extproc.telemetry.metrics import ExtprocMetrics
+from sidecar_runtime.wire_names import DONE_METADATA_KEY, RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
 from tests.extproc.helpers import snapshot
 
 SECRET = b"test-secret"

@@ -8,10 +8,10 @@ import orjson
 import pytest
 
 from extproc.actions import CacheWrite, Continue, Found, Lookup, ModeOverride, Reply, Step
-from extproc.cache_codec import decode_vector, encode_vector
-from extproc.cache_keys import KEY_PREFIX
+from extproc.cache.codec import decode_vector, encode_vector
+from extproc.cache.keys import KEY_PREFIX
 from extproc.stream import StreamState
-from llm_sidecar.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
+from sidecar_runtime.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
 from simulator.embeddings import embed, encode_base64
 from tests.extproc.helpers import snapshot
 

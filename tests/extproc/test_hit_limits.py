@@ -11,7 +11,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 
 from extproc import rls_wire
 from extproc.actions import Continue, LimitStatus, Lookup, RateCheck, Reply, Verdict
-from extproc.cache_codec import encode_vector
+from extproc.cache.codec import encode_vector
 from extproc.hit_limits import (
     BACKEND_DENY_HEADER,
     answer,
@@ -19,14 +19,14 @@ from extproc.hit_limits import (
     x_ratelimit_headers,
 )
 from extproc.stream import StreamState
-from extproc.telemetry import NullTelemetry, RequestRecord, outcome
+from extproc.telemetry.events import NullTelemetry, RequestRecord, outcome
 from extproc.tokens import counter_for
-from llm_sidecar.wire_names import RESERVATION_METADATA_KEY
 from ratelimit import wire as ratelimit_wire
 from ratelimit.descriptors import Limit
 from ratelimit.limiter import DescriptorOutcome, LimitOutcome
 from ratelimit.wire import response_to_proto
 from routing.compiled import listed_key_id
+from sidecar_runtime.wire_names import RESERVATION_METADATA_KEY
 from simulator.embeddings import embed
 from tests.extproc.helpers import snapshot
 

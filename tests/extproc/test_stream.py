@@ -160,7 +160,7 @@ def test_messages_out_of_order_pass_through() -> None:
 
 
 def test_a_stream_is_recorded_and_charged_at_done_even_if_its_end_never_arrives() -> None:
-    from extproc.telemetry import NullTelemetry, RequestRecord
+    from extproc.telemetry.events import NullTelemetry, RequestRecord
 
     records: list[RequestRecord] = []
 

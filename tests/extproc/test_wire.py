@@ -6,7 +6,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import wire
 from extproc.actions import Continue, ModeOverride, Phase, Reply
-from llm_sidecar.wire_names import (
+from sidecar_runtime.wire_names import (
     DESTINATION_ENDPOINT,
     LB_METADATA_NAMESPACE,
     METADATA_NAMESPACE,

@@ -12,7 +12,8 @@ import sys
 import atheris
 
 with atheris.instrument_imports(include=["extproc"]):
-    from extproc import bodies, embeddings, processors, stream  # noqa: F401
+    from extproc import bodies, stream  # noqa: F401
+    from extproc.processors import base, embeddings, generation  # noqa: F401
 
 from tests.fuzz.driver import rich_snapshot, run_stream
 

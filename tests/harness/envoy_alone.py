@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from llm_sidecar.procs import envoy_binary, start, wait_http_ok
 from routing.loader import load_config
 from routing.render import write_all
+from sidecar_runtime.procs import envoy_binary, start, wait_http_ok
 
 
 @contextmanager

@@ -24,16 +24,16 @@ from typing import Any
 
 import yaml
 
-from llm_sidecar.procs import envoy_binary, sidecar_command, start, wait_http_ok
-from llm_sidecar.wire_names import (
+from routing.loader import load_config
+from routing.render import write_all
+from sidecar_runtime.procs import envoy_binary, sidecar_command, start, wait_http_ok
+from sidecar_runtime.wire_names import (
     CLUSTER_METADATA_KEY,
     DESTINATION_ENDPOINT,
     DESTINATION_ENDPOINT_SERVED,
     LB_METADATA_NAMESPACE,
     METADATA_NAMESPACE,
 )
-from routing.loader import load_config
-from routing.render import write_all
 from tests.harness.ci import unavailable
 
 TEST_CLUSTER, TEST_PICK, TEST_SERVED = "x-test-cluster", "x-test-pick", "x-test-served"

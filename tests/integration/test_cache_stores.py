@@ -11,14 +11,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.actions import CacheWrite
-from extproc.cache_codec import encode_vector
-from extproc.cache_guard import VectorCache
-from extproc.cache_keys import plan_keys, request_salt
-from extproc.cache_metrics import CacheMetrics
-from extproc.cache_redis import RedisVectorStore
-from extproc.cache_store import MemoryVectorStore, VectorStore
-from llm_sidecar.breaker import BreakerState
-from llm_sidecar.redis_client import make_client
+from extproc.cache.codec import encode_vector
+from extproc.cache.guard import VectorCache
+from extproc.cache.keys import plan_keys, request_salt
+from extproc.cache.metrics import CacheMetrics
+from extproc.cache.redis_store import RedisVectorStore
+from extproc.cache.store import MemoryVectorStore, VectorStore
+from sidecar_runtime.breaker import BreakerState
+from sidecar_runtime.redis_client import make_client
 from simulator.embeddings import embed
 from tests.harness.redis_servers import RedisServer
 

@@ -15,10 +15,10 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from pydantic import SecretStr
 
-from llm_sidecar.breaker import BreakerState
-from llm_sidecar.settings import Settings
 from ratelimit.guard import GuardedStore
 from ratelimit.service import RateLimitServer
+from sidecar_runtime.breaker import BreakerState
+from sidecar_runtime.settings import Settings
 from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis

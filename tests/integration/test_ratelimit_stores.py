@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from llm_sidecar.redis_client import make_client
 from ratelimit.bucket import BucketSpec, Hit, Settle
 from ratelimit.keys import bucket_key
 from ratelimit.memory_store import MemoryStore
 from ratelimit.redis_store import RedisStore
 from ratelimit.store import BucketStore
+from sidecar_runtime.redis_client import make_client
 
 pytestmark = pytest.mark.redis
 

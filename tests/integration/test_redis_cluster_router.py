@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from llm_sidecar.redis_client import make_client
-from llm_sidecar.redis_cluster import ClusterRouter, NodeDownError
+from sidecar_runtime.redis_client import make_client
+from sidecar_runtime.redis_cluster import ClusterRouter, NodeDownError
 from tests.harness.redis_fixtures import serving
 from tests.harness.redis_servers import ProcessRedis, RedisClusterServers, start_redis_cluster
 

@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
-from extproc.cache_redis import RedisVectorStore
-from llm_sidecar.redis_client import make_client
+from extproc.cache.redis_store import RedisVectorStore
 from ratelimit.bucket import BucketSpec, Hit
 from ratelimit.errors import BackendError
 from ratelimit.keys import bucket_key
 from ratelimit.redis_store import RedisStore
 from routing.render_deploy import REDIS_BUCKETS, REDIS_CACHE, RedisRole
+from sidecar_runtime.redis_client import make_client
 from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis

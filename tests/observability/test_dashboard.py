@@ -11,11 +11,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from extproc.metrics import ExtprocMetrics
 from extproc.picker.metrics import EndpointMetrics
-from llm_sidecar.key_audit import audit_key_id_secret
-from llm_sidecar.redis_audit import audit_redis
+from extproc.telemetry.metrics import ExtprocMetrics
 from ratelimit.metrics import RateLimitMetrics
+from sidecar_runtime.key_audit import audit_key_id_secret
+from sidecar_runtime.redis_audit import audit_redis
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OBS = ROOT / "deploy" / "observability"
@@ -33,9 +33,9 @@ def exported() -> set[str]:
     audit_redis(None, True, registry, "any")  # llm_sidecar_redis_unauthenticated, both services
     audit_key_id_secret(SecretStr("x"), True, registry)  # extproc
     EndpointMetrics(registry, {}, lambda: 0.0)  # extproc's endpoint picker
-    cache_metrics = importlib.util.find_spec("extproc.cache_metrics")
+    cache_metrics = importlib.util.find_spec("extproc.cache.metrics")
     if cache_metrics is not None:
-        module = importlib.import_module("extproc.cache_metrics")
+        module = importlib.import_module("extproc.cache.metrics")
         module.CacheMetrics(registry)
     names: set[str] = set()
     for family in registry.collect():

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from llm_sidecar.breaker import Breaker, BreakerState
+from sidecar_runtime.breaker import Breaker, BreakerState
 
 
 def state_of(breaker: Breaker) -> BreakerState:

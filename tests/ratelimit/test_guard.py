@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from llm_sidecar.breaker import BreakerState
 from ratelimit.bucket import BucketResult, Hit
 from ratelimit.errors import BackendError, NodeDown
 from ratelimit.guard import GuardedStore
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import StoreResult
+from sidecar_runtime.breaker import BreakerState
 
 from .helpers import FakeClock
 

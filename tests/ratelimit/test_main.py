@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from llm_sidecar.settings import Settings
 from ratelimit.loader import load_path
 from ratelimit.main import add_arguments, default_address, run
+from sidecar_runtime.settings import Settings
 
 ROUTING = """version: 1
 services: {extproc: 127.0.0.1:50051, ratelimit: 0.0.0.0:50099}

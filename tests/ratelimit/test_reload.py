@@ -7,11 +7,11 @@ import os
 import time
 from pathlib import Path
 
-from llm_sidecar.reload import Reloader
-from llm_sidecar.settings import Settings
 from ratelimit.descriptors import RateLimitConfig
 from ratelimit.loader import load_path
 from ratelimit.service import RateLimitServer
+from sidecar_runtime.reload import Reloader
+from sidecar_runtime.settings import Settings
 
 TEMPLATE = """
 domain: llm

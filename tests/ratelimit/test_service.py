@@ -13,8 +13,8 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llm_sidecar.settings import Settings
 from ratelimit.service import RateLimitServer
+from sidecar_runtime.settings import Settings
 
 CONFIG = """
 domain: llm

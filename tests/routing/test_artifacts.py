@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 import yaml
 
-from llm_sidecar.procs import sidecar_command
 from routing.artifacts import COMMAND, ROOT, artifacts, stale
 from routing.jsonschema import json_schema
 from routing.loader import load_config
+from sidecar_runtime.procs import sidecar_command
 from tests.routing.test_render import validate
 
 REPO = pathlib.Path(ROOT)

@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from llm_sidecar.procs import sidecar_command
 from routing.errors import ConfigError
 from routing.loader import check_config, load_config
+from sidecar_runtime.procs import sidecar_command
 
 GOOD = """\
 version: 1

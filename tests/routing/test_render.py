@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-from llm_sidecar.procs import envoy_binary
 from llm_sidecar.up import example_config_path, missing_upstream_keys
 from routing.loader import load_config
 from routing.render import write_all
+from sidecar_runtime.procs import envoy_binary
 from tests.harness import istio_patch
 from tests.harness.ci import unavailable
 from tests.harness.gateway import default_doc

@@ -1,0 +1,145 @@
+"""The canary guard: per model, stop sending traffic to a canary that is clearly worse.
+
+Each extproc replica judges from what it saw itself (rolling windows of the last requests per
+variant). Once tripped, the canary's share is 0 until its ``canary:`` config changes; a reload
+that leaves it as it was keeps the guard's verdict.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import Gauge
+
+from extproc.telemetry.events import ForwardingTelemetry, RequestRecord, Telemetry
+from routing.compiled import Canary, ModelRoute, Snapshot
+from routing.schema import GuardSpec
+from sidecar_runtime.logs import get_logger
+
+log = get_logger("extproc.canary.guard")
+WINDOW = 2000
+ERROR_FLOOR = 0.01
+
+
+def canary_error(record: RequestRecord) -> bool:
+    """Is this request a failure of the pool that served it? Pure.
+
+    Only what a client cannot cause on purpose counts: a 5xx (vLLM's own, or Envoy's for a
+    pool it could not reach or that reset before answering) and an error a 2xx response
+    carried (an error event mid-stream). A 4xx never counts, nor anything the gateway's rate
+    limiter answered: a client sending bad requests or too many of them would otherwise stop
+    the canary for everyone.
+    """
+    if record.limited or 400 <= record.status < 500:
+        return False
+    return record.status >= 500 or record.errored
+
+
+def p99(values: deque[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+@dataclass
+class Window:
+    """The last ``WINDOW`` finished requests of one variant."""
+
+    errors: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def add(self, record: RequestRecord) -> None:
+        self.errors.append(canary_error(record))
+        if record.ttft_s is not None:
+            self.ttfts.append(record.ttft_s)
+
+    @property
+    def error_rate(self) -> float:
+        return sum(self.errors) / len(self.errors) if self.errors else 0.0
+
+
+def verdict(spec: GuardSpec, stable: Window, canary: Window) -> str | None:
+    """Why the canary should stop, or None. Pure."""
+    if len(stable.errors) < spec.min_samples or len(canary.errors) < spec.min_samples:
+        return None
+    limit = spec.max_error_ratio * max(stable.error_rate, ERROR_FLOOR)
+    if canary.error_rate > limit:
+        return (f"error rate {canary.error_rate:.3f} > {spec.max_error_ratio} x "
+                f"stable's {stable.error_rate:.3f}")
+    if len(stable.ttfts) >= spec.min_samples and len(canary.ttfts) >= spec.min_samples:
+        c99, s99 = p99(canary.ttfts), p99(stable.ttfts)
+        if c99 > spec.max_ttft_p99_ratio * s99:
+            return f"p99 TTFT {c99:.3f}s > {spec.max_ttft_p99_ratio} x stable's {s99:.3f}s"
+    return None
+
+
+@dataclass
+class _Guard:
+    canary: Canary
+    stable: Window = field(default_factory=Window)
+    candidate: Window = field(default_factory=Window)
+    tripped: str | None = None
+
+
+class CanaryGuards:
+    """Guards of every model with ``canary.guard``, keyed by (model, canary config)."""
+
+    def __init__(self) -> None:
+        self._guards: dict[tuple[str, Canary], _Guard] = {}
+
+    def effective(self, model: ModelRoute) -> Canary | None:
+        """The canary to use for ``model``: None once its guard has tripped."""
+        canary = model.canary
+        if canary is None or canary.guard is None:
+            return canary
+        guard = self._guards.get((model.name, canary))
+        return None if guard is not None and guard.tripped else canary
+
+    def tripped(self) -> dict[str, str]:
+        return {model: g.tripped for (model, _), g in self._guards.items() if g.tripped}
+
+    def observe(self, snapshot: Snapshot, record: RequestRecord) -> str | None:
+        """Count one finished request; the reason when this request trips a guard."""
+        if not record.sampled:
+            return None  # no mid-stream errors or TTFT known: the guard compares sampled ones
+        if record.aborted:
+            # A client that hangs up says nothing about the variant that served it, and
+            # counting it as an error would let callers who drop streams stop a canary.
+            return None
+        model = snapshot.models.get(record.model)
+        if model is None or model.canary is None or model.canary.guard is None:
+            return None
+        key = (model.name, model.canary)
+        guard = self._guards.get(key)
+        if guard is None:
+            # A changed canary config starts over; forget guards of configs no longer in use.
+            for stale in [k for k in self._guards if k[0] == model.name]:
+                del self._guards[stale]
+            guard = self._guards[key] = _Guard(model.canary)
+        if guard.tripped:
+            return None
+        (guard.candidate if record.variant == "canary" else guard.stable).add(record)
+        reason = verdict(model.canary.guard, guard.stable, guard.candidate)
+        if reason is not None:
+            guard.tripped = reason
+            log.warning("canary_guard_tripped", model=model.name, canary=model.canary.model,
+                        reason=reason)
+        return reason
+
+
+class GuardedTelemetry(ForwardingTelemetry):
+    """Feeds finished requests to the guards, then hands every event to ``inner``."""
+
+    def __init__(self, inner: Telemetry, guards: CanaryGuards,
+                 snapshot: Callable[[], Snapshot], tripped_gauge: Gauge | None = None) -> None:
+        super().__init__(inner)
+        self.guards = guards
+        self.snapshot = snapshot
+        self.tripped_gauge = tripped_gauge
+
+    def request_done(self, record: RequestRecord) -> None:
+        if self.guards.observe(self.snapshot(), record) and self.tripped_gauge is not None:
+            self.tripped_gauge.labels(record.model).set(1)
+        self.inner.request_done(record)

@@ -1,0 +1,96 @@
+"""What every processor shares: the :class:`Processor` interface (the four ext_proc phases for
+one API kind), a pass-through base, and the routing steps a routed API kind takes (model lookup,
+pool/canary/priority decision, the ``x-llm-*`` headers).
+
+A processor sees plain values (headers as a mapping, body bytes) and returns actions; the stream
+state in :mod:`extproc.stream` calls it, and :mod:`extproc.wire` builds the protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol
+
+from extproc.actions import PASS, Action, Headers, Reply, Step
+from extproc.context import RequestContext
+from extproc.decide import Decision, Demand, decide, parse_context_hint
+from extproc.errors import bad_request, model_not_found
+from routing.compiled import ModelRoute
+
+
+class Processor(Protocol):
+    """The four ext_proc request/response phases for one API kind."""
+
+    def on_request_headers(self, end_of_stream: bool) -> Action: ...
+    def on_request_body(self, body: bytes) -> Step: ...
+    def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action: ...
+    def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action: ...
+    def on_close(self) -> None: ...
+
+
+class BaseProcessor:
+    def __init__(self, ctx: RequestContext) -> None:
+        self.ctx = ctx
+
+    def on_request_headers(self, end_of_stream: bool) -> Action:
+        return PASS
+
+    def on_request_body(self, body: bytes) -> Step:
+        return PASS
+
+    def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
+        return PASS
+
+    def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
+        return PASS
+
+    def on_close(self) -> None:
+        """The ext_proc stream ended (normally or not): record a request left unfinished."""
+
+
+def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) -> Headers:
+    """The ``x-llm-*`` headers Envoy routes and rate-limits on (CONTRACT §4)."""
+    return (
+        ("x-llm-cluster", decision.cluster),
+        ("x-llm-model", model.name),
+        ("x-llm-tenant", ctx.identity.tenant),
+        ("x-llm-key-id", ctx.identity.key_id),
+        ("x-llm-context-length", str(decision.context_length)),
+        ("x-llm-priority", decision.priority),
+        ("x-llm-variant", decision.variant),
+    )
+
+
+def decide_for(ctx: RequestContext, model: ModelRoute, prompt_tokens: int,
+               output_tokens: int | None) -> Decision:
+    """:func:`decide_demand_for` one prompt and one sequence (``output_tokens`` None: the
+    model's default)."""
+    return decide_demand_for(ctx, model, Demand((prompt_tokens,), output_tokens))
+
+
+def decide_demand_for(ctx: RequestContext, model: ModelRoute, demand: Demand) -> Decision:
+    """Pool, canary variant and priority of a request to ``model``: the canary this replica's
+    guard allows, sticky on the canary's key (else the API key), and the client's
+    ``X-Context-Length`` hint."""
+    hint = parse_context_hint(ctx.headers.get("x-context-length"))
+    canary = ctx.canary_for(model)
+    routed = model if canary is model.canary else replace(model, canary=canary)
+    return decide(routed, demand, hint,
+                  ctx.sticky_value(canary.sticky if canary else "api_key"),
+                  ctx.snapshot.high_below, ctx.snapshot.low_from)
+
+
+def resolve_model(ctx: RequestContext, name: str, want: str) -> ModelRoute:
+    model = ctx.snapshot.models.get(name)
+    if model is None:
+        raise model_not_found(name)
+    if model.kind != want:
+        what = "an embedding model" if model.kind == "embedding" else "a chat/completions model"
+        raise bad_request(f"The model `{name}` is {what}; it cannot serve this endpoint.",
+                          param="model", code="model_not_supported")
+    return model
+
+
+def body_required() -> Reply:
+    err = bad_request("This endpoint needs a JSON request body.", code="invalid_json")
+    return Reply(err.status, err.body())

@@ -1,0 +1,228 @@
+"""The chat/completions processor: routes the request, and reads the response when extproc must
+(sampled, canary, or usage Envoy cannot read) for its timings and the tokens to settle."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import orjson
+
+from extproc.actions import PASS, Action, Continue, ModeOverride
+from extproc.admission import admission_metadata, usage_metadata
+from extproc.bodies import Api, GenerationBody, parse_generation
+from extproc.context import RequestContext
+from extproc.decide import Decision, Demand
+from extproc.errors import server_overloaded
+from extproc.picker.pick import Priority
+from extproc.processors.base import (
+    BaseProcessor,
+    body_required,
+    decide_demand_for,
+    resolve_model,
+    route_headers,
+)
+from extproc.telemetry.events import RequestRecord
+from extproc.telemetry.sampling import sampled, stable_share, usage_plan
+from extproc.tokens import count_prompt, counter_for
+from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
+from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER, STRIP_USAGE_METADATA_KEY
+
+
+class GenerationProcessor(BaseProcessor):
+    """``/v1/chat/completions`` and ``/v1/completions``.
+
+    extproc reads a response (streamed through it, never held back) when it is sampled, on the
+    canary, or when Envoy cannot read its usage (:mod:`extproc.telemetry.sampling`): then the tokens it
+    used go to the rate limiter as dynamic metadata at its end. Every other response (a stream)
+    is read by Envoy alone: extproc sees its headers (status, for the request count and the
+    settlement of an error) and asks for no body.
+    """
+
+    def __init__(self, ctx: RequestContext, api: Api) -> None:
+        super().__init__(ctx)
+        self.api = api
+        self.decision: Decision | None = None
+        self.model_name = ""
+        self.status = 0
+        self.meter: UsageMeter | None = None
+        self.streamed = False
+        self.limited = False
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.token_events = 0
+        self.finished = False
+        self.reads_body = True
+        self.picked: str | None = None
+        """The pod the endpoint picker sent this request to (told when the request ends)."""
+
+    def on_request_headers(self, end_of_stream: bool) -> Action:
+        if end_of_stream:
+            return body_required()
+        return Continue(mode=ModeOverride(response_headers=True, response_body="streamed"))
+
+    def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
+        status = headers.get(":status", "0")
+        self.status = int(status) if status.isdigit() else 0
+        self.streamed = headers.get("content-type", "").startswith("text/event-stream")
+        # The rate limiter's own replies (429, or 503 when its store is down) mark themselves.
+        self.limited = "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers
+        self.meter = UsageMeter(self.streamed)
+        if not self.reads_body:
+            return self._headers_only()
+        return self._finish() if end_of_stream else PASS
+
+    def _headers_only(self) -> Action:
+        """A response extproc does not read: recorded now, without timings or token counts
+        (``sampled`` false); no body is asked for. An error status settles 0 here: an error
+        body carries no usage chunk for Envoy to read."""
+        if self.decision is None or self.finished:
+            return PASS
+        self.finished = True
+        charged = 0 if self.status >= 400 else None
+        usage = Usage(None, None, None, 0)
+        self._report(usage, charged, sampled=False)
+        return Continue(mode=ModeOverride(response_headers=True, response_body="none"),
+                        metadata=usage_metadata(0) if charged == 0 else {})
+
+    def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
+        if self.meter is None:
+            self.meter = UsageMeter(streaming=False)
+        if self.meter.feed(chunk):
+            now = self.ctx.clock()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+        # Finish on ``[DONE]``, not only at end of stream: a client that hangs up right after
+        # it (the openai SDK does) resets the stream before its end reaches extproc, and the
+        # request would then go unrecorded and its tokens uncharged.
+        return self._finish() if end_of_stream or self.meter.done else PASS
+
+    def _finish(self) -> Action:
+        """At end of stream: the tokens the response used, for the rate limiter to settle the
+        reservation with; none when they are not known (the reservation then stands).
+
+        Runs once per request; later chunks pass through untouched.
+        """
+        decision = self.decision
+        if decision is None or self.meter is None or self.finished:
+            return PASS
+        self.finished = True
+        usage = self.meter.finish()
+        used = settled_tokens(usage, self.status, self.streamed, decision.prompt_tokens)
+        self._report(usage, used if used is not None else tokens_to_charge(
+            usage, decision.prompt_tokens, decision.output_tokens))
+        return Continue(metadata=usage_metadata(used)) if used is not None else PASS
+
+    def on_close(self) -> None:
+        """A request routed upstream whose response never ended: the client hung up or the
+        upstream reset (Envoy then resets the ext_proc stream). It is recorded as aborted,
+        with the completion tokens streamed so far; nothing is settled.
+
+        Every stream of a picked request ends here, so this is where the picker hears the pod
+        has one request less open from this replica. For a response extproc does not read,
+        that is at its headers: the open count then covers requests the pod has not started
+        answering, and the scraped queue covers the rest."""
+        if self.picked is not None and self.decision is not None and self.ctx.picker is not None:
+            self.ctx.picker.done(self.decision.cluster, self.picked)
+            self.picked = None
+        if self.decision is None or self.finished:
+            return
+        self.finished = True
+        meter = self.meter if self.meter is not None else UsageMeter(streaming=False)
+        self._report(meter.finish(), None, aborted=True)
+
+    def _report(self, usage: Usage, charged: int | None, aborted: bool = False,
+                sampled: bool = True) -> None:
+        ctx, decision = self.ctx, self.decision
+        assert decision is not None
+        now = ctx.clock()
+        first, last = self.first_token_at, self.last_token_at
+        ttft = first - ctx.started if self.streamed and first is not None else None
+        tpot = None
+        if ttft is not None and first is not None and last is not None and usage.streamed_tokens > 1:
+            tpot = (last - first) / (usage.streamed_tokens - 1)
+        record = RequestRecord(
+            request_id=ctx.request_id,
+            model=self.model_name,
+            cluster=decision.cluster,
+            variant=decision.variant,
+            tenant=ctx.identity.tenant,
+            status=self.status,
+            streamed=self.streamed,
+            errored=usage.errored or self.status >= 500,
+            duration_s=now - ctx.started,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            prompt_tokens=usage.prompt_tokens if usage.prompt_tokens is not None
+            else decision.prompt_tokens,
+            completion_tokens=usage.completion_tokens if usage.completion_tokens is not None
+            else usage.streamed_tokens,
+            charged_tokens=charged,
+            aborted=aborted,
+            limited=self.limited,
+            sampled=sampled,
+        )
+        ctx.telemetry.request_done(record)
+
+    def on_request_body(self, body: bytes) -> Action:
+        parsed = parse_generation(self.api, body)
+        model = resolve_model(self.ctx, parsed.model, "chat")
+        counter = counter_for(model.tokenizer)
+        counts = tuple(count_prompt(counter, prompt) for prompt in parsed.prompts)
+        decision = decide_demand_for(
+            self.ctx, model, Demand(counts, parsed.max_output_tokens, parsed.choices))
+        pods = self._pick(decision, parsed)
+        self.decision = decision
+        self.model_name = model.name
+        self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
+        snapshot = self.ctx.snapshot
+        canary = self.ctx.canary_for(model)
+        plan = usage_plan(parsed)
+        if not snapshot.config.telemetry.envoy_usage \
+                or self.ctx.headers.get(ENVOY_USAGE_HEADER) != "1":
+            plan = "extproc"  # this Envoy cannot read the usage (an Istio EnvoyFilter)
+        self.reads_body = (
+            decision.variant == "canary"
+            or sampled(self.ctx.request_id, stable_share(
+                snapshot.config.telemetry.sample, canary.percent if canary else None))
+            # Without rate limits no usage is settled: only sampling decides.
+            or (snapshot.config.rate_limits is not None and plan == "extproc"))
+        inject = (not self.reads_body and snapshot.config.rate_limits is not None
+                  and plan == "envoy_injected")
+        new_body = None
+        if decision.upstream_model != parsed.model or snapshot.inject_priority or inject:
+            doc = dict(parsed.doc)
+            doc["model"] = decision.upstream_model
+            if snapshot.inject_priority:
+                doc["priority"] = ("high", "medium", "low").index(decision.priority)
+            if inject:
+                options = doc.get("stream_options")
+                doc["stream_options"] = {**(options or {}), "include_usage": True}
+            new_body = orjson.dumps(doc)
+        headers = route_headers(self.ctx, model, decision)
+        if new_body is not None:
+            headers += (("content-length", str(len(new_body))),)
+        # The reservation and the lease ride on the request-body answer so the rate-limit
+        # filter, which runs after ext_proc, can charge it at admission (CONTRACT §7).
+        metadata = admission_metadata(decision.reservation)
+        if inject:
+            metadata[STRIP_USAGE_METADATA_KEY] = "1"  # Envoy's Lua filter takes the chunk out
+        return Continue(set_headers=headers, body=new_body, clear_route_cache=True,
+                        metadata=metadata, lb_endpoints=pods)
+
+    def _pick(self, decision: Decision, parsed: GenerationBody) -> tuple[str, ...]:
+        """The pods to try, best first, when the pool has an endpoint picker (else none: Envoy
+        balances it); a 503 ``server_overloaded`` for a low-priority request to a saturated
+        pool. The prefix the picker keys on is the first prompt's text in order."""
+        picker = self.ctx.picker
+        if picker is None:
+            return ()
+        prompt = "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts else b""
+        pick = picker.pick(decision.cluster, prompt, cast(Priority, decision.priority))
+        if pick is None or pick.endpoint is None:
+            spec = self.ctx.snapshot.config.clusters[decision.cluster].endpoint_picker
+            if pick is not None and pick.shed and spec is not None and spec.saturation:
+                raise server_overloaded(decision.cluster, spec.saturation.retry_after_s)
+            return ()
+        self.picked = pick.endpoint
+        return (pick.endpoint, *pick.fallbacks)

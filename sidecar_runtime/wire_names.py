@@ -1,0 +1,55 @@
+"""Names that cross process boundaries between Envoy, extproc and ratelimit, in one place.
+
+A leaf module: it imports nothing of the project, so every package may import it.
+"""
+
+from __future__ import annotations
+
+METADATA_NAMESPACE = "llm_sidecar"
+"""Envoy dynamic metadata namespace extproc writes and the rate-limit actions read."""
+CLUSTER_METADATA_KEY = "cluster"
+"""The pool extproc chose: the only thing Envoy's routes to a pool match on."""
+TOKENS_METADATA_KEY = "llm_tokens"
+"""The tokens a response used, set at its end only when known (absent: the reservation stands)."""
+RESERVATION_METADATA_KEY = "llm_reservation"
+"""The tokens a request reserves at admission (CONTRACT §7)."""
+DONE_METADATA_KEY = "llm_done"
+"""``"1"`` once the response reached its end (set with ``llm_tokens``, by extproc or by Envoy's
+sse_to_metadata at end of stream): a stream cut after its usage chunk but before its end has
+``llm_tokens`` without it, and is not settled."""
+STRIP_USAGE_METADATA_KEY = "strip_usage"
+"""``"1"``: extproc added ``stream_options.include_usage`` to this streamed request; Envoy's Lua
+filter removes the usage chunk from what the client receives (it did not ask for it)."""
+LEASE_METADATA_KEY = "llm_lease"
+"""A random id per request naming its reservation and concurrency slot in the ratelimit store."""
+
+LEASE_ENTRY = "llm_sidecar.lease"
+"""Rate-limit descriptor control entries: Envoy adds them from the metadata above, and the
+ratelimit service takes them out before matching. ``lease`` names the request; ``used`` carries
+the tokens its response used (the stream-done call settles the reservation); ``release`` frees
+the lease's concurrency slot."""
+USED_ENTRY = "llm_sidecar.used"
+RELEASE_ENTRY = "llm_sidecar.release"
+DONE_ENTRY = "llm_sidecar.done"
+"""Carried by the settle descriptor from ``llm_done``: without it Envoy sends no settle."""
+CONTROL_ENTRIES = frozenset({LEASE_ENTRY, USED_ENTRY, RELEASE_ENTRY, DONE_ENTRY})
+
+LB_METADATA_NAMESPACE = "envoy.lb"
+"""The Gateway API Inference Extension's endpoint picker protocol: the dynamic metadata
+namespace the picked pods go in, where Envoy's override_host load balancer reads them."""
+DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
+"""The protocol's key (in ``envoy.lb``) and request header: ``ip:port``, or ``ip:port,ip:port``
+(the pick, then fallbacks in order). A client's own header of this name (or any name it
+prefixes, like ``-subset``) is removed before any filter sees it."""
+DESTINATION_ENDPOINT_SERVED = "x-gateway-destination-endpoint-served"
+"""Set by Envoy (override_host's ``selected_host_key``, in ``envoy.lb``): the pod that served."""
+
+ENVOY_USAGE_HEADER = "x-llm-envoy-usage"
+"""Added by the bootstrap ``render`` writes, after every client ``x-llm-*`` header is gone, when
+its Envoy carries the usage filters (``telemetry.envoy_usage``): only then does extproc leave
+an unsampled stream's usage to Envoy. An Envoy without them (Istio's EnvoyFilter) sends no
+marker, so extproc reads those streams itself, whatever the YAML says."""
+
+UNIX_PREFIX = "unix:"
+"""A service address that names a Unix socket: ``unix:/absolute/path`` (gRPC's scheme, and what
+the rendered Envoy config turns into a ``pipe`` address)."""

@@ -1,0 +1,338 @@
+"""``--workers N``: one service as N processes sharing its gRPC port, under one supervisor.
+
+grpc.aio runs one event loop on one core, so one process cannot use more. With N workers the
+supervisor (the process you started) starts N copies of the service, each binding the same
+``host:port`` with SO_REUSEPORT: the kernel spreads Envoy's connections over them. Each worker
+serves its own ``/metrics`` and ``/healthz`` on a private Unix socket; the supervisor owns the
+metrics port and answers ``/metrics`` with the workers' numbers merged
+(:mod:`sidecar_runtime.metrics_merge`), ``/healthz`` with 200 only while every worker is healthy.
+
+- SIGTERM or SIGINT: the supervisor's ``/healthz`` turns 503 and every worker gets SIGTERM and
+  drains as a single process does (gRPC health NOT_SERVING, streams in flight get
+  ``LLM_SIDECAR_SHUTDOWN_GRACE_S``); exit 0 when every worker exited 0, else 1.
+- A worker that dies after it became healthy is restarted (its counters are kept in the sums).
+  One that dies before it became healthy (a crash at start-up would loop) stops everything:
+  exit 1.
+- If the supervisor is killed outright, the kernel sends each worker SIGTERM
+  (``PR_SET_PDEATHSIG``): they drain on their own.
+
+Workers are told they are workers by the hidden ``--worker-ops-socket`` flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar_runtime.logs import get_logger
+from sidecar_runtime.metrics_merge import Scrape, exposition, merge
+from sidecar_runtime.procs import Child, start
+from sidecar_runtime.wire_names import UNIX_PREFIX
+
+log = get_logger("sidecar_runtime.workers")
+READY_TIMEOUT_S = 120.0
+"""How long a worker may take to answer ``/healthz`` (a loaded 2-core machine is slow)."""
+SCRAPE_TIMEOUT_S = 5.0
+KILL_MARGIN_S = 10.0
+"""After the grace period, how long the supervisor still waits before SIGKILL."""
+
+WorkerCommand = Callable[[int, str], list[str]]
+"""(worker index, its ops socket path) → the command that runs the worker."""
+TextPage = Callable[[Mapping[str, str], str], str]
+"""(query, merged metrics text) → a plain-text page (extproc's ``/canary``)."""
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workers", type=int, default=None,
+        help="processes serving the gRPC port together (SO_REUSEPORT), one core each; "
+             "default LLM_SIDECAR_WORKERS, else 1")
+    parser.add_argument("--worker-ops-socket", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def workers_problem(service: str, workers: int, host: str, port: int,
+                    needs_shared_store: bool) -> str | None:
+    """Why ``--workers`` cannot be used this way, or None. ``needs_shared_store``: the service
+    keeps state that must be one across workers and has no Redis to keep it in."""
+    if workers < 1:
+        return f"{service}: --workers must be 1 or more, not {workers}"
+    if workers == 1:
+        return None
+    if host.startswith(UNIX_PREFIX):
+        return (f"{service}: --workers {workers} needs a host:port to listen on; a Unix socket "
+                f"({host}) cannot be shared by several processes (listen on TCP, or run one "
+                "worker)")
+    if port == 0:
+        return f"{service}: --workers {workers} needs a fixed --port (0 would give each worker " \
+               "its own)"
+    if needs_shared_store:
+        return (f"{service}: --workers {workers} needs LLM_SIDECAR_REDIS_URL: with in-process "
+                f"buckets each worker would keep its own, and every limit would be {workers} "
+                "times too loose")
+    return None
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something already listens on ``host:port``. Checked before the workers start:
+    with SO_REUSEPORT they would otherwise silently share the port with a forgotten instance
+    of the same user instead of failing."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not a user
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+class _Worker:
+    def __init__(self, index: int, socket_path: str) -> None:
+        self.index = index
+        self.socket_path = socket_path
+        self.child: Child | None = None
+        self.ready = False
+        self.last_text: str | None = None
+
+    def alive(self) -> bool:
+        return self.child is not None and self.child.alive()
+
+
+class Supervisor:
+    """Runs ``count`` workers and the merged ops HTTP server until stopped."""
+
+    def __init__(self, service: str, count: int, command: WorkerCommand, ops_host: str,
+                 ops_port: int, grace_s: float,
+                 text_pages: Mapping[str, TextPage] | None = None) -> None:
+        self.service = service
+        self._command = command
+        self._ops = (ops_host, ops_port)
+        self._grace_s = grace_s
+        self._pages = dict(text_pages or {})
+        self._dir = tempfile.mkdtemp(prefix=f"llm-sidecar-{service}-")
+        self._workers = [_Worker(i, os.path.join(self._dir, f"worker-{i}.sock"))
+                         for i in range(count)]
+        self._retired: list[str] = []
+        self._stopping = False
+        self._stop = asyncio.Event()
+        self._failed: str | None = None
+        self.registry = CollectorRegistry()
+        self._restarts = Counter("llm_sidecar_worker_restarts",
+                                 "Workers that died after they were serving and were restarted.",
+                                 ["service"], registry=self.registry)
+        self._alive = Gauge("llm_sidecar_workers", "Worker processes by state (configured|ready).",
+                            ["service", "state"], registry=self.registry)
+        self._restarts.labels(service)
+        self._alive.labels(service, "configured").set(count)
+        self._alive.labels(service, "ready").set_function(
+            lambda: sum(w.ready and w.alive() for w in self._workers))
+
+    # -- workers ------------------------------------------------------------------------
+
+    def _spawn(self, worker: _Worker) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(worker.socket_path)
+        worker.ready = False
+        worker.child = start(f"{self.service} worker {worker.index}",
+                             self._command(worker.index, worker.socket_path))
+
+    async def _get(self, worker: _Worker, path: str) -> tuple[int, str]:
+        connector = aiohttp.UnixConnector(path=worker.socket_path)
+        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, \
+                session.get(f"http://worker{path}") as resp:
+            return resp.status, await resp.text()
+
+    async def _wait_ready(self, worker: _Worker) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if not worker.alive():
+                code = worker.child.process.returncode if worker.child else None
+                raise RuntimeError(f"{self.service} worker {worker.index} exited with code "
+                                   f"{code} before it was serving")
+            with contextlib.suppress(OSError, aiohttp.ClientError, asyncio.TimeoutError):
+                if (await self._get(worker, "/healthz"))[0] == 200:
+                    worker.ready = True
+                    return
+            await asyncio.sleep(0.1)
+        if not self._stop.is_set():
+            raise RuntimeError(f"{self.service} worker {worker.index} was not serving after "
+                               f"{READY_TIMEOUT_S:.0f}s")
+
+    async def _restart(self, worker: _Worker) -> None:
+        code = worker.child.process.returncode if worker.child else None
+        log.error("worker_died", service=self.service, worker=worker.index, code=code,
+                  action="restarting it")
+        if worker.last_text is not None:
+            self._retired.append(worker.last_text)  # its counts stay in the sums
+            worker.last_text = None
+        self._restarts.labels(self.service).inc()
+        self._spawn(worker)
+        try:
+            await self._wait_ready(worker)
+        except RuntimeError as exc:
+            self._failed = str(exc)
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        restarting: set[asyncio.Task[None]] = set()
+        while not stop.is_set() and self._failed is None:
+            for worker in self._workers:
+                if worker.ready and not worker.alive():
+                    task = asyncio.create_task(self._restart(worker))
+                    restarting.add(task)
+                    task.add_done_callback(restarting.discard)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+        for task in list(restarting):
+            task.cancel()
+
+    async def _drain(self) -> bool:
+        """SIGTERM to every worker, wait for them; True when every one exited 0."""
+        self._stopping = True
+        children = [w.child for w in self._workers if w.child is not None]
+        for child in children:
+            if child.alive():
+                child.process.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(_wait_exits, children, self._grace_s + KILL_MARGIN_S)
+        clean = True
+        for child in children:
+            if child.alive():
+                log.error("worker_killed", service=self.service, worker=child.name,
+                          detail="still running after the grace period")
+                child.process.kill()
+            code = child.process.wait()
+            clean = clean and code == 0
+        return clean
+
+    # -- ops HTTP -----------------------------------------------------------------------
+
+    async def metrics_text(self) -> str:
+        async def scrape(worker: _Worker) -> None:
+            with contextlib.suppress(OSError, aiohttp.ClientError, asyncio.TimeoutError):
+                status, text = await self._get(worker, "/metrics")
+                if status == 200:
+                    worker.last_text = text
+        await asyncio.gather(*(scrape(w) for w in self._workers if w.alive()))
+        # A worker that did not answer this time counts with its last numbers (a sum that
+        # dips for one scrape would read as a counter reset).
+        scrapes = [Scrape(text, live=False) for text in self._retired]
+        scrapes += [Scrape(w.last_text) for w in self._workers if w.last_text is not None]
+        own = generate_latest(self.registry).decode()
+        families = merge(scrapes) + list(text_string_to_metric_families(own))
+        return exposition(families).decode()
+
+    def healthy(self) -> bool:
+        return not self._stopping and all(w.ready and w.alive() for w in self._workers)
+
+    async def _start_ops(self) -> web.AppRunner:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=await self.metrics_text(),
+                                content_type="text/plain", charset="utf-8",
+                                headers={"x-llm-sidecar-workers": str(len(self._workers))})
+
+        async def healthz(_: web.Request) -> web.Response:
+            ok = self.healthy()
+            return web.json_response({"status": "ok" if ok else "unavailable",
+                                      "workers_ready": sum(w.ready and w.alive()
+                                                           for w in self._workers),
+                                      "workers": len(self._workers)},
+                                     status=200 if ok else 503)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/healthz", healthz)
+        for path, produce in self._pages.items():
+            app.router.add_get(path, self._page(produce))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, *self._ops, reuse_address=True).start()
+        return runner
+
+    def _page(self, produce: TextPage) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def page(request: web.Request) -> web.Response:
+            try:
+                text = produce(request.query, await self.metrics_text())
+            except ValueError as exc:
+                return web.Response(status=400, text=f"{exc}\n")
+            return web.Response(text=text + "\n")
+        return page
+
+    # -- the whole life -----------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Start the workers and the ops server, serve until ``stop``, drain; the exit code."""
+        self._stop = stop
+        runner: web.AppRunner | None = None
+        clean = False
+        try:
+            try:
+                for worker in self._workers:
+                    self._spawn(worker)
+                await asyncio.gather(*(self._wait_ready(w) for w in self._workers))
+                runner = await self._start_ops()
+            except (RuntimeError, OSError) as exc:
+                self._failed = str(exc)
+            if self._failed is None:
+                log.info("workers_serving", service=self.service, workers=len(self._workers),
+                         metrics=f"{self._ops[0]}:{self._ops[1]}")
+                await self._watch(stop)
+            if self._failed is not None:
+                log.error("workers_failed", service=self.service, error=self._failed,
+                          action="stopping every worker")
+            log.info("workers_draining", service=self.service, grace_s=self._grace_s)
+            clean = await self._drain()
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+            shutil.rmtree(self._dir, ignore_errors=True)
+        log.info("workers_stopped", service=self.service, clean=clean)
+        return 0 if clean and self._failed is None else 1
+
+
+def _wait_exits(children: list[Child], timeout_s: float) -> None:
+    """Until every child exited, or ``timeout_s`` passed (blocking: run it in a thread)."""
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.process.wait(max(0.0, deadline - time.monotonic()))
+
+
+def install_stop_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+def supervise(service: str, count: int, command: WorkerCommand, listen: tuple[str, int],
+              ops: tuple[str, int], grace_s: float,
+              text_pages: Mapping[str, TextPage] | None = None) -> int:
+    """Run :class:`Supervisor` on its own event loop until SIGTERM/SIGINT; the exit code
+    (2 when ``listen``, the workers' shared gRPC address, is taken already)."""
+    if port_in_use(*listen):
+        print(f"{service}: {listen[0]}:{listen[1]} is in use already (another {service}?)",
+              file=sys.stderr)
+        return 2
+    ops_host, ops_port = ops
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        install_stop_handlers(stop)
+        return await Supervisor(service, count, command, ops_host, ops_port, grace_s,
+                                text_pages).run(stop)
+    return asyncio.run(main())

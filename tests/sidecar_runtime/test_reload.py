@@ -1,0 +1,128 @@
+"""Config reload: atomic swaps, bad files kept out, ConfigMap symlink swaps, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import time
+
+from prometheus_client import CollectorRegistry
+
+from routing.compiled import Snapshot, compile_config
+from routing.loader import load_config
+from sidecar_runtime.reload import Reloader
+from sidecar_runtime.reload_metrics import ReloadMetrics
+from tests.routing.test_check import GOOD
+
+
+def load(path: str) -> Snapshot:
+    return compile_config(load_config(path))
+
+
+def replace(path: pathlib.Path, text: str) -> None:
+    """Write the way editors and config tools do: a new file renamed over the old one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def with_model(name: str) -> str:
+    return GOOD + f"  {name}:\n    clusters: [vllm-long]\n"
+
+
+def test_a_changed_file_is_swapped_in_whole(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "routing.yaml"
+    path.write_text(GOOD)
+    holder = Reloader(str(path), load)
+    before = holder.current()
+    assert holder.check_now() is False
+    replace(path, with_model("mistral-7b"))
+    assert holder.check_now() is True
+    assert list(holder.current().models) == ["llama-2-13b", "mistral-7b"]
+    assert list(before.models) == ["llama-2-13b"]  # a request holding the old one keeps it whole
+
+
+def test_a_bad_file_keeps_the_old_config_and_is_reported_once(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "routing.yaml"
+    path.write_text(GOOD)
+    registry = CollectorRegistry()
+    seen: list[tuple[bool, str]] = []
+    metrics = ReloadMetrics(registry, "test")
+
+    def on_reload(ok: bool, message: str) -> None:
+        seen.append((ok, message))
+        metrics(ok, message)
+
+    holder = Reloader(str(path), load, on_result=on_reload)
+    old = holder.current()
+    replace(path, GOOD.replace("[vllm-short, vllm-long]", "[vllm-short, vllm-lng]"))
+    assert holder.check_now() is False
+    assert holder.check_now() is False
+    assert holder.current() is old
+    assert seen == [(False, f"{path}:7: model 'llama-2-13b' names unknown cluster 'vllm-lng' "
+                            "(did you mean 'vllm-long'?)")]
+    assert registry.get_sample_value("test_config_reloads_total", {"result": "error"}) == 1
+    assert registry.get_sample_value("test_config_last_reload_ok") == 0
+    replace(path, with_model("mistral-7b"))
+    assert holder.check_now() is True
+    assert registry.get_sample_value("test_config_reloads_total", {"result": "ok"}) == 1
+    assert registry.get_sample_value("test_config_last_reload_ok") == 1
+
+
+def configmap(directory: pathlib.Path, version: int, text: str) -> None:
+    """Lay out a ConfigMap volume update as the kubelet does: a new dir, ``..data`` swapped."""
+    stamp = directory / f"..2026_01_01_00_00_0{version}"
+    stamp.mkdir()
+    (stamp / "routing.yaml").write_text(text)
+    tmp_link = directory / "..data_tmp"
+    tmp_link.symlink_to(stamp.name)
+    os.replace(tmp_link, directory / "..data")
+    if not (directory / "routing.yaml").is_symlink():
+        (directory / "routing.yaml").symlink_to("..data/routing.yaml")
+
+
+def test_a_configmap_symlink_swap_is_seen(tmp_path: pathlib.Path) -> None:
+    configmap(tmp_path, 1, GOOD)
+    holder = Reloader(str(tmp_path / "routing.yaml"), load)
+    configmap(tmp_path, 2, with_model("mistral-7b"))
+    assert holder.check_now() is True
+    assert "mistral-7b" in holder.current().models
+
+
+def test_a_file_still_being_written_is_not_judged(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "routing.yaml"
+    path.write_text(GOOD)
+    failures: list[str] = []
+    holder = Reloader(str(path), load, on_result=lambda ok, message: ok or failures.append(message))
+    path.write_text(GOOD[:40])  # half written
+
+    def load_while_the_writer_finishes(p: str) -> Snapshot:
+        try:
+            return load(p)
+        finally:
+            path.write_text(with_model("mistral-7b"))
+
+    holder._load = load_while_the_writer_finishes
+    assert holder.check_now() is False
+    assert failures == []
+    holder._load = load
+    assert holder.check_now() is True
+    assert "mistral-7b" in holder.current().models
+
+
+async def test_watch_applies_a_change_within_two_seconds(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "routing.yaml"
+    path.write_text(GOOD)
+    holder = Reloader(str(path), load)
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(holder.watch(stop))
+    try:
+        replace(path, with_model("mistral-7b"))
+        started = time.monotonic()
+        while "mistral-7b" not in holder.current().models:
+            assert time.monotonic() - started < 2.0
+            await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await watcher
