@@ -1,4 +1,10 @@
-"""Errors of the routing YAML: every problem carries the file and line it came from."""
+"""Config errors of both config formats (the routing YAML and envoyproxy/ratelimit descriptor
+files): every problem carries the file and line it came from.
+
+The one config error type of the project: ``llm-sidecar check``, ``extproc`` and ``ratelimit``
+print ``str(error)``, one ``FILE:LINE: message`` line per problem, so the three say the same
+thing about the same file. ``ratelimit.errors`` re-exports it (ratelimit stands on routing).
+"""
 
 from __future__ import annotations
 
@@ -27,3 +33,8 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = problems
         super().__init__("\n".join(str(p) for p in problems))
+
+    @classmethod
+    def at(cls, file: str, line: int, message: str) -> ConfigError:
+        """An error of one problem."""
+        return cls([Problem(file, line, message)])

@@ -13,7 +13,9 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from routing.errors import ConfigError, Problem
+from routing.ratelimits import UINT32_MAX
 from routing.schema import TENANT_RULE, Limit, RoutingConfig, is_tenant
+from routing.units import parse_rate
 from routing.yamlsrc import Located, Path, read_yaml
 
 
@@ -244,7 +246,27 @@ def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
                 if limit.burst is not None and limit.requests is None:
                     add(("rate_limits", level, *sub, "burst"),
                         "burst is the capacity of the requests bucket: it needs a requests rate")
+                problems.extend(_above_uint32(located, ("rate_limits", level, *sub), limit))
 
     if config.priority.high_below > config.priority.low_from:
         add(("priority", "high_below"), "priority.high_below must not be above priority.low_from")
     return problems
+
+
+def _above_uint32(located: Located, at: Path, limit: Limit) -> list[Problem]:
+    """Amounts the rate-limit service cannot hold: Envoy's rate-limit API carries a limit in
+    32 bits, and a descriptor file is held to the same bound (``ratelimit.loader``)."""
+    out: list[Problem] = []
+    for field in ("requests", "tokens"):
+        text = getattr(limit, field)
+        if text is not None and parse_rate(text).amount > UINT32_MAX:
+            out.append(located.problem((*at, field), (
+                f"{field} {text!r} is more than {UINT32_MAX} per window, the most Envoy's "
+                "rate-limit API carries: use a shorter window")))
+    for field in ("burst", "concurrent"):
+        number = getattr(limit, field)
+        if number is not None and number > UINT32_MAX:
+            out.append(located.problem((*at, field), (
+                f"{field} {number} is more than {UINT32_MAX}, the most Envoy's rate-limit API "
+                "carries")))
+    return out

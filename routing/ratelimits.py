@@ -20,10 +20,10 @@ sets (CONTRACT §7):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from routing.compiled import listed_key_id
-from routing.loader import load_config
 from routing.schema import LevelLimits, Limit, RoutingConfig
 from routing.units import parse_rate
 from sidecar_runtime.wire_names import (
@@ -43,23 +43,40 @@ KINDS = ("requests", "tokens", "concurrent")
 DOMAIN = "llm-sidecar"
 LEVEL_HEADERS = {"api_key": "x-llm-key-id", "tenant": "x-llm-tenant", "model": "x-llm-model"}
 _UNITS = (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1))
+UINT32_MAX = 2**32 - 1
+"""Largest amount a limit may hold: Envoy's RateLimitResponse carries it as a uint32."""
 
 
-def _window(window_s: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LimitEntry:
+    """One limit of the descriptor tree: ``kind=KIND`` → ``LEVEL[=VALUE]`` → this limit.
+
+    What both the ratelimit service (``ratelimit.from_routing.compile_rate_limits``) and the
+    rendered ``ratelimit.yaml`` (:func:`descriptors`) are made from, so the two cannot differ.
+    """
+
+    kind: str
+    """``requests``, ``tokens`` or ``concurrent``."""
+    level: str
+    """``api_key``, ``tenant`` or ``model``."""
+    value: str | None
+    """The level's value (a key id, tenant or model), or None for the level's default."""
+    name: str
+    """``LEVEL:NAME:KIND``, e.g. ``api_key:bot:requests``."""
+    amount: int
+    """Per window; for ``concurrent``, the slots."""
+    unit: str = "second"
+    unit_multiplier: int = 1
+    burst: int | None = None
+    shadow: bool = False
+
+
+def _window(window_s: int) -> tuple[str, int]:
     """The largest unit that divides the window, with a multiplier for ``N/5m``-style rates."""
     for unit, seconds in _UNITS:
         if window_s % seconds == 0:
-            multiple = window_s // seconds
-            return {"unit": unit} if multiple == 1 else {"unit": unit, "unit_multiplier": multiple}
+            return unit, window_s // seconds
     raise AssertionError(window_s)
-
-
-def _limit(rate_text: str, name: str, *, burst: int | None = None) -> dict[str, Any]:
-    rate = parse_rate(rate_text)
-    out: dict[str, Any] = {"name": name, "requests_per_unit": rate.amount, **_window(rate.window_s)}
-    if burst is not None:
-        out["burst"] = burst
-    return out
 
 
 def _merged(default: Limit | None, override: Limit) -> Limit:
@@ -90,40 +107,75 @@ def _level_entries(config: RoutingConfig, level: str,
     return entries
 
 
+def _rate_entry(kind: str, level: str, value: str | None, label: str, rate_text: str,
+                shadow: bool, burst: int | None = None) -> LimitEntry:
+    rate = parse_rate(rate_text)
+    unit, multiplier = _window(rate.window_s)
+    return LimitEntry(kind, level, value, f"{label}:{kind}", rate.amount, unit, multiplier,
+                      burst, shadow)
+
+
+def limit_entries(config: RoutingConfig) -> tuple[LimitEntry, ...]:
+    """Every limit of the routing YAML, by kind (``KINDS`` order), then level, default first."""
+    limits = config.rate_limits
+    kinds: dict[str, list[LimitEntry]] = {kind: [] for kind in KINDS}
+    if limits is None:
+        return ()
+    for level in LEVEL_HEADERS:
+        section: LevelLimits | None = getattr(limits, level)
+        if section is None:
+            continue
+        for value, label, limit in _level_entries(config, level, section):
+            shadow = bool(limit.shadow)
+            if limit.requests:
+                kinds["requests"].append(_rate_entry("requests", level, value, label,
+                                                     limit.requests, shadow, limit.burst))
+            if limit.tokens:
+                kinds["tokens"].append(_rate_entry("tokens", level, value, label, limit.tokens,
+                                                   shadow))
+            if limit.concurrent:
+                kinds["concurrent"].append(LimitEntry("concurrent", level, value,
+                                                      f"{label}:concurrent", limit.concurrent,
+                                                      shadow=shadow))
+    return tuple(entry for kind in KINDS for entry in kinds[kind])
+
+
+def _descriptor(entry: LimitEntry) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": entry.level}
+    if entry.value is not None:
+        out["value"] = entry.value
+    if entry.shadow:
+        out["shadow_mode"] = True
+    if entry.kind == "concurrent":
+        out["rate_limit"] = {"name": entry.name, "concurrent": entry.amount}
+        return out
+    rate: dict[str, Any] = {"name": entry.name, "requests_per_unit": entry.amount,
+                            "unit": entry.unit}
+    if entry.unit_multiplier != 1:
+        rate["unit_multiplier"] = entry.unit_multiplier
+    if entry.burst is not None:
+        rate["burst"] = entry.burst
+    out["rate_limit"] = rate
+    return out
+
+
 def descriptor_document(path: str) -> dict[str, Any]:
     """What ``ratelimit.yaml`` holds for the routing YAML at ``path``."""
+    from routing.loader import load_config
     return descriptors(load_config(path))
 
 
 def descriptors(config: RoutingConfig) -> dict[str, Any]:
-    limits = config.rate_limits
-    kinds: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
-    if limits is not None:
-        for level in LEVEL_HEADERS:
-            section: LevelLimits | None = getattr(limits, level)
-            if section is None:
-                continue
-            for value, label, limit in _level_entries(config, level, section):
-                base: dict[str, Any] = {"key": level}
-                if value is not None:
-                    base["value"] = value
-                if limit.shadow:
-                    base["shadow_mode"] = True
-                if limit.requests:
-                    kinds["requests"].append({**base, "rate_limit": _limit(
-                        limit.requests, f"{label}:requests", burst=limit.burst)})
-                if limit.tokens:
-                    kinds["tokens"].append({**base, "rate_limit": _limit(
-                        limit.tokens, f"{label}:tokens")})
-                if limit.concurrent:
-                    kinds["concurrent"].append({**base, "rate_limit": {
-                        "name": f"{label}:concurrent", "concurrent": limit.concurrent}})
+    """What ``llm-sidecar render`` writes to ``ratelimit.yaml``: :func:`limit_entries` as an
+    envoyproxy/ratelimit descriptor document."""
+    entries = limit_entries(config)
     doc: dict[str, Any] = {"domain": DOMAIN, "descriptors": []}
-    if limits is not None:
-        doc["on_backend_error"] = limits.on_backend_error
-    for kind, entries in kinds.items():
-        if entries:
-            doc["descriptors"].append({"key": "kind", "value": kind, "descriptors": entries})
+    if config.rate_limits is not None:
+        doc["on_backend_error"] = config.rate_limits.on_backend_error
+    for kind in KINDS:
+        of_kind = [_descriptor(e) for e in entries if e.kind == kind]
+        if of_kind:
+            doc["descriptors"].append({"key": "kind", "value": kind, "descriptors": of_kind})
     return doc
 
 

@@ -1,4 +1,9 @@
-"""YAML reading that remembers where every key and value stood, for ``FILE:LINE`` errors."""
+"""YAML reading that remembers where every key and value stood, for ``FILE:LINE`` errors.
+
+The one reader of both config formats: the routing YAML (``routing.loader``) and
+envoyproxy/ratelimit descriptor files (``ratelimit.loader``), so both bound aliases and nesting,
+refuse duplicate and merge keys, and locate problems the same way.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +19,17 @@ Path = tuple[str | int, ...]
 
 @dataclass
 class Located:
-    """Plain data from a YAML document plus the 1-based line of each path in it."""
+    """Plain data from a YAML document plus the 1-based line of each path in it.
+
+    ``lines[path]`` is the line where the entry at ``path`` starts (the key's line for a mapping
+    entry, the item's line for a list item). ``raw`` holds the source text of scalars, so a
+    descriptor's ``value: 0500`` stays ``"0500"`` and is not read as a number.
+    """
 
     source: str
     data: Any
     lines: dict[Path, int] = field(default_factory=dict)
+    raw: dict[Path, str] = field(default_factory=dict)
 
     def line_of(self, path: Path) -> int:
         """The line of ``path``, or of its nearest ancestor that has one."""
@@ -34,6 +45,21 @@ class Located:
 
 
 _SYNTAX_HINT = "(check indentation, quotes and closing brackets on this line and the one above)"
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How a syntax error and a repeated key are worded. The two formats keep their own words
+    for these (the descriptor format's follow envoyproxy/ratelimit); every other problem is
+    worded the same for both."""
+
+    syntax: str
+    syntax_hint: str
+    duplicate_hint: str
+
+
+ROUTING = Wording("YAML syntax", " " + _SYNTAX_HINT, ": YAML keeps only the last, so merge the two")
+DESCRIPTORS = Wording("invalid YAML", "", "")
 
 MAX_NODES = 200_000
 """Values a config may expand to. Aliases make a small text a huge document ("billion
@@ -123,33 +149,41 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that treats a repeated mapping key as an error instead of keeping the last."""
 
 
-def _walk(node: yaml.Node, path: Path, lines: dict[Path, int], problems: list[Problem],
-          source: str) -> Any:
-    lines.setdefault(path, node.start_mark.line + 1)
-    if isinstance(node, yaml.MappingNode):
-        out: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                problems.append(Problem(source, key_node.start_mark.line + 1,
-                                        "YAML merge keys (<<) are not supported: write the "
-                                        "keys out"))
-                continue
-            key = _scalar(key_node) if isinstance(key_node, yaml.ScalarNode) else None
-            if key is None or isinstance(key, list | dict):
-                problems.append(Problem(source, key_node.start_mark.line + 1,
-                                        "a mapping key must be a plain value"))
-                continue
-            child = (*path, key)
-            if key in out:
-                problems.append(Problem(source, key_node.start_mark.line + 1,
-                                        f"duplicate key {key!r} (first at line {lines[child]}): "
-                                        "YAML keeps only the last, so merge the two"))
-            lines[child] = key_node.start_mark.line + 1
-            out[key] = _walk(value_node, child, lines, problems, source)
-        return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_walk(item, (*path, i), lines, problems, source) for i, item in enumerate(node.value)]
-    return _scalar(node)
+class _Walk:
+    """Turns a composed node tree into plain data, recording lines, raw scalars and problems."""
+
+    def __init__(self, located: Located, wording: Wording) -> None:
+        self.located = located
+        self.wording = wording
+        self.problems: list[Problem] = []
+
+    def _add(self, node: yaml.Node, message: str) -> None:
+        self.problems.append(Problem(self.located.source, node.start_mark.line + 1, message))
+
+    def build(self, node: yaml.Node, path: Path) -> Any:
+        lines = self.located.lines
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            out: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    self._add(key_node, "YAML merge keys (<<) are not supported: write the keys out")
+                    continue
+                key = _scalar(key_node) if isinstance(key_node, yaml.ScalarNode) else None
+                if key is None or isinstance(key, list | dict):
+                    self._add(key_node, "a mapping key must be a plain value")
+                    continue
+                child = (*path, key)
+                if key in out:
+                    self._add(key_node, f"duplicate key {key!r} (first at line {lines[child]})"
+                                        f"{self.wording.duplicate_hint}")
+                lines[child] = key_node.start_mark.line + 1
+                out[key] = self.build(value_node, child)
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(item, (*path, i)) for i, item in enumerate(node.value)]
+        self.located.raw[path] = str(node.value)
+        return _scalar(node)
 
 
 def _scalar(node: yaml.Node) -> Any:
@@ -163,30 +197,31 @@ def _scalar(node: yaml.Node) -> Any:
             from None
 
 
-def load_yaml(text: str, source: str) -> Located:
-    """Parse one YAML document; syntax errors and duplicate keys raise :class:`ConfigError`."""
+def load_yaml(text: str, source: str, wording: Wording = ROUTING) -> Located:
+    """Parse one YAML document; syntax errors and duplicate keys raise :class:`ConfigError`
+    (every duplicate or merge key, each at its line). An empty text gives ``data=None``."""
     try:
         node = compose_bounded(text, _UniqueKeyLoader)
     except TooBig as exc:
-        raise ConfigError([Problem(source, exc.line, exc.message)]) from None
+        raise ConfigError.at(source, exc.line, exc.message) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 1
-        raise ConfigError([Problem(source, line, f"YAML syntax: {exc.problem or exc} "
-                                   f"{_SYNTAX_HINT}")]) from None
+        problem = exc.problem or exc.context or str(exc)
+        raise ConfigError.at(source, line, f"{wording.syntax}: {problem}{wording.syntax_hint}") \
+            from None
     except yaml.YAMLError as exc:
-        raise ConfigError([Problem(source, 1, f"YAML syntax: {exc}")]) from None
+        raise ConfigError.at(source, 1, f"{wording.syntax}: {exc}") from None
     if node is None:
         return Located(source, None, {(): 1})
-    lines: dict[Path, int] = {}
-    problems: list[Problem] = []
+    walk = _Walk(Located(source, None), wording)
     try:
-        data = _walk(node, (), lines, problems, source)
+        walk.located.data = walk.build(node, ())
     except ConfigError as err:  # from _scalar, which does not know the file name
         raise ConfigError([Problem(source, p.line, p.message) for p in err.problems]) from None
-    if problems:
-        raise ConfigError(problems)
-    return Located(source, data, lines)
+    if walk.problems:
+        raise ConfigError(walk.problems)
+    return walk.located
 
 
 def read_yaml(path: str) -> Located:
@@ -195,5 +230,5 @@ def read_yaml(path: str) -> Located:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([Problem(path, 1, f"cannot read the file: {exc}")]) from None
+        raise ConfigError.at(path, 1, f"cannot read the file: {exc}") from None
     return load_yaml(text, path)
