@@ -1,23 +1,20 @@
-"""The ratelimit package's exception tree; mapped to the wire only in ``service.py``."""
+"""The ratelimit package's exception tree; mapped to the wire only in ``service.py``.
+
+Config errors are the project's one :class:`~routing.errors.ConfigError` (a descriptor file and
+a routing YAML are reported the same way, one ``FILE:LINE: message`` per problem), re-exported
+here so the package's errors stay in one place.
+"""
 
 from __future__ import annotations
 
+from routing.errors import ConfigError, Problem
+
+__all__ = ["BackendError", "ConfigError", "NodeDown", "Problem", "RateLimitError"]
+
 
 class RateLimitError(Exception):
-    """Base of every error this package raises on purpose."""
-
-
-class ConfigError(RateLimitError):
-    """A descriptor config (or the routing YAML behind it) is invalid.
-
-    ``str(error)`` is ``FILE:LINE: message``, the format ``llm-sidecar check`` prints.
-    """
-
-    def __init__(self, source: str, line: int, message: str) -> None:
-        self.source = source
-        self.line = line
-        self.message = message
-        super().__init__(f"{source}:{line}: {message}")
+    """Base of every runtime error this package raises on purpose (config errors are
+    :class:`ConfigError`, shared with the routing YAML)."""
 
 
 class BackendError(RateLimitError):

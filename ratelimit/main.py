@@ -10,15 +10,14 @@ from pathlib import Path
 
 import uvloop
 
-from ratelimit.document import parse_yaml
 from ratelimit.errors import ConfigError
-from ratelimit.loader import is_routing_yaml, load_path
+from ratelimit.loader import is_routing_yaml, load_path, read_config
 from ratelimit.service import serve
+from routing.units import parse_service_address
 from sidecar_runtime.grpc_listen import metrics_host
 from sidecar_runtime.logs import bind_worker
 from sidecar_runtime.procs import sidecar_command
 from sidecar_runtime.settings import Settings
-from sidecar_runtime.wire_names import UNIX_PREFIX
 from sidecar_runtime.workers import add_worker_arguments, supervise, workers_problem
 
 DEFAULT_HOST = "127.0.0.1"
@@ -55,23 +54,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def default_address(config_path: str) -> tuple[str, int]:
     """``services.ratelimit`` of a routing YAML (``host:port``, or ``unix:/path`` as
-    ``("unix:/path", 0)``), else ``127.0.0.1:50052``."""
+    ``("unix:/path", 0)``), else ``127.0.0.1:50052``. Only the address is read here: a wrong
+    one gives the default, and the config load that follows reports it with every other
+    problem of the file, as ``llm-sidecar check`` does."""
     path = Path(config_path)
     if not path.is_file():
         return DEFAULT_HOST, DEFAULT_PORT
-    doc = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+    doc = read_config(path)
     if not is_routing_yaml(doc):
         return DEFAULT_HOST, DEFAULT_PORT
     services = doc.data.get("services")
     address = services.get("ratelimit") if isinstance(services, dict) else None
-    if isinstance(address, str) and address.startswith(UNIX_PREFIX):
-        return address, 0  # a Unix socket: unix:/path
-    if not isinstance(address, str) or ":" not in address:
+    try:
+        return parse_service_address(address) if isinstance(address, str) else (
+            DEFAULT_HOST, DEFAULT_PORT)
+    except ValueError:
         return DEFAULT_HOST, DEFAULT_PORT
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        raise doc.error(("services", "ratelimit"), f"bad address '{address}'")
-    return host.strip("[]") or DEFAULT_HOST, int(port)
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:

@@ -159,12 +159,6 @@ def _descriptor(entry: LimitEntry) -> dict[str, Any]:
     return out
 
 
-def descriptor_document(path: str) -> dict[str, Any]:
-    """What ``ratelimit.yaml`` holds for the routing YAML at ``path``."""
-    from routing.loader import load_config
-    return descriptors(load_config(path))
-
-
 def descriptors(config: RoutingConfig) -> dict[str, Any]:
     """What ``llm-sidecar render`` writes to ``ratelimit.yaml``: :func:`limit_entries` as an
     envoyproxy/ratelimit descriptor document."""

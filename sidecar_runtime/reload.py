@@ -54,7 +54,7 @@ class Reloader(Generic[T]):
     """Holds the snapshot built by ``load(path)`` and rebuilds it when the path changes.
 
     A config that fails to load (one of ``errors``) leaves the old snapshot in place; the error
-    (for a routing YAML, the ``FILE:LINE: message`` lines of ``llm-sidecar check``) is logged
+    (for a config file, the ``FILE:LINE: message`` lines of ``llm-sidecar check``) is logged
     once per change and reported to ``on_result(False, message)``. A file that changes again
     while it is being loaded (an editor or a copy still writing it) is not judged: the next
     poll loads it again. Loading runs in a thread, so streams are never stalled by it.

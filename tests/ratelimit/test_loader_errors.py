@@ -91,14 +91,3 @@ def test_document_without_lines_points_at_line_one() -> None:
     with pytest.raises(ConfigError) as caught:
         load_document({"domain": ""}, "generated")
     assert str(caught.value) == "generated:1: config file cannot have empty domain"
-
-
-def test_routing_yaml_needs_the_routing_converter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-
-    monkeypatch.setitem(sys.modules, "routing.ratelimits", None)  # import raises ImportError
-    path = tmp_path / "gateway.yaml"
-    path.write_text("version: 1\nclusters: {}\nmodels: {}\n")
-    with pytest.raises(ConfigError) as caught:
-        load_path(path)
-    assert str(caught.value) == (f"{path}:1: routing YAML given, but routing.ratelimits is not available")

@@ -1,15 +1,13 @@
-"""The CLI entry: flags, default ports, and the routing YAML hook."""
+"""The CLI entry: flags, default ports, and a routing YAML given to the service."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-import types
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from ratelimit.errors import ConfigError
 from ratelimit.loader import load_path
 from ratelimit.main import add_arguments, default_address, run
 from sidecar_runtime.settings import Settings
@@ -19,19 +17,6 @@ services: {extproc: 127.0.0.1:50051, ratelimit: 0.0.0.0:50099}
 clusters: {}
 models: {}
 """
-
-
-def fake_routing(monkeypatch: pytest.MonkeyPatch, result: Any) -> list[str]:
-    calls: list[str] = []
-
-    def descriptor_document(path: str) -> Any:
-        calls.append(path)
-        return result
-
-    module = types.ModuleType("routing.ratelimits")
-    module.descriptor_document = descriptor_document  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "routing.ratelimits", module)
-    return calls
 
 
 def test_flags() -> None:
@@ -53,29 +38,29 @@ def test_default_address(tmp_path: Path) -> None:
     assert default_address(str(routing)) == ("0.0.0.0", 50099)
 
 
-def test_routing_yaml_goes_through_the_converter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+LIMITED = """version: 1
+clusters: {c: {endpoints: ["10.0.0.1:8000"], max_context: 2048}}
+models: {m: {clusters: [c]}}
+rate_limits:
+  tenant: {default: {requests: 600/min}}
+"""
+
+
+def test_a_routing_yaml_is_compiled_from_its_one_parse(tmp_path: Path) -> None:
     routing = tmp_path / "gateway.yaml"
-    routing.write_text(ROUTING)
-    doc = {
-        "domain": "llm-sidecar",
-        "descriptors": [{"key": "tenant", "rate_limit": {"unit": "minute", "requests_per_unit": 600}}],
-    }
-    calls = fake_routing(monkeypatch, doc)
+    routing.write_text(LIMITED)
     config = load_path(routing)
-    assert calls == [str(routing)]
-    limit = config.domains["llm-sidecar"].match([("tenant", "legal")])
-    assert limit is not None and limit.requests_per_unit == 600
+    limit = config.domains["llm-sidecar"].match([("kind", "requests"), ("tenant", "legal")])
+    assert limit is not None and (limit.requests_per_unit, limit.unit) == (600, "minute")
+    assert limit.full_key == "llm-sidecar.kind_requests.tenant"
 
 
-def test_converter_line_map_points_into_the_routing_yaml(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_each_problem_of_a_routing_yaml_is_at_its_own_line(tmp_path: Path) -> None:
     routing = tmp_path / "gateway.yaml"
-    routing.write_text(ROUTING)
-    doc = {"domain": "llm-sidecar", "descriptors": [{"key": "tenant", "rate_limit": {"unit": "x"}}]}
-    fake_routing(monkeypatch, (doc, {("descriptors", 0, "rate_limit", "unit"): 17}))
-    with pytest.raises(Exception, match=rf"^{routing}:17: invalid rate limit unit 'x'"):
+    routing.write_text(LIMITED.replace("[c]", "[d]") + "  model: {overrides: {x: {requests: 1/s}}}\n")
+    with pytest.raises(ConfigError) as caught:
         load_path(routing)
+    assert [p.line for p in caught.value.problems] == [3, 6]
 
 
 def test_run_reports_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
