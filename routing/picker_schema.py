@@ -30,6 +30,13 @@ class PickerWeights(_Strict):
     """KV-cache use (``vllm:kv_cache_usage_perc``): emptier is better."""
     in_flight: float = Field(default=0.5, ge=0, le=100)
     """Requests this extproc replica has open on the pod: fewer is better."""
+    speed: float = Field(default=0.0, ge=0, le=100)
+    """How soon a new request would be served on the pod against the pool's best: its time per
+    output token (vLLM's inter-token histogram) times the requests waiting there, relative to
+    the pool's lowest. Above 0 it also scales down the prefix score on a pod over twice the
+    best, so conversations leave a slow or backed-up pod. 0 (the default): the picker ignores
+    speed; 1 measured better tail latency and throughput but a slower median chat TTFT
+    (bench/README.md)."""
     prefix: float = Field(default=2.0, ge=0, le=100)
     """Share of the prompt's leading blocks the pod recently served (its prefix cache)."""
     thermal: float = Field(default=1.0, ge=0, le=100)

@@ -69,6 +69,10 @@ class EndpointMetrics(Collector):
         hit_rate = GaugeMetricFamily(
             "llm_sidecar_endpoint_prefix_hit_rate",
             "Prefix-cache hits / queries of the pod between its last two scrapes.", labels=LABELS)
+        tpot = GaugeMetricFamily(
+            "llm_sidecar_endpoint_time_per_output_token_seconds",
+            "The pod's smoothed seconds per output token, as the speed scorer reads it.",
+            labels=LABELS)
         age = GaugeMetricFamily(
             "llm_sidecar_endpoint_scrape_age_seconds",
             "Seconds since the pod's metrics were last read.", labels=LABELS)
@@ -100,11 +104,13 @@ class EndpointMetrics(Collector):
                         family.add_metric(labels, float(value))
                 if pod.prefix_hit_rate is not None:
                     hit_rate.add_metric(labels, pod.prefix_hit_rate)
+                if pod.tpot_s is not None:
+                    tpot.add_metric(labels, pod.tpot_s)
         # Picks of pods that left their pool are dropped with them (bounded cardinality).
         self._picks = {k: v for k, v in self._picks.items() if k[:2] in present}
         for (cluster, endpoint, reason), count in self._picks.items():
             picks.add_metric([cluster, endpoint, reason], count)
-        yield from (*gauges, hit_rate, age, in_flight, failures, picks)
+        yield from (*gauges, hit_rate, tpot, age, in_flight, failures, picks)
 
 
     def describe(self) -> Iterator[Metric]:

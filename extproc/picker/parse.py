@@ -39,7 +39,15 @@ _QUERIES = "vllm:prefix_cache_queries_total"
 _HITS = "vllm:prefix_cache_hits_total"
 _QUERIES_OLD = "vllm:gpu_prefix_cache_queries_total"
 _HITS_OLD = "vllm:gpu_prefix_cache_hits_total"
-_VLLM_NAMES = (_WAITING, _RUNNING, _KV, _KV_OLD, _QUERIES, _HITS, _QUERIES_OLD, _HITS_OLD)
+# Time between a sequence's output tokens (a histogram: only its _sum and _count are read). vLLM
+# 0.11 added ``vllm:inter_token_latency_seconds`` and deprecated the identical
+# ``vllm:time_per_output_token_seconds`` (both exposed for a while, the old one then hidden).
+_ITL_SUM = "vllm:inter_token_latency_seconds_sum"
+_ITL_COUNT = "vllm:inter_token_latency_seconds_count"
+_TPOT_SUM = "vllm:time_per_output_token_seconds_sum"
+_TPOT_COUNT = "vllm:time_per_output_token_seconds_count"
+_VLLM_NAMES = (_WAITING, _RUNNING, _KV, _KV_OLD, _QUERIES, _HITS, _QUERIES_OLD, _HITS_OLD,
+               _ITL_SUM, _ITL_COUNT, _TPOT_SUM, _TPOT_COUNT)
 
 _TEMP = "DCGM_FI_DEV_GPU_TEMP"
 _FB_USED = "DCGM_FI_DEV_FB_USED"
@@ -123,9 +131,12 @@ def parse_vllm(text: str) -> PodMetrics:
 
     A server with several models or LoRA adapters (or data-parallel engines) labels each series
     per ``model_name`` / ``engine``: queues and prefix counters are summed across label sets;
-    KV-cache use is the fullest one (it is a fraction of each engine's own cache). The current
-    names win over the deprecated ones when a server exposes both. Waiting, running and KV use
-    must be present: a body without them is not vLLM's.
+    KV-cache use is the fullest one (it is a fraction of each engine's own cache); the
+    inter-token histogram's ``_sum`` and ``_count`` are summed too (their ratio between two
+    scrapes is the pod's time per output token). The current names win over the deprecated
+    ones when a server exposes both. Waiting, running and KV use must be present: a body
+    without them is not vLLM's; one without the inter-token histogram reads as 0 tokens (speed
+    unknown).
     """
     sums = dict.fromkeys(_VLLM_NAMES, 0.0)
     seen: set[str] = set()
@@ -143,12 +154,15 @@ def parse_vllm(text: str) -> PodMetrics:
     if missing:
         raise MetricsError(f"not vLLM metrics: no {', '.join(missing)}")
     new_prefix = _QUERIES in seen
+    itl = _ITL_COUNT in seen
     return PodMetrics(
         waiting=sums[_WAITING],
         running=sums[_RUNNING],
         kv_usage=min(1.0, kv[kv_name]),
         prefix_queries=sums[_QUERIES if new_prefix else _QUERIES_OLD],
         prefix_hits=sums[_HITS if new_prefix else _HITS_OLD],
+        token_gap_sum=sums[_ITL_SUM if itl else _TPOT_SUM],
+        token_gap_count=sums[_ITL_COUNT if itl else _TPOT_COUNT],
     )
 
 

@@ -61,8 +61,8 @@ def choose(candidates: Sequence[Candidate], weights: PickerWeights, saturation: 
     every reachable one (:func:`choose_reachable`).
     """
     return choose_reachable([c.address for c in candidates],
-                            [(c.metrics, c.sent_since_scrape, c.in_flight, c.prefix_match)
-                             for c in candidates],
+                            [(c.metrics, c.sent_since_scrape, c.in_flight, c.prefix_match,
+                              c.tpot_s) for c in candidates],
                             [c.unreachable for c in candidates],
                             weights, saturation, priority, rng)
 
@@ -99,7 +99,8 @@ def choose_rows(addresses: Sequence[str], rows: Sequence[Row], weights: PickerWe
     :class:`Candidate` per pod."""
     if not rows:
         return NO_ENDPOINTS
-    ctx = PoolContext.of(saturation)
+    # The pool's best cost only when speed counts: weighted 0, it leaves the headroom alone too.
+    ctx = PoolContext.of(saturation, rows if weights.speed > 0.0 else ())
     if (priority == "low" and saturation is not None
             and all(row[0] is not None and saturated(row[0], ctx) for row in rows)):
         return SHED
@@ -217,7 +218,8 @@ class EndpointPicker:
         matches = self.index.match(cluster, blocks) if blocks else {}
         addresses = list(pool.pods)
         rows: list[Row] = [(pool.fresh(pod, now), pod.sent_since_scrape, pod.in_flight,
-                            matches.get(address, 0.0)) for address, pod in pool.pods.items()]
+                            matches.get(address, 0.0), pod.tpot_s)
+                           for address, pod in pool.pods.items()]
         unreachable = [pod.connect_failures >= UNREACHABLE_AFTER for pod in pool.pods.values()]
         result = choose_reachable(addresses, rows, unreachable, spec.weights, spec.saturation,
                                   priority, self._rng)

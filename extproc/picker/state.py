@@ -16,6 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+TPOT_ALPHA = 0.2
+"""Weight of the newest interval in a pod's smoothed time per output token: at a 100 ms scrape
+interval about a second of memory, enough to ride out one interval of a few slow tokens (a long
+prefill stalling the batch) and still follow a pod that slows down under load in seconds."""
+
+MIN_TPOT_S = 1e-6
+"""Floor of a measured time per output token: the speed scorer divides by it."""
+
 UNREACHABLE_AFTER = 2
 """Connection failures in a row that make a pod unreachable: one can be a blip (a pod
 restarting, a dropped SYN), two at the scrape interval and its backoff (~3 intervals) is a pod
@@ -36,6 +44,11 @@ class PodMetrics:
     """``vllm:prefix_cache_queries`` (tokens, cumulative)."""
     prefix_hits: float = 0.0
     """``vllm:prefix_cache_hits`` (tokens, cumulative)."""
+    token_gap_sum: float = 0.0
+    """``vllm:inter_token_latency_seconds_sum`` (or the older
+    ``vllm:time_per_output_token_seconds_sum``): seconds between output tokens, cumulative."""
+    token_gap_count: float = 0.0
+    """The same histogram's ``_count``: output tokens after each sequence's first, cumulative."""
     gpu_temp_c: float | None = None
     """DCGM ``DCGM_FI_DEV_GPU_TEMP``; None when unknown."""
     gpu_mem_used_frac: float | None = None
@@ -61,6 +74,8 @@ class Candidate:
     """0 to 1: share of the prompt's leading blocks this pod served recently."""
     unreachable: bool = False
     """The scraper could not connect to it lately (:attr:`PodState.unreachable`)."""
+    tpot_s: float | None = None
+    """The pod's smoothed seconds per output token (:attr:`PodState.tpot_s`); None: unknown."""
 
 
 @dataclass
@@ -80,6 +95,10 @@ class PodState:
     in_flight: int = 0
     prefix_hit_rate: float | None = None
     """Hits / queries between the last two good scrapes (None before two)."""
+    tpot_s: float | None = None
+    """Seconds per output token, an EWMA (:data:`TPOT_ALPHA`) of the mean between good scrapes
+    that saw new tokens; None until one has. Kept while the pod idles (its speed is still
+    its speed) and across failed scrapes."""
 
     @property
     def unreachable(self) -> bool:
@@ -108,6 +127,14 @@ class PoolState:
             hits = metrics.prefix_hits - pod.metrics.prefix_hits
             if queries > 0 and hits >= 0:
                 pod.prefix_hit_rate = min(1.0, hits / queries)
+            # An interval with no new tokens says nothing about speed; fewer tokens than before
+            # is a restarted pod (counters reset): skip that interval, the next one measures.
+            tokens = metrics.token_gap_count - pod.metrics.token_gap_count
+            seconds = metrics.token_gap_sum - pod.metrics.token_gap_sum
+            if tokens > 0 and seconds >= 0:
+                gap = max(seconds / tokens, MIN_TPOT_S)
+                pod.tpot_s = gap if pod.tpot_s is None else (
+                    pod.tpot_s + TPOT_ALPHA * (gap - pod.tpot_s))
         pod.metrics, pod.scraped_at, pod.failures, pod.sent_since_scrape = metrics, now, 0, 0
         pod.connect_failures = 0
 

@@ -48,9 +48,22 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="meta-l
 vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B"} 42.0
 vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B"} 42.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B"} 12.5
+# HELP vllm:time_per_output_token_seconds Histogram of time per output token in seconds.DEPRECATED
+# TYPE vllm:time_per_output_token_seconds histogram
+vllm:time_per_output_token_seconds_bucket{engine="0",le="0.01",model_name="meta-llama/Llama-3.1-8B"} 900.0
+vllm:time_per_output_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B"} 1000.0
+vllm:time_per_output_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B"} 1000.0
+vllm:time_per_output_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B"} 9.5
+# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B"} 1000.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B"} 1000.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B"} 9.25
+vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B"} 77.0
 """
+# The inter-token histogram wins over the deprecated time-per-output-token one.
 V1_METRICS = PodMetrics(waiting=3, running=7, kv_usage=0.6157, prefix_queries=88027,
-                        prefix_hits=61440)
+                        prefix_hits=61440, token_gap_sum=9.25, token_gap_count=1000)
 
 # Data-parallel engines, each labelled, and a LoRA-serving server's series per model_name.
 MULTI = """\
@@ -65,6 +78,11 @@ vllm:prefix_cache_queries_total{engine="0",model_name="base"} 100
 vllm:prefix_cache_queries_total{engine="1",model_name="base"} 300
 vllm:prefix_cache_hits_total{engine="0",model_name="base"} 10
 vllm:prefix_cache_hits_total{engine="1",model_name="base"} 30
+vllm:time_per_output_token_seconds_sum{engine="0",model_name="base"} 1.5
+vllm:time_per_output_token_seconds_sum{engine="1",model_name="base"} 2.5
+vllm:time_per_output_token_seconds_count{engine="0",model_name="base"} 100
+vllm:time_per_output_token_seconds_count{engine="1",model_name="base"} 300
+vllm:time_per_output_token_seconds_created{engine="1",model_name="base"} 1.75e+09
 """
 
 # vLLM before 0.9.2 (V0 engine names): no engine label, the old cache names only.
@@ -83,15 +101,20 @@ def simulator_body(running: int, waiting: int, kv: float) -> str:
     metrics = SimMetrics("sim-pool")
     metrics.set_load(running, waiting, kv)
     metrics.first_token(0.05, 100)
+    metrics.token(None)
+    metrics.token(0.25)
+    metrics.token(0.5)
     metrics.finished("stop", 0.2)
     return metrics.render().decode()
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    (simulator_body(3, 5, 0.42), PodMetrics(waiting=5, running=3, kv_usage=0.42)),
+    (simulator_body(3, 5, 0.42), PodMetrics(waiting=5, running=3, kv_usage=0.42,
+                                            token_gap_sum=0.75, token_gap_count=2)),
     (VLLM_V1, V1_METRICS),
     (VLLM_V1.replace("\n", "\r\n"), V1_METRICS),
-    (MULTI, PodMetrics(waiting=11, running=5, kv_usage=0.75, prefix_queries=400, prefix_hits=40)),
+    (MULTI, PodMetrics(waiting=11, running=5, kv_usage=0.75, prefix_queries=400, prefix_hits=40,
+                       token_gap_sum=4.0, token_gap_count=400)),
     (OLD, PodMetrics(waiting=2, running=1, kv_usage=0.3, prefix_queries=50, prefix_hits=20)),
     # No labels, a timestamp, a label value holding '}' and spaces, a tab separator.
     ('vllm:num_requests_running 4 1712345678000\n'
@@ -120,6 +143,10 @@ def test_parse_vllm_agrees_with_prometheus_client(text: str) -> None:
     parsed = parse_vllm(text)
     assert parsed.waiting == sums["vllm:num_requests_waiting"]
     assert parsed.running == sums["vllm:num_requests_running"]
+    itl = "vllm:inter_token_latency_seconds" if "vllm:inter_token_latency_seconds_count" in sums \
+        else "vllm:time_per_output_token_seconds"
+    assert parsed.token_gap_sum == sums.get(f"{itl}_sum", 0.0)
+    assert parsed.token_gap_count == sums.get(f"{itl}_count", 0.0)
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -137,9 +164,12 @@ def test_parse_vllm_agrees_with_prometheus_client(text: str) -> None:
     ('vllm:num_requests_waiting{model_name="m" 1\n', "unclosed labels"),
     ("vllm:num_requests_waiting\n", "no value in"),
     ("vllm:num_requests_waiting 1 2 3\n", "bad sample"),
+    ("vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n"
+     "vllm:inter_token_latency_seconds_sum -1\n", "is -1: not a finite count"),
+    ("vllm:inter_token_latency_seconds_count NaN\n", "is NaN: not a finite count"),
     ("vllm:kv_cache_usage_perc{a=\"b\"}\n", "bad sample"),
 ], ids=["empty", "html", "binary", "no-kv", "nan", "inf", "negative", "word", "unclosed",
-        "no-value", "extra-fields", "labels-only"])
+        "no-value", "extra-fields", "itl-negative", "itl-nan", "labels-only"])
 def test_parse_vllm_refuses(text: str, message: str) -> None:
     with pytest.raises(MetricsError) as caught:
         parse_vllm(text)

@@ -15,9 +15,10 @@ FREE, BUSY, OTHER, FOURTH = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "
 
 
 def known(address: str, waiting: float = 0, kv: float = 0.1, sent: int = 0, open_: int = 0,
-          prefix: float = 0.0, throttled: bool | None = None) -> Candidate:
-    return Candidate(address, PodMetrics(waiting=waiting, kv_usage=kv, throttled=throttled), sent, open_,
-                     prefix)
+          prefix: float = 0.0, throttled: bool | None = None, running: float = 0,
+          tpot: float | None = None) -> Candidate:
+    return Candidate(address, PodMetrics(waiting=waiting, running=running, kv_usage=kv,
+                                         throttled=throttled), sent, open_, prefix, tpot_s=tpot)
 
 
 def unknown(address: str, sent: int = 0, open_: int = 0, prefix: float = 0.0) -> Candidate:
@@ -82,6 +83,63 @@ def test_fallbacks_are_the_next_best_two() -> None:
 ])
 def test_prefix_affinity_against_load(prefix_pod: Candidate, winner: str, reason: Reason) -> None:
     assert pick(prefix_pod, known(FREE)) == Pick(winner, (FREE if winner == BUSY else BUSY,), reason)
+
+
+FAST, SLOW = FREE, BUSY
+SPEED = PickerWeights(speed=1)  # speed counts only when weighted (default 0: bench/README.md)
+
+
+@pytest.mark.parametrize(("slow", "fast"), [
+    (known(SLOW, tpot=0.02), known(FAST, tpot=0.01)),                          # both idle
+    (known(SLOW, running=2, waiting=1, tpot=0.02), known(FAST, running=2, waiting=1, tpot=0.01)),
+    (known(SLOW, running=3, kv=0.5, tpot=0.04), known(FAST, running=3, kv=0.5, tpot=0.01)),
+    (known(SLOW, waiting=2, sent=1, tpot=0.0101), known(FAST, waiting=2, sent=1, tpot=0.01)),
+], ids=["idle", "equal-load", "4x-slower", "1%-slower"])
+def test_with_equal_queues_the_faster_pod_wins(slow: Candidate, fast: Candidate) -> None:
+    for seed in range(20):
+        assert pick(slow, fast, seed=seed, weights=SPEED).endpoint == FAST
+        assert pick(fast, slow, seed=seed, weights=SPEED).endpoint == FAST
+
+
+def test_speed_weighted_zero_is_the_old_picker() -> None:
+    off = PickerWeights(speed=0)
+    assert off == W  # the default
+    # Equal otherwise: chance, as before speed counted...
+    assert Counter(pick(known(SLOW, tpot=0.04), known(FAST, tpot=0.01), weights=off,
+                        seed=seed).endpoint for seed in range(200))[SLOW] > 60
+    # ...and the prefix is not discounted on the slow pod.
+    for seed in range(20):
+        assert pick(known(SLOW, running=2, prefix=1.0, tpot=0.04), known(FAST, tpot=0.01),
+                    weights=off, seed=seed) == Pick(SLOW, (FAST,), "prefix")
+
+
+@pytest.mark.parametrize(("prefix_pod", "winner", "reason"), [
+    # A prefix on a 4x slower pod loses to an idle fast one (and to one as busy as it)...
+    (known(SLOW, prefix=1.0, tpot=0.04), FAST, "scored"),
+    (known(SLOW, running=2, prefix=1.0, tpot=0.04), FAST, "scored"),
+    (known(SLOW, running=3, waiting=1, prefix=0.9, kv=0.6, tpot=0.02), FAST, "scored"),
+    # ...still wins on a pod as fast with a request or two more (the old behaviour)...
+    (known(SLOW, running=1, prefix=1.0, tpot=0.01), SLOW, "prefix"),
+    (known(SLOW, running=2, waiting=1, prefix=1.0, tpot=0.01), SLOW, "prefix"),
+    # ...and on a pod of unknown speed, whose prefix is not discounted.
+    (known(SLOW, running=2, waiting=2, prefix=1.0), SLOW, "prefix"),
+])
+def test_a_prefix_against_a_faster_pod(prefix_pod: Candidate, winner: str, reason: Reason) -> None:
+    fast = known(FAST, tpot=0.01)
+    for seed in range(20):
+        got = pick(prefix_pod, fast, seed=seed, weights=SPEED)
+        assert got == Pick(winner, (FAST if winner == SLOW else SLOW,), reason)
+
+
+@pytest.mark.parametrize(("tpot", "order"), [
+    (0.0015, (SLOW, OTHER)),   # speed 2/3: ahead of the unknown pod's 0.5
+    (0.004, (OTHER, SLOW)),    # speed 1/4: behind it
+])
+def test_an_unknown_speed_is_neutral(tpot: float, order: tuple[str, str]) -> None:
+    # FOURTH is the pool's best (speed 1); OTHER's speed was never measured.
+    pods = (known(SLOW, tpot=tpot), known(OTHER), known(FOURTH, tpot=0.001))
+    for seed in range(20):
+        assert pick(*pods, seed=seed, weights=SPEED) == Pick(FOURTH, order, "scored")
 
 
 def test_a_prefix_on_the_pod_that_wins_anyway_is_scored() -> None:

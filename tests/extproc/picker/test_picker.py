@@ -316,3 +316,22 @@ def test_every_pod_unreachable_still_picks() -> None:
             p.pools["pool"].record_failure(address, connect=True)
     got = firsts(p)
     assert set(got) == set(PODS), got
+
+
+def test_measured_speed_steers_picks_when_weighted() -> None:
+    p, clock = picker({"pool": {"endpoints": PODS, "max_context": 32768,
+                                "endpoint_picker": {"weights": {"speed": 1}}}})
+    # Two scrapes of token counters: .1 takes 10 ms a token, the others 40 ms.
+    for i in (1, 2):
+        clock.now += 0.1
+        scrape(p, clock.now, p1=PodMetrics(token_gap_sum=0.01 * 100 * i, token_gap_count=100 * i),
+               p2=PodMetrics(token_gap_sum=0.04 * 100 * i, token_gap_count=100 * i),
+               p3=PodMetrics(token_gap_sum=0.04 * 100 * i, token_gap_count=100 * i),
+               p4=PodMetrics(token_gap_sum=0.04 * 100 * i, token_gap_count=100 * i))
+    assert p.pools["pool"].pods[PODS[0]].tpot_s == pytest.approx(0.01)
+    first = p.pick("pool", prompt(1), "high")
+    assert first is not None and first.endpoint == PODS[0]
+    # What it is sent before the next scrape raises its cost (10 ms x (1 + sent)): past 4
+    # requests the slower idle pods cost less, so a burst spreads instead of piling up on it.
+    picked = Counter(getattr(p.pick("pool", prompt(n), "high"), "endpoint", None) for n in range(2, 9))
+    assert picked[PODS[0]] < 7 and set(picked) > {PODS[0]}
