@@ -9,7 +9,7 @@ import sys
 import uvloop
 from prometheus_client import CollectorRegistry
 
-from extproc.service import canary_text, install_stop_handlers, serve
+from extproc.service import canary_text, serve
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
 from routing.units import parse_service_address
@@ -19,6 +19,7 @@ from sidecar_runtime.procs import sidecar_command
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.reload_metrics import ReloadMetrics
 from sidecar_runtime.settings import Settings
+from sidecar_runtime.signals import install_stop_handlers
 from sidecar_runtime.workers import add_worker_arguments, supervise, workers_problem
 
 log = get_logger("extproc")

@@ -6,8 +6,6 @@ Only this module (with :mod:`extproc.wire`) knows about gRPC and protobuf.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
@@ -178,13 +176,6 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
         await runner.cleanup()
         log.info("extproc_stopped")
 
-
-def install_stop_handlers(stop: asyncio.Event) -> None:
-    """SIGINT and SIGTERM set ``stop`` (graceful drain) instead of killing the process."""
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
 
 
 def canary_page(registry: CollectorRegistry, query: Mapping[str, str]) -> str:

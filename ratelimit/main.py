@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from sidecar_runtime.grpc_listen import metrics_host
 from sidecar_runtime.logs import bind_worker
 from sidecar_runtime.procs import sidecar_command
 from sidecar_runtime.settings import Settings
+from sidecar_runtime.signals import install_stop_handlers
 from sidecar_runtime.workers import add_worker_arguments, supervise, workers_problem
 
 DEFAULT_HOST = "127.0.0.1"
@@ -90,9 +90,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
     async def main() -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+        install_stop_handlers(stop)
         await serve(args.config, host, port, args.metrics_port, settings, stop,
                     args.worker_ops_socket)
 

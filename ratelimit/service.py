@@ -14,7 +14,6 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from ratelimit.admin import start_admin
 from ratelimit.descriptors import RateLimitConfig
 from ratelimit.errors import ConfigError
 from ratelimit.guard import GuardedStore
@@ -27,6 +26,7 @@ from ratelimit.store import BucketStore
 from ratelimit.wire import request_from_proto, response_to_proto
 from sidecar_runtime.grpc_listen import add_port, metrics_host, reuse_port_option
 from sidecar_runtime.logs import get_logger
+from sidecar_runtime.ops_http import bound_port, start_ops_server
 from sidecar_runtime.redis_audit import audit_redis
 from sidecar_runtime.redis_client import make_client
 from sidecar_runtime.reload import Reloader
@@ -129,10 +129,10 @@ class RateLimitServer:
         self.port = add_port(server, self.host, self.port, self._settings)
         await server.start()
         self._server = server
-        runner, self.metrics_port = await start_admin(
-            metrics_host(self.host), self.metrics_port, self.metrics, lambda: self._serving,
-            self._worker_ops_socket,
-        )
+        runner = await start_ops_server(
+            metrics_host(self.host), self.metrics_port, self.metrics.registry,
+            lambda: self._serving, unix_path=self._worker_ops_socket)
+        self.metrics_port = bound_port(runner, self.metrics_port)
         self._admin = runner
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

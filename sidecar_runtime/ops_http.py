@@ -12,7 +12,10 @@ async def start_ops_server(host: str, port: int, registry: CollectorRegistry,
                            healthy: Callable[[], bool],
                            text_pages: dict[str, Callable[[Mapping[str, str]], str]] | None = None,
                            unix_path: str | None = None) -> web.AppRunner:
-    """Serve metrics and health on ``host:port``; the caller awaits ``runner.cleanup()``.
+    """Serve metrics and health on ``host:port`` (both services); the caller awaits
+    ``runner.cleanup()``, and :func:`bound_port` says the port (``port`` 0: one the system
+    chose). ``/healthz``: 200 ``{"status": "ok"}`` while ``healthy()``, else 503
+    ``{"status": "unavailable"}`` (as the ``--workers`` supervisor answers).
 
     ``text_pages`` adds plain-text pages (path → function of the query producing the text).
     ``unix_path``: listen there instead (a worker under ``--workers``, scraped by its
@@ -37,6 +40,14 @@ async def start_ops_server(host: str, port: int, registry: CollectorRegistry,
     await runner.setup()
     await listen(runner, host, port, unix_path)
     return runner
+
+
+def bound_port(runner: web.AppRunner, port: int) -> int:
+    """The TCP port ``runner`` listens on (``port`` itself on a Unix socket)."""
+    for address in runner.addresses:
+        if isinstance(address, tuple):
+            return int(address[1])
+    return port
 
 
 async def listen(runner: web.AppRunner, host: str, port: int, unix_path: str | None) -> None:

@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.metrics_merge import Scrape, exposition, merge
 from sidecar_runtime.procs import Child, start
+from sidecar_runtime.signals import install_stop_handlers
 from sidecar_runtime.wire_names import UNIX_PREFIX
 
 log = get_logger("sidecar_runtime.workers")
@@ -311,12 +312,6 @@ def _wait_exits(children: list[Child], timeout_s: float) -> None:
     for child in children:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.process.wait(max(0.0, deadline - time.monotonic()))
-
-
-def install_stop_handlers(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
 
 
 def supervise(service: str, count: int, command: WorkerCommand, listen: tuple[str, int],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from sidecar_runtime.logs import get_logger
+from sidecar_runtime.signals import install_stop_handlers, remove_stop_handlers
 from simulator.app import build_app
 from simulator.config import SimConfig
 from simulator.state import STATE
@@ -65,15 +65,12 @@ async def running_simulator(
 async def serve_until_signalled(config: SimConfig, host: str, port: int) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully."""
     log = get_logger("simulator")
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    install_stop_handlers(stop)
     try:
         async with running_simulator(config, host, port) as sim:
             log.info("simulator_listening", url=sim.url, name=config.name, models=list(config.models))
             await stop.wait()
             log.info("simulator_stopping", name=config.name)
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
+        remove_stop_handlers()
