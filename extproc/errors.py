@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import orjson
 
+# The embedding cache's store errors are the runtime's, shared with the rate limiter: the
+# request bypasses the cache; a NodeDown (one Redis Cluster master) does not count towards the
+# cache's breaker.
+from sidecar_runtime.guarded import BackendError as BackendError
+from sidecar_runtime.guarded import NodeDown as NodeDown
+
 
 class ClientError(Exception):
     """A request the sidecar refuses; carries the HTTP status and OpenAI ``type``/``code``."""
@@ -63,13 +69,6 @@ def method_not_allowed(method: str, path: str) -> ClientError:
     return ClientError(405, "method_not_allowed", f"{method} is not allowed on {path}.")
 
 
-class BackendError(Exception):
-    """The embedding cache's store failed or missed its deadline: the request bypasses the cache."""
-
-
-class NodeDown(BackendError):
-    """A Redis Cluster master holding some of the keys is down (the others answer): a bypass
-    like any backend error, but not counted towards the cache's breaker."""
 
 
 def server_overloaded(cluster: str, retry_after_s: int) -> ClientError:

@@ -2,7 +2,9 @@
 breaker and metrics.
 
 A lookup never raises and never waits past its deadline: a store error, a missed deadline or an
-open breaker is a bypass (the request is served as if there were no cache). A dead or frozen
+open breaker is a bypass (the request is served as if there were no cache). The deadline, the
+breaker and the outage's log lines are the runtime's one guarded call
+(:mod:`sidecar_runtime.guarded`), as for the rate limiter's buckets. A dead or frozen
 Redis costs one deadline per breaker cooldown, not one per request. Stores run in the background
 after the answer has gone out; a store that fails or is skipped is counted and logged, never
 raised and never silent.
@@ -19,8 +21,8 @@ from extproc.cache.merge import outcome_of
 from extproc.cache.metrics import CacheMetrics
 from extproc.cache.redis_store import RedisVectorStore
 from extproc.cache.store import MemoryVectorStore, VectorStore
-from extproc.errors import BackendError, NodeDown
-from sidecar_runtime.breaker import Breaker, BreakerState
+from sidecar_runtime.breaker import BreakerState
+from sidecar_runtime.guarded import BackendError, BreakerOpen, Guard
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.redis_client import make_client
 from sidecar_runtime.settings import Settings, redis_url_for_logs
@@ -41,46 +43,35 @@ class VectorCache:
         self.store = store
         self._lookup_timeout_s = lookup_timeout_s
         self._store_timeout_s = store_timeout_s
-        self._breaker = Breaker(cooldown_s, failures_to_open)
         self._metrics = metrics
-        self._clock = clock
         self._max_pending = max_pending
         self._pending: set[asyncio.Task[bool]] = set()
-        metrics.set_breaker(self._breaker.state)
+        self._guard = Guard(
+            cooldown_s=cooldown_s, failures_to_open=failures_to_open, logger="extproc.cache",
+            failed_event="embedding_cache_backend_failed",
+            recovered_event="embedding_cache_backend_recovered",
+            skip_detail="bypassing the cache",
+            on_error=lambda op, reason: metrics.backend_errors.labels(op, reason).inc(),
+            on_state=metrics.set_breaker, clock=clock)
 
     @property
     def breaker_state(self) -> BreakerState:
-        return self._breaker.state
+        return self._guard.state
 
     async def lookup(self, keys: Sequence[str]) -> Found:
         """The stored value of each key, or None (bypass) when the store cannot answer in time."""
-        if not self._breaker.allow(self._clock()):
-            self._bypass("breaker_open", len(keys))
-            return None
-        self._metrics.set_breaker(self._breaker.state)
         started = time.perf_counter()
         try:
-            # asyncio.timeout, not wait_for: no extra Task per lookup (as in ratelimit's guard).
-            async with asyncio.timeout(self._lookup_timeout_s):
-                values = await self.store.get_many(keys)
-        except TimeoutError:
-            self._failed("lookup", "timeout",
-                         f"missed its {self._lookup_timeout_s * 1000:.0f} ms deadline")
-            self._bypass(None, len(keys))
+            values = await self._guard.call(lambda: self.store.get_many(keys),
+                                            self._lookup_timeout_s, "lookup")
+        except BreakerOpen:
+            self._bypass(len(keys))
             return None
-        except NodeDown:
-            # One Cluster master down: these keys bypass, the breaker stays as it is.
-            self._metrics.backend_errors.labels("lookup", "node_down").inc()
-            self._breaker.inconclusive()
-            self._bypass(None, len(keys))
-            return None
-        except BackendError as exc:
-            self._failed("lookup", "error", str(exc))
-            self._bypass(None, len(keys))
-            return None
-        finally:
+        except BackendError:  # counted and logged by the guard; NodeDown included
             self._metrics.backend_latency.labels("lookup").observe(time.perf_counter() - started)
-        self._succeeded()
+            self._bypass(len(keys))
+            return None
+        self._metrics.backend_latency.labels("lookup").observe(time.perf_counter() - started)
         found = tuple(values)
         self._metrics.lookups.labels(outcome_of(found)).inc()
         hits = sum(1 for value in found if value is not None)
@@ -115,22 +106,14 @@ class VectorCache:
     async def store_now(self, write: CacheWrite) -> bool:
         """Store ``write``; True when it was stored. Skipped while the breaker is not closed:
         lookups probe a store that came back, so writes do not pile onto a dead one."""
-        if self._breaker.state is not BreakerState.CLOSED:
+        if self._guard.state is not BreakerState.CLOSED:
             self._metrics.backend_errors.labels("store", "breaker_open").inc()
             return False
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(self._store_timeout_s):
-                await self.store.set_many(write.entries, write.ttl_s)
-        except TimeoutError:
-            self._failed("store", "timeout",
-                         f"missed its {self._store_timeout_s * 1000:.0f} ms deadline")
-            return False
-        except NodeDown:
-            self._metrics.backend_errors.labels("store", "node_down").inc()
-            return False
-        except BackendError as exc:
-            self._failed("store", "error", str(exc))
+            await self._guard.call(lambda: self.store.set_many(write.entries, write.ttl_s),
+                                   self._store_timeout_s, "store")
+        except BackendError:  # counted and logged by the guard
             return False
         finally:
             self._metrics.backend_latency.labels("store").observe(time.perf_counter() - started)
@@ -148,25 +131,9 @@ class VectorCache:
                 log.warning("embedding_cache_stores_abandoned", stores=len(late))
         await self.store.aclose()
 
-    def _bypass(self, reason: str | None, inputs: int) -> None:
-        if reason is not None:
-            self._metrics.backend_errors.labels("lookup", reason).inc()
+    def _bypass(self, inputs: int) -> None:
         self._metrics.lookups.labels("bypass").inc()
         self._metrics.inputs.labels("bypass").inc(inputs)
-
-    def _succeeded(self) -> None:
-        if self._breaker.state is not BreakerState.CLOSED:
-            log.info("embedding_cache_backend_recovered")
-        self._breaker.success()
-        self._metrics.set_breaker(self._breaker.state)
-
-    def _failed(self, op: str, reason: str, message: str) -> None:
-        self._metrics.backend_errors.labels(op, reason).inc()
-        was_closed = self._breaker.state is BreakerState.CLOSED
-        if self._breaker.failure(self._clock()) and was_closed:  # once per outage
-            log.warning("embedding_cache_backend_failed", op=op, error=message,
-                        detail=f"bypassing the cache for {self._breaker.cooldown_s:g} s at a time")
-        self._metrics.set_breaker(self._breaker.state)
 
 
 def open_vector_cache(settings: Settings, metrics: CacheMetrics) -> VectorCache:

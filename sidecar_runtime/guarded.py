@@ -1,0 +1,114 @@
+"""The one guarded call to a shared backend (Redis): a deadline, a circuit breaker, and one log
+line per outage, for the rate limiter's buckets and extproc's embedding cache alike.
+
+A dead or frozen backend costs a few deadlines per breaker cooldown (``failures_to_open``), not
+one per request, and is tried again by itself (half-open probe). A Redis Cluster master that is
+down (:class:`NodeDown`) fails only its own keys and says nothing about the rest, so it neither
+opens nor closes the breaker. A call cancelled mid-way (Envoy reset the stream) counts as a
+failure: a half-open probe is never left hanging until the next cooldown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from sidecar_runtime.breaker import Breaker, BreakerState
+from sidecar_runtime.logs import get_logger
+
+T = TypeVar("T")
+
+
+class BackendError(Exception):
+    """The backend failed, missed its deadline, or was skipped while the breaker is open: the
+    caller applies its policy (the rate limiter's ``on_backend_error``, the cache's bypass)."""
+
+
+class NodeDown(BackendError):
+    """A Redis Cluster master holding some of the keys is down (the others answer): handled like
+    any backend error, but not a sign that the backend as a whole is failing."""
+
+
+class BreakerOpen(BackendError):
+    """Skipped without trying: the breaker is open."""
+
+
+class Guard:
+    """Deadline + breaker + log-once around the calls to one backend.
+
+    ``on_error(op, reason)`` counts each failure (reason ``timeout``, ``error``,
+    ``node_down`` or ``breaker_open``; ``op`` as given to :meth:`call`); ``on_state(state)``
+    publishes the breaker state after each call.
+    ``failed_event`` / ``recovered_event`` name the two log lines of an outage.
+    """
+
+    def __init__(self, *, cooldown_s: float, failures_to_open: int, logger: str,
+                 failed_event: str, recovered_event: str, skip_detail: str,
+                 on_error: Callable[[str, str], None], on_state: Callable[[BreakerState], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._breaker = Breaker(cooldown_s, failures_to_open=max(1, failures_to_open))
+        self._log = get_logger(logger)
+        self._failed_event = failed_event
+        self._recovered_event = recovered_event
+        self._skip_detail = skip_detail
+        self._on_error = on_error
+        self._on_state = on_state
+        self._clock = clock
+        on_state(self._breaker.state)
+
+    @property
+    def state(self) -> BreakerState:
+        return self._breaker.state
+
+    @property
+    def cooldown_s(self) -> float:
+        return self._breaker.cooldown_s
+
+    async def call(self, call: Callable[[], Awaitable[T]], timeout_s: float, op: str = "") -> T:
+        """``call()`` within ``timeout_s``; raises :class:`BreakerOpen`, :class:`NodeDown` or
+        :class:`BackendError` (a missed deadline included) instead of waiting longer.
+        ``op`` names the operation in the outage's log line."""
+        if not self._breaker.allow(self._clock()):
+            self._on_error(op, "breaker_open")
+            raise BreakerOpen("backend skipped: circuit breaker open")
+        self._on_state(self._breaker.state)
+        reported = False
+        try:
+            # asyncio.timeout, not wait_for: no extra Task per call (3% of the rate limiter's
+            # CPU per request, measured by bench).
+            async with asyncio.timeout(timeout_s):
+                result = await call()
+            if self._breaker.state is not BreakerState.CLOSED:
+                self._log.info(self._recovered_event)
+            self._breaker.success()
+            reported = True
+            return result
+        except TimeoutError:
+            message = f"backend missed its {timeout_s * 1000:.0f} ms deadline"
+            self._fail("timeout", message, op)
+            reported = True
+            raise BackendError(message) from None
+        except NodeDown:
+            self._on_error(op, "node_down")
+            self._breaker.inconclusive()
+            reported = True
+            raise
+        except BackendError as exc:
+            self._fail("error", str(exc), op)
+            reported = True
+            raise
+        finally:
+            if not reported:  # cancelled or an unexpected error: do not leave a probe hanging
+                self._breaker.failure(self._clock())
+            self._on_state(self._breaker.state)
+
+    def _fail(self, reason: str, message: str, op: str) -> None:
+        self._on_error(op, reason)
+        was_closed = self._breaker.state is BreakerState.CLOSED
+        if self._breaker.failure(self._clock()) and was_closed:  # once per outage
+            fields = {"op": op} if op else {}
+            self._log.warning(self._failed_event, error=message, **fields,
+                              detail=f"{self._skip_detail} for {self._breaker.cooldown_s:g} s "
+                                     "at a time")
