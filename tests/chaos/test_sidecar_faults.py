@@ -26,7 +26,7 @@ import pytest
 
 from routing.units import parse_hostport
 from sidecar_runtime.procs import free_port, wait_tcp
-from tests.chaos.load import Call, Load, percentile
+from tests.chaos.load import Call, Load, Record, percentile
 from tests.chaos.replicas import Replica, ResettingPod, add_to_envoy, start_replica
 from tests.chaos.support import (
     LOAD_KEY,
@@ -217,7 +217,7 @@ def test_sigterm_drains_an_extproc_replica(rig: Rig) -> None:
     victim = gw.child("extproc")
     signalled = time.monotonic()
     victim.process.terminate()
-    newcomers = []
+    newcomers: list[Record] = []
     while victim.alive() and time.monotonic() - signalled < 15:
         newcomers.append(post(gw.url, chat_call(n=len(newcomers))))
         time.sleep(0.05)

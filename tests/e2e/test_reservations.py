@@ -22,12 +22,13 @@ from tests.chaos.replicas import add_to_envoy, start_replica
 from tests.chaos.support import metric, wait_until
 from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, default_doc, running_gateway
+from tests.harness.openai_types import error_body, user
 from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.e2e
 
 ROOMY = 1_000_000
-MESSAGES = [{"role": "user", "content": "hi"}]
+MESSAGES = user("hi")
 
 
 def doc() -> dict[str, Any]:
@@ -134,8 +135,8 @@ def test_a_reservation_that_can_never_fit_says_so(gw: Gateway) -> None:
     with pytest.raises(openai.RateLimitError) as caught:
         chat(gw, "tiny")
     err = caught.value
-    assert err.body["type"] == "tokens" and err.body["code"] == "rate_limit_exceeded"
-    assert f"needs {reserved} tokens" in err.body["message"] and "(100)" in err.body["message"]
+    assert error_body(err)["type"] == "tokens" and error_body(err)["code"] == "rate_limit_exceeded"
+    assert f"needs {reserved} tokens" in error_body(err)["message"] and "(100)" in error_body(err)["message"]
     assert "retry-after" not in err.response.headers  # no wait would admit it
     assert err.response.headers["x-should-retry"] == "false"
     # A request that fits is still admitted: nothing was taken by the refused one.
@@ -151,7 +152,7 @@ def test_an_abandoned_stream_keeps_its_reservation(gw: Gateway) -> None:
     # Dropped mid-stream: nothing comes back (the stream-done call carries no usage).
     with pytest.raises(openai.RateLimitError) as caught:
         chat(gw, "aborts", max_tokens=60)
-    assert caught.value.body["type"] == "tokens"
+    assert error_body(caught.value)["type"] == "tokens"
 
 
 def test_a_finished_stream_is_settled_to_its_usage(gw: Gateway) -> None:
@@ -170,7 +171,7 @@ def test_concurrency_cap_counts_streams_and_frees_slots_of_aborted_ones(gw: Gate
         with pytest.raises(openai.RateLimitError) as caught:
             chat(gw, "paced", max_tokens=1)
         err = caught.value
-        assert err.body["type"] == "concurrent" and err.body["code"] == "rate_limit_exceeded"
+        assert error_body(err)["type"] == "concurrent" and error_body(err)["code"] == "rate_limit_exceeded"
         assert err.response.headers["retry-after"] == "1"
         streams.pop().close()  # the client hangs up: its slot is released at stream done
 
