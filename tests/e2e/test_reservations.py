@@ -17,12 +17,14 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+from openai._legacy_response import LegacyAPIResponse
+from openai.types.chat import ChatCompletion
 
 from tests.chaos.replicas import add_to_envoy, start_replica
 from tests.chaos.support import metric, wait_until
 from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, default_doc, running_gateway
-from tests.harness.openai_types import error_body, user
+from tests.harness.openai_types import error_body, usage_of, user
 from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.e2e
@@ -69,7 +71,7 @@ def client(gw: Gateway, tenant: str, key: str = "sk-any") -> openai.OpenAI:
                          default_headers={"x-tenant-id": tenant})
 
 
-def chat(gw: Gateway, tenant: str, **extra: Any) -> Any:
+def chat(gw: Gateway, tenant: str, **extra: Any) -> LegacyAPIResponse[ChatCompletion]:
     return client(gw, tenant).chat.completions.with_raw_response.create(
         model="llama-2-13b", messages=MESSAGES, **extra)
 
@@ -115,7 +117,7 @@ def test_concurrent_requests_never_overshoot_and_refunds_admit_the_next(gw: Gate
     def one(_: int) -> int:
         try:
             slow = chat(gw, "quad", extra_headers={"x-context-length": "4000"})
-            return slow.parse().usage.total_tokens  # type: ignore[no-any-return]
+            return usage_of(slow.parse()).total_tokens
         except openai.RateLimitError:
             return -1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ratelimit.descriptors import RateLimitConfig
@@ -27,13 +27,9 @@ def capacity(config: RateLimitConfig) -> int | None:
     return None if limit is None else limit.requests_per_unit
 
 
-async def wait_for(predicate: object, timeout_s: float = 2.0) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if predicate():  # type: ignore[operator]
-            return time.monotonic() - started
-        await asyncio.sleep(0.02)
-    raise AssertionError("not within 2 s")
+async def applied(condition: Callable[[], bool], what: str) -> None:
+    """A file edit shows within two seconds (five polls of 0.1 s, and a margin)."""
+    await until(condition, timeout_s=2.0, what=what)
 
 
 async def test_edit_applies_within_two_seconds_and_broken_file_keeps_old(tmp_path: Path) -> None:
@@ -45,18 +41,18 @@ async def test_edit_applies_within_two_seconds_and_broken_file_keeps_old(tmp_pat
         reloader = server.reloader
         assert capacity(reloader.current()) == 5
         path.write_text(TEMPLATE.format(n=7))
-        await wait_for(lambda: capacity(reloader.current()) == 7)
+        await applied(lambda: capacity(reloader.current()) == 7, "capacity 7 in reloader")
 
         path.write_text("domain: llm\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: x}\n")
-        await wait_for(lambda: server.metrics.reloads.labels("error")._value.get() == 1)
+        await applied(lambda: server.metrics.reloads.labels("error")._value.get() == 1, "error reloads == 1")
         assert capacity(reloader.current()) == 7
         await asyncio.sleep(0.3)  # the broken file is not reloaded (or re-logged) every poll
         assert server.metrics.reloads.labels("error")._value.get() == 1
 
         path.write_text(TEMPLATE.format(n=9))
-        await wait_for(lambda: capacity(reloader.current()) == 9)
+        await applied(lambda: capacity(reloader.current()) == 9, "capacity 9 in reloader")
         # The reload thread swaps the snapshot, then counts it: wait for the count too.
-        await wait_for(lambda: server.metrics.reloads.labels("ok")._value.get() >= 2)
+        await applied(lambda: server.metrics.reloads.labels("ok")._value.get() >= 2, "ok reloads >= 2")
         assert server.metrics.reloads.labels("ok")._value.get() == 2
     finally:
         await server.stop(grace_s=0.1)
@@ -82,8 +78,8 @@ async def test_configmap_symlink_swap_file_and_directory(tmp_path: Path) -> None
     try:
         assert capacity(as_file.current()) == 3 and capacity(as_dir.current()) == 3
         _configmap(tmp_path, "v2", 4)
-        await wait_for(lambda: capacity(as_file.current()) == 4)
-        await wait_for(lambda: capacity(as_dir.current()) == 4)
+        await applied(lambda: capacity(as_file.current()) == 4, "capacity 4 in as_file")
+        await applied(lambda: capacity(as_dir.current()) == 4, "capacity 4 in as_dir")
     finally:
         for task in tasks:
             task.cancel()
