@@ -52,7 +52,7 @@ def body(model: str, batch: int, seed: str) -> bytes:
 
 
 async def load(url: str, bodies: Callable[[int], bytes], requests: int,
-               concurrency: int) -> dict[str, float]:
+               concurrency: int) -> dict[str, float | str]:
     latencies: list[float] = []
     caches: dict[str, int] = {}
     counter = iter(range(requests))

@@ -28,7 +28,10 @@ def _cell(points: list[Point]) -> dict[str, Any]:
     def med(get: Callable[[Point], float | None]) -> float | None:
         return _median([get(p) for p in points])
 
-    cpu = {name: med(lambda p, n=name: p.cpu_us_per_request.get(n))  # type: ignore[misc]
+    def cpu_of(name: str) -> Callable[[Point], float | None]:
+        return lambda p: p.cpu_us_per_request.get(name)
+
+    cpu = {name: med(cpu_of(name))
            for name in PROCS if any(name in p.cpu_us_per_request for p in points)}
     return {
         "repeats": len(points), "achieved_rps": med(lambda p: p.achieved_rps),

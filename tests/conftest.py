@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.ci import deploy_tools_wanted
+
 pytest_plugins: list[str] = ["tests.harness.redis_fixtures"]
 
 _TESTS = Path(__file__).resolve().parent
@@ -14,7 +16,13 @@ _TIERS = {"e2e": "e2e", "chaos": "e2e", "bench": "e2e", "fuzz": "fuzz"}
 """Top-level test folder → the marker its every test carries (real Envoy, or long fuzzing)."""
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not deploy_tools_wanted():
+        # Deselected, so the summary counts them, rather than skipped in every run.
+        deselected = [item for item in items if item.get_closest_marker("deploy_tools")]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item not in deselected]
     for item in items:
         try:
             folder = Path(str(item.path)).resolve().relative_to(_TESTS).parts[0]

@@ -27,8 +27,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             (f"sum by (cluster, variant) (rate(llm_sidecar_route_decisions_total{RATE}))",
              "{{cluster}} {{variant}}")]),
     ]),
-    # The field notes' diagnosis order: the KV (prefix) cache hit rate first (below 75 %,
-    # start there), then prefill, then decode: the rows and panels read in that order.
+    # Diagnosis order: the prefix (KV) cache hit rate first, because a pod that misses it
+    # recomputes each prompt, which shows up as slow prefill and then as a queue and slow
+    # decode; below 75 % over a quarter of the prompt blocks is recomputed: start there. Then
+    # prefill, then decode: the rows and panels read in that order.
     ("Pods of picker pools: prefix-cache hit rate first, then load", [
         ("Prefix-cache hit rate by pod (below 75 %: diagnose this first)", "percentunit", [
             ("avg by (cluster, endpoint) (llm_sidecar_endpoint_prefix_hit_rate)",

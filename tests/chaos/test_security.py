@@ -217,11 +217,13 @@ async def test_tls_context_is_made_once_per_client(tls_files: TlsFiles, scheme: 
     import ssl
 
     from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.connection import AbstractConnection, SSLConnection
 
     from sidecar_runtime.redis_client import make_client
 
     client = make_client(f"{scheme}://:pw@127.0.0.1:1/0?ssl_ca_certs={tls_files.ca_cert}", 0.05)
     try:
+        cls: type[AbstractConnection]
         if isinstance(client, RedisCluster):
             node = next(iter(client.nodes_manager.startup_nodes.values()))
             cls, kwargs = node.connection_class, node.connection_kwargs
@@ -237,6 +239,7 @@ async def test_tls_context_is_made_once_per_client(tls_files: TlsFiles, scheme: 
 
         monkeypatch.setattr(ssl, "create_default_context", counted)
         first, second = cls(**kwargs), cls(**kwargs)
+        assert isinstance(first, SSLConnection) and isinstance(second, SSLConnection)
         assert first.ssl_context.get() is second.ssl_context.get()
         assert made == []  # both connections use the context made when the client was
     finally:

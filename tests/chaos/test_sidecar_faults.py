@@ -26,7 +26,7 @@ import pytest
 
 from routing.units import parse_hostport
 from sidecar_runtime.procs import free_port, wait_tcp
-from tests.chaos.load import Call, Load, percentile
+from tests.chaos.load import Call, Load, Record, percentile
 from tests.chaos.replicas import Replica, ResettingPod, add_to_envoy, start_replica
 from tests.chaos.support import (
     LOAD_KEY,
@@ -55,17 +55,22 @@ def stream_call(tokens: int = STREAM_TOKENS) -> Call:
                 {"authorization": f"Bearer {LOAD_KEY}"})
 
 
-def read_stream(url: str, call: Call) -> tuple[int, int, bool]:
-    """(status, data events, saw [DONE]) of one SSE request read to its end."""
+def read_stream(url: str, call: Call, answered: list[int] | None = None) -> tuple[int, int, bool]:
+    """(status, data events, saw [DONE]) of one SSE request read to its end; its status is
+    appended to ``answered`` as soon as it is known (a 200's headers: the stream is flowing)."""
+    answers = answered if answered is not None else []
     request = urllib.request.Request(f"{url}{call.path}", data=call.body, method="POST",
                                      headers={"content-type": "application/json", **call.headers})
     try:
         with urllib.request.urlopen(request, timeout=30) as resp:
+            answers.append(resp.status)
             text = resp.read().decode()
             return resp.status, text.count("data: "), "data: [DONE]" in text
     except urllib.error.HTTPError as err:
+        answers.append(err.code)
         return err.code, 0, False
     except OSError:
+        answers.append(0)
         return 0, 0, False
 
 
@@ -209,15 +214,18 @@ def test_sigterm_drains_an_extproc_replica(rig: Rig) -> None:
     gw = rig.gw
     ensure_running(rig, "extproc")
     results: list[tuple[int, int, bool]] = []
-    streams = [threading.Thread(target=lambda: results.append(read_stream(gw.url, stream_call())))
-               for _ in range(6)]
+    answered: list[int] = []
+    streams = [threading.Thread(target=lambda: results.append(
+        read_stream(gw.url, stream_call(), answered))) for _ in range(6)]
     for thread in streams:
         thread.start()
-    time.sleep(0.3)  # all streams are flowing, about half of them through replica A
+    # All streams are flowing (about half of them through replica A): each has its headers and
+    # ~1.2 s of tokens still to come. One that failed counts too (the asserts below catch it).
+    wait_until(lambda: len(answered) == len(streams), 20)
     victim = gw.child("extproc")
     signalled = time.monotonic()
     victim.process.terminate()
-    newcomers = []
+    newcomers: list[Record] = []
     while victim.alive() and time.monotonic() - signalled < 15:
         newcomers.append(post(gw.url, chat_call(n=len(newcomers))))
         time.sleep(0.05)

@@ -14,12 +14,19 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 
 from tests.harness.gateway import Gateway, default_doc, running_gateway
+from tests.harness.openai_types import error_body, user
 
 LISTED_KEY = "sk-listed-legal"
 CHAT = {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 1}
+"""The request the raw-HTTP clients send; ``say_hi`` sends the same through the ``openai`` client."""
+
+
+def say_hi(client: openai.OpenAI) -> ChatCompletion:
+    return client.chat.completions.create(model="llama-2-13b", messages=user("hi"), max_tokens=1)
 
 
 def doc() -> dict[str, Any]:
@@ -108,10 +115,10 @@ def test_spoofed_llm_headers_change_nothing(gw: Gateway) -> None:
 
 def test_listed_key_maps_to_its_tenant_and_unlisted_to_the_header(gw: Gateway) -> None:
     gw.clear_sims()
-    openai.OpenAI(base_url=gw.openai_base, api_key=LISTED_KEY, max_retries=0,
-                  default_headers={"x-tenant-id": "spoofed"}).chat.completions.create(**CHAT)
-    openai.OpenAI(base_url=gw.openai_base, api_key="sk-open", max_retries=0,
-                  default_headers={"x-tenant-id": "acme"}).chat.completions.create(**CHAT)
+    say_hi(openai.OpenAI(base_url=gw.openai_base, api_key=LISTED_KEY, max_retries=0,
+                         default_headers={"x-tenant-id": "spoofed"}))
+    say_hi(openai.OpenAI(base_url=gw.openai_base, api_key="sk-open", max_retries=0,
+                         default_headers={"x-tenant-id": "acme"}))
     tenants = [r["headers"]["x-llm-tenant"] for c in ("vllm-short", "vllm-canary")
                for r in gw.sim_requests(c)]
     assert sorted(tenants) == ["acme", "legal"]
@@ -125,9 +132,9 @@ def test_required_auth(tmp_path_factory: pytest.TempPathFactory) -> None:
     d["auth"] = {"required": True}
     with running_gateway(d, str(tmp_path_factory.mktemp("gw-auth"))) as gateway:
         with pytest.raises(openai.AuthenticationError) as caught:
-            openai.OpenAI(base_url=gateway.openai_base, api_key="sk-unknown",
-                          max_retries=0).chat.completions.create(**CHAT)
-        assert caught.value.body["code"] == "invalid_api_key"
+            say_hi(openai.OpenAI(base_url=gateway.openai_base, api_key="sk-unknown",
+                                 max_retries=0))
+        assert error_body(caught.value)["code"] == "invalid_api_key"
         no_key = urllib.request.Request(f"{gateway.url}/v1/chat/completions",
                                         data=json.dumps(CHAT).encode(), method="POST",
                                         headers={"content-type": "application/json"})
@@ -136,9 +143,9 @@ def test_required_auth(tmp_path_factory: pytest.TempPathFactory) -> None:
         assert missing.value.code == 401
         assert json.loads(missing.value.read())["error"]["code"] == "invalid_api_key"
         assert all(gateway.sim_requests(c) == [] for c in gateway.sims)
-        reply = openai.OpenAI(base_url=gateway.openai_base, api_key=LISTED_KEY,
-                              max_retries=0).chat.completions.with_raw_response.create(**CHAT)
-        assert reply.parse().choices
+        reply = say_hi(openai.OpenAI(base_url=gateway.openai_base, api_key=LISTED_KEY,
+                                     max_retries=0))
+        assert reply.choices
         served = [r for c in gateway.sims for r in gateway.sim_requests(c)]
         assert [r["headers"]["x-llm-tenant"] for r in served] == ["legal"]
 

@@ -21,10 +21,11 @@ import pytest
 
 from tests.chaos.support import metric, wait_until
 from tests.harness.gateway import Gateway, default_doc, running_gateway
+from tests.harness.openai_types import error_body, usage_of, user
 
 pytestmark = pytest.mark.e2e
 
-MESSAGES = [{"role": "user", "content": "hi"}]
+MESSAGES = user("hi")
 DAY_CAP = 100_000
 
 
@@ -71,7 +72,7 @@ def charged_by(gw: Gateway, tenant: str, send: Callable[[], int]) -> tuple[int, 
     started = time.monotonic()
     settles = settled(gw)
     first = probe(model="llama-2-13b", messages=MESSAGES, max_tokens=1)
-    probe_usage = first.parse().usage.total_tokens
+    probe_usage = usage_of(first.parse()).total_tokens
     wait_until(lambda: settled(gw) >= settles + 1, 10, 0.05)
     total = send()
     wait_until(lambda: settled(gw) >= settles + 2, 10, 0.05)
@@ -201,7 +202,7 @@ def test_an_aborted_stream_keeps_its_reservation(gw: Gateway, tenant: str,
     with pytest.raises(openai.RateLimitError) as caught:
         client(gw, tenant).chat.completions.create(model="llama-2-13b", messages=MESSAGES,
                                                     max_tokens=60)
-    assert caught.value.body["type"] == "tokens"
+    assert error_body(caught.value)["type"] == "tokens"
 
 
 def test_an_upstream_error_is_settled_to_zero(gw: Gateway) -> None:

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.harness.gateway import Gateway, default_doc, running_gateway
+from tests.harness.openai_types import error_body
 
 ACME_KEY, SOLO_KEY = "sk-acme-listed", "sk-solo-listed"
 
@@ -86,7 +87,7 @@ def test_a_random_key_naming_a_listed_tenant_does_not_spend_it(gw: Gateway) -> N
         assert chat(acme, max_tokens=1).choices
     with pytest.raises(openai.RateLimitError) as caught:  # ... and it is enforced
         chat(acme, max_tokens=1)
-    assert caught.value.body["type"] == "requests"
+    assert error_body(caught.value)["type"] == "requests"
 
 
 def test_a_listed_key_without_tenant_is_its_own_tenant(gw: Gateway) -> None:
@@ -111,7 +112,7 @@ def test_a_listed_key_without_tenant_is_its_own_tenant(gw: Gateway) -> None:
 def test_a_bad_tenant_header_is_a_400_naming_it(gw: Gateway, value: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         chat(client(gw, "sk-random-bad-tenant", value), max_tokens=1)
-    body = caught.value.body
+    body = error_body(caught.value)
     assert (body["code"], body["param"], body["type"]) == (
         "invalid_tenant", "x-tenant-id", "invalid_request_error")
     assert caught.value.response.headers["content-type"] == "application/json"
@@ -139,14 +140,14 @@ def test_bounds_are_400_before_vllm(gw: Gateway) -> None:
     c = client(gw, "sk-bounds")
     with pytest.raises(openai.BadRequestError) as caught:
         chat(c, n=129, max_tokens=1)
-    assert (caught.value.body["code"], caught.value.body["param"]) == ("invalid_request", "n")
-    assert "at most 128" in caught.value.body["message"]
+    assert (error_body(caught.value)["code"], error_body(caught.value)["param"]) == ("invalid_request", "n")
+    assert "at most 128" in error_body(caught.value)["message"]
     with pytest.raises(openai.BadRequestError) as caught:
         c.completions.create(model="llama-2-13b", prompt=[[7]] * 2049, max_tokens=1)
-    assert caught.value.body["param"] == "prompt" and "2048" in caught.value.body["message"]
+    assert error_body(caught.value)["param"] == "prompt" and "2048" in error_body(caught.value)["message"]
     with pytest.raises(openai.BadRequestError) as caught:
         c.completions.create(model="llama-2-13b", prompt=[[7] * 500_001] * 2, max_tokens=1)
-    assert "1000000 token ids" in caught.value.body["message"]
+    assert "1000000 token ids" in error_body(caught.value)["message"]
     assert {name: len(gw.sim_requests(name)) for name in before} == before
 
 

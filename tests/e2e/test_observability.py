@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness.gateway import Gateway, default_doc, running_gateway
+from tests.harness.openai_types import usage_of
 from tests.harness.redis_fixtures import process_redis
 from tests.harness.redis_servers import ProcessRedis
 
@@ -69,8 +70,8 @@ def test_metrics_count_exactly_what_was_sent(gw: Gateway) -> None:
         reply = listed.chat.completions.create(
             model="llama-2-13b", messages=[{"role": "user", "content": f"plain {i}"}],
             max_tokens=3 + i)
-        usage_tokens["input"] += reply.usage.prompt_tokens
-        usage_tokens["output"] += reply.usage.completion_tokens
+        usage_tokens["input"] += usage_of(reply).prompt_tokens
+        usage_tokens["output"] += usage_of(reply).completion_tokens
     for i in range(4):
         stream = listed.chat.completions.create(
             model="llama-2-13b", messages=[{"role": "user", "content": f"stream {i}"}],

@@ -229,7 +229,8 @@ def test_failing_metrics_and_a_dead_pod_cost_no_client_errors(gateway: Gateway,
     wait_for(lambda: (extproc_metric(gateway, "llm_sidecar_endpoint_scrape_failures_total", A)
                       or 0) >= 3, timeout=10, what="extproc to see A's metrics fail")
     failed_before = extproc_metric(gateway, "llm_sidecar_endpoint_scrape_failures_total", C) or 0
-    dead = next(c for c in gateway.children if c.name == "sim pool" and str(C) in c.process.args)
+    dead = next(c for c in gateway.children if c.name == "sim pool"
+                and isinstance(c.process.args, list) and str(C) in c.process.args)
     dead.stop()
     # Three failed scrapes: the first may be the kept-alive connection closing, the next two are
     # refused connects, which make C unreachable for the picker.

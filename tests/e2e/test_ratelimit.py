@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.harness.gateway import Gateway, default_doc, running_gateway
+from tests.harness.openai_types import error_body
 
 BOT_KEY = "sk-contract-bot-secret"
 
@@ -57,9 +58,9 @@ def test_per_key_limit_denies_with_openai_json(gw: Gateway) -> None:
         chat(c)
     err = caught.value
     assert err.status_code == 429
-    assert err.body["code"] == "rate_limit_exceeded"
-    assert err.body["type"] == "requests"
-    assert set(err.body) == {"message", "type", "param", "code"}
+    assert error_body(err)["code"] == "rate_limit_exceeded"
+    assert error_body(err)["type"] == "requests"
+    assert set(error_body(err)) == {"message", "type", "param", "code"}
     assert err.response.headers["content-type"] == "application/json"
     assert int(err.response.headers["retry-after"]) >= 1
     assert err.response.headers["x-ratelimit-remaining"] == "0"
@@ -111,7 +112,7 @@ def test_token_limit_denies_once_reservations_and_usage_exhaust_it(gw: Gateway) 
     first = chat(c, max_tokens=60).parse()  # reserves prompt + 60 of the 100; uses about as much
     assert 60 < first.usage.total_tokens < 100
     err = denied_soon(gw, "thrifty")
-    assert err.body["type"] == "tokens"
+    assert error_body(err)["type"] == "tokens"
 
 
 def test_a_streamed_request_reserves_its_tokens_too(gw: Gateway) -> None:
@@ -119,7 +120,7 @@ def test_a_streamed_request_reserves_its_tokens_too(gw: Gateway) -> None:
         model="llama-2-13b", messages=[{"role": "user", "content": "hi"}], max_tokens=30,
         stream=True)
     assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) == 30
-    assert denied_soon(gw, "streamy").body["type"] == "tokens"
+    assert error_body(denied_soon(gw, "streamy"))["type"] == "tokens"
 
 
 def test_rejected_requests_charge_no_tokens(gw: Gateway) -> None:

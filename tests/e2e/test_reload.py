@@ -103,6 +103,7 @@ class Load:
 
     def request(self, conn: http.client.HTTPConnection, i: int) -> None:
         kind = i % 3
+        body: dict[str, object]
         if kind == 2:
             path, body = "/v1/embeddings", {"model": "bge-m3", "input": [f"text {i}"]}
         else:

@@ -17,17 +17,20 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+from openai._legacy_response import LegacyAPIResponse
+from openai.types.chat import ChatCompletion
 
 from tests.chaos.replicas import add_to_envoy, start_replica
 from tests.chaos.support import metric, wait_until
 from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, default_doc, running_gateway
+from tests.harness.openai_types import error_body, usage_of, user
 from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.e2e
 
 ROOMY = 1_000_000
-MESSAGES = [{"role": "user", "content": "hi"}]
+MESSAGES = user("hi")
 
 
 def doc() -> dict[str, Any]:
@@ -68,7 +71,7 @@ def client(gw: Gateway, tenant: str, key: str = "sk-any") -> openai.OpenAI:
                          default_headers={"x-tenant-id": tenant})
 
 
-def chat(gw: Gateway, tenant: str, **extra: Any) -> Any:
+def chat(gw: Gateway, tenant: str, **extra: Any) -> LegacyAPIResponse[ChatCompletion]:
     return client(gw, tenant).chat.completions.with_raw_response.create(
         model="llama-2-13b", messages=MESSAGES, **extra)
 
@@ -114,7 +117,7 @@ def test_concurrent_requests_never_overshoot_and_refunds_admit_the_next(gw: Gate
     def one(_: int) -> int:
         try:
             slow = chat(gw, "quad", extra_headers={"x-context-length": "4000"})
-            return slow.parse().usage.total_tokens  # type: ignore[no-any-return]
+            return usage_of(slow.parse()).total_tokens
         except openai.RateLimitError:
             return -1
 
@@ -134,8 +137,8 @@ def test_a_reservation_that_can_never_fit_says_so(gw: Gateway) -> None:
     with pytest.raises(openai.RateLimitError) as caught:
         chat(gw, "tiny")
     err = caught.value
-    assert err.body["type"] == "tokens" and err.body["code"] == "rate_limit_exceeded"
-    assert f"needs {reserved} tokens" in err.body["message"] and "(100)" in err.body["message"]
+    assert error_body(err)["type"] == "tokens" and error_body(err)["code"] == "rate_limit_exceeded"
+    assert f"needs {reserved} tokens" in error_body(err)["message"] and "(100)" in error_body(err)["message"]
     assert "retry-after" not in err.response.headers  # no wait would admit it
     assert err.response.headers["x-should-retry"] == "false"
     # A request that fits is still admitted: nothing was taken by the refused one.
@@ -151,7 +154,7 @@ def test_an_abandoned_stream_keeps_its_reservation(gw: Gateway) -> None:
     # Dropped mid-stream: nothing comes back (the stream-done call carries no usage).
     with pytest.raises(openai.RateLimitError) as caught:
         chat(gw, "aborts", max_tokens=60)
-    assert caught.value.body["type"] == "tokens"
+    assert error_body(caught.value)["type"] == "tokens"
 
 
 def test_a_finished_stream_is_settled_to_its_usage(gw: Gateway) -> None:
@@ -170,7 +173,7 @@ def test_concurrency_cap_counts_streams_and_frees_slots_of_aborted_ones(gw: Gate
         with pytest.raises(openai.RateLimitError) as caught:
             chat(gw, "paced", max_tokens=1)
         err = caught.value
-        assert err.body["type"] == "concurrent" and err.body["code"] == "rate_limit_exceeded"
+        assert error_body(err)["type"] == "concurrent" and error_body(err)["code"] == "rate_limit_exceeded"
         assert err.response.headers["retry-after"] == "1"
         streams.pop().close()  # the client hangs up: its slot is released at stream done
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.harness.gateway import Gateway
+from tests.harness.openai_types import error_body, usage_of, user
 
 
 def client(gw: Gateway, **headers: str) -> openai.OpenAI:
@@ -23,9 +24,9 @@ def chat(gw: Gateway, content: str = "Hello there", *, hint: int | None = None,
          max_tokens: int | None = 4) -> tuple[Any, str]:
     """Send one chat request; the response and the pool (simulator) that served it."""
     headers = {"X-Context-Length": str(hint)} if hint is not None else {}
-    extra = {} if max_tokens is None else {"max_tokens": max_tokens}
     raw = client(gw, **headers).chat.completions.with_raw_response.create(
-        model="llama-2-13b", messages=[{"role": "user", "content": content}], **extra)
+        model="llama-2-13b", messages=user(content),
+        max_tokens=openai.omit if max_tokens is None else max_tokens)
     return raw.parse(), raw.headers["x-sim-name"]
 
 
@@ -75,7 +76,7 @@ def test_completions_and_embeddings_work_through_envoy(gateway: Gateway) -> None
     raw = c.completions.with_raw_response.create(model="llama-2-13b", prompt="Once upon",
                                                  max_tokens=5)
     assert raw.headers["x-sim-name"] == "vllm-short"
-    assert raw.parse().usage.completion_tokens == 5
+    assert usage_of(raw.parse()).completion_tokens == 5
     raw_e = c.embeddings.with_raw_response.create(model="bge-m3", input=["a", "b", "c"])
     assert raw_e.headers["x-sim-name"] == "embed"
     data = raw_e.parse().data
@@ -96,9 +97,9 @@ def test_context_length_above_every_pool_is_413(gateway: Gateway) -> None:
         chat(gateway, hint=32769, max_tokens=1)
     err = caught.value
     assert err.status_code == 413
-    assert err.body["code"] == "context_length_exceeded"
-    assert err.body["type"] == "invalid_request_error"
-    assert "32768" in err.body["message"]
+    assert error_body(err)["code"] == "context_length_exceeded"
+    assert error_body(err)["type"] == "invalid_request_error"
+    assert "32768" in error_body(err)["message"]
     assert all(gateway.sim_requests(c) == [] for c in gateway.sims)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionSystemMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness.gateway import default_doc, running_gateway
@@ -41,11 +42,12 @@ def test_up_passes_speed_and_kv_cache_to_the_simulators(tmp_path: Path) -> None:
         assert (other["settings"]["speed"], other["settings"]["kv_capacity_tokens"]) == (1.0, 8 * 32768)
 
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0, timeout=10)
-        system = {"role": "system", "content": "You review supply contracts for a legal team. " * 20}
+        system: ChatCompletionSystemMessageParam = {
+            "role": "system", "content": "You review supply contracts for a legal team. " * 20}
         for question in ("Who pays for shipping?", "When can either party terminate?"):
             client.chat.completions.create(
                 model="llama-2-13b", max_tokens=2,
-                messages=[system, {"role": "user", "content": question}],  # type: ignore[list-item]
+                messages=[system, {"role": "user", "content": question}],
             )
         metrics = gw.sims["vllm-short"] + "/metrics"
         assert _counter(metrics, "vllm:prefix_cache_hits_total") >= 224  # the system prompt's blocks

@@ -100,7 +100,9 @@ def test_choices(fields: dict[str, Any], choices: int) -> None:
     ({"n": True}, "n", "n must be an integer."),
 ])
 def test_choice_bounds(fields: dict[str, Any], param: str, message: str) -> None:
-    for api, doc in (("chat", {"messages": MESSAGES}), ("completions", {"prompt": "x"})):
+    cases: tuple[tuple[Api, dict[str, Any]], ...] = (
+        ("chat", {"messages": MESSAGES}), ("completions", {"prompt": "x"}))
+    for api, doc in cases:
         err = refused(api, {**doc, **fields})
         assert (err.code, err.param, err.message) == ("invalid_request", param, message)
 

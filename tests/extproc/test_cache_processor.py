@@ -16,7 +16,8 @@ from simulator.embeddings import embed, encode_base64
 from tests.extproc.helpers import snapshot
 
 SECRET = b"test-secret"
-CACHED = {"kind": "embedding", "clusters": ["embed"], "cache": {"namespace": "bge", "ttl": "1h"}}
+CACHED: dict[str, Any] = {"kind": "embedding", "clusters": ["embed"],
+                          "cache": {"namespace": "bge", "ttl": "1h"}}
 
 
 def snap(**bge: Any) -> Any:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
+import re
 
 import pytest
 
 from extproc.errors import ClientError
-from extproc.identity import ANONYMOUS, identify
+from extproc.identity import ANONYMOUS, Identity, identify, presented_key, unlisted_key_id
 from routing.compiled import Snapshot
 from tests.extproc.helpers import snapshot
 
@@ -118,3 +120,64 @@ def test_tenant_sets_of_the_snapshot() -> None:
     assert OPEN.listed_tenants == {"legal", "solo"}
     assert OPEN.known_tenants == {"default", "legal", "solo"}
     assert {k.tenant for k in OPEN.keys_by_sha256.values()} == {"legal", "solo"}
+
+
+@pytest.mark.parametrize(("headers", "key"), [
+    ({"authorization": "Bearer sk-a"}, "sk-a"),
+    ({"authorization": "bearer sk-a"}, "sk-a"),  # HTTP auth schemes are case-insensitive
+    ({"authorization": "BEARER sk-a"}, "sk-a"),
+    ({"authorization": "  Bearer   sk-a  "}, "sk-a"),
+    ({"x-api-key": "sk-b"}, "sk-b"),
+    ({"x-api-key": "  sk-b "}, "sk-b"),
+    ({"authorization": "Bearer sk-a", "x-api-key": "sk-b"}, "sk-a"),  # Authorization wins
+    ({"authorization": "Basic c2stYQ==", "x-api-key": "sk-b"}, "sk-b"),  # not a bearer token
+    ({"authorization": "Bearer ", "x-api-key": "sk-b"}, "sk-b"),
+    ({"authorization": "Basic c2stYQ=="}, None),
+    ({"authorization": "Token sk-a"}, None),
+    ({"authorization": "Bearer"}, None),
+    ({"authorization": "Bearer    "}, None),
+    ({"authorization": "sk-a"}, None),  # a bare key is not a bearer token
+    ({"x-api-key": ""}, None),
+    ({"x-api-key": "   "}, None),
+    ({}, None),
+])
+def test_the_presented_key(headers: dict[str, str], key: str | None) -> None:
+    assert presented_key(headers) == key
+
+
+@pytest.mark.parametrize("headers", [
+    {"authorization": bearer(SOLO_KEY)}, {"authorization": f"bearer  {SOLO_KEY} "},
+    {"x-api-key": SOLO_KEY}, {"x-api-key": f" {SOLO_KEY}"}])
+def test_a_listed_key_is_the_same_caller_however_it_is_sent(headers: dict[str, str]) -> None:
+    assert identify(OPEN, headers, SECRET) == Identity(
+        OPEN.keys_by_sha256[sha(SOLO_KEY)].key_id, "solo", "solo")
+
+
+def test_a_near_miss_of_a_listed_key_is_an_unlisted_caller() -> None:
+    for near in (SOLO_KEY.upper(), SOLO_KEY + "x", SOLO_KEY[:-1], f"{SOLO_KEY}\x00"):
+        caller = identify(OPEN, {"authorization": bearer(near)}, SECRET)
+        assert caller.key_name is None and caller.key_id.startswith("u") and caller.tenant == "default"
+
+
+def test_unlisted_key_ids_are_a_keyed_hash_of_the_key() -> None:
+    """Stable across replicas sharing the secret, different under another secret (ids in
+    logs and metrics from two deployments cannot be joined), and not the key's plain sha256
+    (which anyone holding a leaked key could compute and look for)."""
+    digest = sha("sk-random")
+    key_id = unlisted_key_id(SECRET, digest)
+    assert key_id == "u" + hmac.new(SECRET, digest.encode(), hashlib.sha256).hexdigest()[:20]
+    assert identify(OPEN, {"x-api-key": "sk-random"}, SECRET).key_id == key_id
+    assert unlisted_key_id(SECRET, digest) == key_id
+    assert unlisted_key_id(b"another-secret", digest) != key_id
+    assert unlisted_key_id(SECRET, sha("sk-random2")) != key_id
+    assert key_id[1:] not in digest
+    assert re.fullmatch(r"u[0-9a-f]{20}", key_id)
+
+
+def test_listed_and_unlisted_ids_cannot_collide() -> None:
+    """A listed id starts with "k", an unlisted one with "u", the anonymous id is a word: no
+    unlisted caller can share a listed key's per-key bucket or metric label."""
+    listed = {k.key_id for k in OPEN.keys_by_sha256.values()}
+    assert all(re.fullmatch(r"k[0-9a-f]{20}", key_id) for key_id in listed)
+    unlisted = {identify(OPEN, {"x-api-key": f"sk-{i}"}, SECRET).key_id for i in range(200)}
+    assert len(unlisted) == 200 and not unlisted & listed and ANONYMOUS not in unlisted

@@ -68,7 +68,7 @@ def io_reached(module: str, allowed: set[tuple[str, str]]) -> list[str]:
     """The import chains from ``module`` to a forbidden package, through the project's modules."""
     chains: list[str] = []
     seen: set[str] = set()
-    stack = [(module, (module,))]
+    stack: list[tuple[str, tuple[str, ...]]] = [(module, (module,))]
     while stack:
         current, chain = stack.pop()
         if current in seen:

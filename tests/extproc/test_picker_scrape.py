@@ -410,7 +410,8 @@ async def test_stop_leaves_no_task_and_closes_the_session(sims: Any) -> None:
         [f"localhost:{sim.port}"], dcgm_url="http://{host}:1/metrics")}))
     await scraper.start()
     await until(lambda: any(p.scraped_at for p in pools["pool"].pods.values()), "a scrape")
-    assert len(scraper.tasks) == 3  # resolver, scraper, DCGM
+    running = scraper.tasks
+    assert len(running) == 3  # resolver, scraper, DCGM
     await scraper.stop()
     assert scraper.tasks == () and not scraper.running
     assert [t for t in asyncio.all_tasks() if t.get_name().startswith("picker-")] == []

@@ -14,7 +14,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import wire
-from extproc.actions import Found, Lookup
+from extproc.actions import Continue, Found, Lookup, Reply, Verdict
 from extproc.stream import StreamState
 from routing.compiled import Snapshot
 from tests.extproc.helpers import snapshot
@@ -123,10 +123,15 @@ def run_stream(headers: Mapping[str, str], body: bytes | None,
         phase, hdrs, raw, end = wire.read(request)
         assert phase is not None
         step = state.handle(phase, hdrs, raw, end)
-        if isinstance(step, Lookup):
-            step = state.resume(step, found if found is None else
-                                tuple(found[i % len(found)] if found else None
-                                      for i in range(len(step.keys))))
+        # Do what the service does between messages: fetch a lookup's values, and ask the
+        # limiter about a reply extproc makes itself (here it always admits).
+        while not isinstance(step, Continue | Reply):
+            if isinstance(step, Lookup):
+                step = state.resume(step, found if found is None else
+                                    tuple(found[i % len(found)] if found else None
+                                          for i in range(len(step.keys))))
+            else:
+                step = state.admit(step, Verdict("ok"))
         answer = Answer(phase, wire.build(phase, step), time.perf_counter() - started)
         check(answer)
         answers.append(answer)

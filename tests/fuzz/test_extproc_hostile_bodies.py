@@ -29,8 +29,9 @@ json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=
                            | st.dictionaries(st.text(max_size=10), inner, max_size=5),
                            max_leaves=25)
 token_ids = st.lists(st.integers(min_value=-(2**40), max_value=2**40), max_size=40)
-weird_numbers = st.sampled_from([0, -1, -(2**31), 2**31, 2**63 - 1, 2**64, 10**30, 1e308,
-                                 -1e308, 0.5, 1e-300, "12", None, True, [], {}])
+weird_numbers: st.SearchStrategy[object] = st.sampled_from(
+    [0, -1, -(2**31), 2**31, 2**63 - 1, 2**64, 10**30, 1e308, -1e308, 0.5, 1e-300, "12", None,
+     True, [], {}])
 contents = (st.text(max_size=200) | st.none() | st.integers() | json_values
             | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "x"]),
                                               "text": st.text(max_size=50) | st.integers()}),

@@ -41,7 +41,7 @@ class RawH2:
         """The server's next frame (SETTINGS are acknowledged and remembered on the way)."""
         while True:
             header = self._read(9)
-            frame, length = Frame.parse_frame_header(header)
+            frame, length = Frame.parse_frame_header(memoryview(header))
             frame.parse_body(memoryview(self._read(length)))
             if isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
                 self.server_settings.update(frame.settings)

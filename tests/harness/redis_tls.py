@@ -20,12 +20,12 @@ from typing import Any
 
 import redis
 
+from sidecar_runtime.procs import free_port
 from tests.harness.fault_proxy import FaultProxy
 from tests.harness.redis_servers import (
     START_TIMEOUT_S,
     ProcessRedis,
     RedisUnavailable,
-    free_port,
     redis_binary,
 )
 from tests.harness.tls import TlsFiles
@@ -122,10 +122,10 @@ def start_tls_redis(files: TlsFiles, password: str) -> TlsRedis:
             server.workdir = workdir
             return server
     shutil.rmtree(workdir, ignore_errors=True)
-    binary = redis_binary()
-    if binary is None:
+    plain_binary = redis_binary()
+    if plain_binary is None:
         raise RedisUnavailable("no redis-server binary")
-    plain = ProcessRedis(binary=binary, password=password).start()
+    plain = ProcessRedis(binary=plain_binary, password=password).start()
     proxy = FaultProxy("127.0.0.1", plain.port, server_ssl=files.server_context()).start()
     server = TlsRedis(files, password, proxy.port, "proxy", plain=plain, proxy=proxy)
     if not _wait_tls(server, START_TIMEOUT_S):

@@ -20,6 +20,7 @@ from extproc.cache.store import MemoryVectorStore, VectorStore
 from sidecar_runtime.breaker import BreakerState
 from sidecar_runtime.redis_client import make_client
 from simulator.embeddings import embed
+from tests.extproc.cache.test_guard import breaker_of
 from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -98,14 +99,14 @@ async def test_killed_redis_is_a_bypass_then_the_cache_comes_back(
         started = time.monotonic()
         assert await cache.lookup(ks) is None
         assert time.monotonic() - started < DEADLINE_S + 0.2
-        assert cache.breaker_state is BreakerState.OPEN
+        assert breaker_of(cache) is BreakerState.OPEN
         assert await cache.lookup(ks) is None  # not even tried
         own_redis_server.restart()  # empty
         deadline = time.monotonic() + 3
         while (found := await cache.lookup(ks)) is None:
             assert time.monotonic() < deadline, "the cache never came back"
             await asyncio.sleep(0.05)
-        assert found == (None,) * 4 and cache.breaker_state is BreakerState.CLOSED
+        assert found == (None,) * 4 and breaker_of(cache) is BreakerState.CLOSED
         assert (registry.get_sample_value("llm_sidecar_cache_lookups_total",
                                           {"result": "bypass"}) or 0) >= 2
     finally:

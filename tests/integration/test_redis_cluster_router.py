@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
@@ -127,10 +128,10 @@ async def test_a_caller_that_gives_up_does_not_cancel_the_map_load(
     begun = asyncio.Event()
     load = client.initialize
 
-    async def counted() -> RedisCluster:
+    async def counted(*args: Any, **kwargs: Any) -> RedisCluster:
         loads.append(1)
         begun.set()
-        return await load()
+        return await load(*args, **kwargs)
 
     client.initialize = counted  # type: ignore[method-assign]
     router = ClusterRouter(client)

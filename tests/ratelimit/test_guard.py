@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from ratelimit.bucket import BucketResult, Hit
+from ratelimit.bucket import BucketResult, Hit, Settle
 from ratelimit.errors import BackendError, NodeDown
 from ratelimit.guard import GuardedStore
 from ratelimit.metrics import RateLimitMetrics
@@ -36,6 +36,9 @@ class ScriptedStore:
         if self.mode == "node_down":
             raise NodeDown("redis cluster node 127.0.0.1:7001 is down")
         return StoreResult(True, tuple(BucketResult(True, 1.0) for _ in hits))
+
+    async def settle(self, settles: Sequence[Settle]) -> None:
+        self.calls += 1
 
     async def aclose(self) -> None:
         return None

@@ -1,11 +1,17 @@
-"""docker-compose.yml and deploy/k8s/: they parse, and every name they use exists.
+"""docker-compose.yml and deploy/k8s/: they are valid, and every name they use exists.
 
-``docker compose config`` (or ``docker-compose config``) checks the compose file where either exists;
-``kubectl kustomize`` builds the manifests where kubectl exists (both need no cluster/engine).
+Every run validates each format without its tool: ``compose-spec`` (the compose_spec parser:
+unknown keys, bad durations and sizes, wrong types) for the compose file, ``kubernetes-validate``
+(the Kubernetes OpenAPI schemas, strict: unknown fields are errors) for every manifest.
+``kubectl kustomize`` needs no cluster and kubectl is on the machine image, so it runs too (in CI
+a missing kubectl is a failure). ``docker compose config`` needs the compose plugin, which no
+development or CI machine has: it runs only with ``LLM_SIDECAR_TEST_DEPLOY_TOOLS=1`` (then a
+missing plugin is a failure); otherwise pytest reports it deselected, never skipped.
 """
 
 from __future__ import annotations
 
+import copy
 import pathlib
 import shutil
 import subprocess
@@ -15,10 +21,13 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from compose_spec import PyCompose
+from kubernetes_validate import ValidationError, latest_version, validate
 
 from routing.artifacts import ROOT
 from routing.loader import load_config
 from routing.units import parse_hostport
+from tests.harness.ci import DEPLOY_TOOLS_ENV, unavailable
 
 REPO = pathlib.Path(ROOT)
 
@@ -45,10 +54,30 @@ def compose_cli() -> list[str] | None:
     return [standalone] if standalone is not None else None
 
 
+def test_the_compose_file_is_valid_compose() -> None:
+    """What ``docker compose config`` checks without an engine, where no Docker exists."""
+    PyCompose.from_yaml((REPO / "docker-compose.yml").read_text()).validate()
+
+
+@pytest.mark.parametrize(("edit", "problem"), [
+    (("healthcheck:", "healthchek:"), "extension key `healthchek`"),
+    (("interval: 5s", "interval: 5 parsecs"), "not a valid duration unit"),
+    (("mem_limit: 256m", "mem_limit: lots"), "unknown unit"),
+    (("retries: 12", "retries: -1"), "invalid type"),
+])
+def test_the_compose_validator_catches_a_broken_file(edit: tuple[str, str], problem: str) -> None:
+    text = (REPO / "docker-compose.yml").read_text()
+    assert edit[0] in text
+    with pytest.raises(ValueError, match=problem):
+        PyCompose.from_yaml(text.replace(*edit, 1)).validate()
+
+
+@pytest.mark.deploy_tools
 def test_docker_compose_config_accepts_the_file() -> None:
     cli = compose_cli()
     if cli is None:
-        pytest.skip("no docker compose here (neither the CLI plugin nor docker-compose)")
+        pytest.fail(f"{DEPLOY_TOOLS_ENV} is set, but there is no docker compose here "
+                    "(neither the CLI plugin nor docker-compose)", pytrace=False)
     result = subprocess.run([*cli, "-f", str(REPO / "docker-compose.yml"), "config", "--quiet"],
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
@@ -76,6 +105,10 @@ def manifests() -> list[dict[str, Any]]:
     for name in kustomization["resources"]:
         docs += [d for d in yaml.safe_load_all((REPO / "deploy" / "k8s" / name).read_text()) if d]
     return docs
+
+
+def kind_and_name(doc: dict[str, Any]) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -127,11 +160,41 @@ def test_kubernetes_names_line_up(tmp_path: pathlib.Path) -> None:
         assert redis.port in [p["port"] for p in services[str(redis.hostname)]["spec"]["ports"]]
 
 
+def test_every_manifest_matches_its_kubernetes_schema() -> None:
+    failures = []
+    for doc in manifests():
+        try:
+            validate(doc, latest_version(), strict=True)
+        except ValidationError as err:
+            failures.append(f"{doc['kind']}/{doc['metadata']['name']}: {err.message}")
+    assert failures == []
+
+
+def test_the_schema_check_catches_a_broken_manifest() -> None:
+    deployment = copy.deepcopy(next(d for d in manifests() if d["kind"] == "Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    with pytest.raises(ValidationError, match="'imagePullPolcy' was unexpected"):
+        validate(deployment, latest_version(), strict=True)
+
+
+def test_the_kustomization_only_lists_resources() -> None:
+    """Then ``kubectl kustomize`` outputs exactly the listed files' documents, which is what
+    ``manifests()`` reads: no patches, generators or name prefixes it would have to apply."""
+    kustomization = yaml.safe_load((REPO / "deploy" / "k8s" / "kustomization.yaml").read_text())
+    assert kustomization["kind"] == "Kustomization"
+    assert set(kustomization) == {"apiVersion", "kind", "resources"}
+    assert sorted(p.name for p in (REPO / "deploy" / "k8s").glob("*.yaml")) == sorted(
+        ["kustomization.yaml", *kustomization["resources"]])
+
+
 def test_kubectl_kustomize_builds_the_manifests() -> None:
+    """kubectl ships on this project's machine image (so CI runs this); ``kustomize`` needs no
+    cluster. Its output is exactly the documents the other tests read."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("no kubectl here")
+        unavailable("kubectl")
     result = subprocess.run([kubectl, "kustomize", str(REPO / "deploy" / "k8s")],
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
-    assert len([d for d in yaml.safe_load_all(result.stdout) if d]) == len(manifests())
+    built = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert sorted(built, key=kind_and_name) == sorted(manifests(), key=kind_and_name)

@@ -94,7 +94,12 @@ def test_a_file_still_being_written_is_not_judged(tmp_path: pathlib.Path) -> Non
     path = tmp_path / "routing.yaml"
     path.write_text(GOOD)
     failures: list[str] = []
-    holder = Reloader(str(path), load, on_result=lambda ok, message: ok or failures.append(message))
+
+    def on_result(ok: bool, message: str) -> None:
+        if not ok:
+            failures.append(message)
+
+    holder = Reloader(str(path), load, on_result=on_result)
     path.write_text(GOOD[:40])  # half written
 
     def load_while_the_writer_finishes(p: str) -> Snapshot:

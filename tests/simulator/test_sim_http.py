@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from simulator import RunningSimulator, SimConfig, build_app
 from simulator.embeddings import decode_base64
 from simulator.state import STATE
+from tests.harness.waits import until
 
 StartSim = Callable[..., Awaitable[RunningSimulator]]
 HELLO = [{"role": "user", "content": "hello"}]  # 9 prompt tokens
@@ -263,15 +264,22 @@ async def test_running_and_waiting_follow_the_batch_and_priority_wins(
         assert status == 200
         finished.append(tag)
 
-    blocker = asyncio.create_task(chat("blocker", 0, 10))
-    await asyncio.sleep(0.05)
-    late = [asyncio.create_task(chat("low", 9, 1)), asyncio.create_task(chat("high", -1, 1))]
-    await asyncio.sleep(0.05)
-    async with http.get(sim.url + "/metrics") as response:
-        samples = _samples(await response.text())
     model = (("model_name", "test-pool"),)
-    assert samples[("vllm:num_requests_running", model)] == 1
-    assert samples[("vllm:num_requests_waiting", model)] == 2
+
+    async def counts() -> tuple[float, float]:
+        async with http.get(sim.url + "/metrics") as response:
+            samples = _samples(await response.text())
+        return (samples[("vllm:num_requests_running", model)],
+                samples[("vllm:num_requests_waiting", model)])
+
+    async def counts_are(running: int, waiting: int) -> bool:
+        return await counts() == (running, waiting)
+
+    # The blocker's 40 tokens take 0.8 s: long enough to queue both late requests behind it.
+    blocker = asyncio.create_task(chat("blocker", 0, 40))
+    await until(lambda: counts_are(1, 0), timeout_s=10, what="the blocker to run")
+    late = [asyncio.create_task(chat("low", 9, 1)), asyncio.create_task(chat("high", -1, 1))]
+    await until(lambda: counts_are(1, 2), timeout_s=10, what="both late requests to wait")
     await asyncio.gather(blocker, *late)
     assert finished == ["blocker", "high", "low"]
 
@@ -286,15 +294,9 @@ async def test_a_client_that_hangs_up_is_counted_as_an_abort(
         response.close()
     metrics = sim.app[STATE].metrics.registry
     labels = {"model_name": "test-pool"}
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:
-        aborts = metrics.get_sample_value(
-            "vllm:request_success_total", {**labels, "finished_reason": "abort"}
-        )
-        if aborts == 1:
-            break
-        await asyncio.sleep(0.02)
-    assert aborts == 1
+    aborts = {**labels, "finished_reason": "abort"}
+    await until(lambda: metrics.get_sample_value("vllm:request_success_total", aborts) == 1,
+                timeout_s=10, what="the abort to be counted")
     assert metrics.get_sample_value("vllm:num_requests_running", labels) == 0
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -76,8 +77,9 @@ def test_a_client_flooding_the_canary_with_429s_cannot_trip_it() -> None:
 def test_guard_stops_the_canary_until_its_config_changes() -> None:
     canary = {"model": "v2", "cluster": "vllm-canary", "percent": 50,
               "guard": {"min_samples": 3, "max_ttft_p99_ratio": 2.0}}
-    models = {"llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "canary": canary},
-              "bge-m3": {"kind": "embedding", "clusters": ["embed"]}}
+    models: dict[str, dict[str, Any]] = {
+        "llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "canary": canary},
+        "bge-m3": {"kind": "embedding", "clusters": ["embed"]}}
     snap = snapshot(models=models)
     guards = CanaryGuards()
     model = snap.models["llama-2-13b"]

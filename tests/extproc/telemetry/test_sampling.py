@@ -87,7 +87,7 @@ def routed(doc: dict[str, Any], *, marker: bool = True, **sections: Any
     return state, action, records
 
 
-UNREAD = {"rate_limits": LIMITS, "telemetry": {"sample": 0, "envoy_usage": True}}
+UNREAD: dict[str, Any] = {"rate_limits": LIMITS, "telemetry": {"sample": 0, "envoy_usage": True}}
 
 
 ASKED = {"stream": True, "stream_options": {"include_usage": True}}

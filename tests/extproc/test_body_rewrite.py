@@ -1,0 +1,87 @@
+"""The request body extproc sends on to vLLM: unchanged unless the canary renames the model,
+``priority.inject`` adds vLLM's ``priority``, or an unread stream gets ``include_usage`` added
+(``GenerationProcessor.on_request_body``). Every rewrite keeps the client's other fields and
+sets a ``content-length`` that matches the new body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from extproc.actions import Continue
+from extproc.stream import StreamState
+from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER
+from tests.extproc.helpers import snapshot
+
+SECRET = b"test-secret"
+CANARY: dict[str, dict[str, Any]] = {"llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "canary": {
+    "model": "llama-2-13b-v2", "cluster": "vllm-canary", "percent": 100, "sticky": "request"}}}
+NO_CANARY = {"llama-2-13b": {**CANARY["llama-2-13b"], "canary": {
+    **CANARY["llama-2-13b"]["canary"], "percent": 0}}}
+INJECT = {"high_below": 1, "low_from": 100, "inject": True}
+"""A prompt of "hi" counts 17 tokens: 1 of text and the chat template's allowance of 16."""
+UNREAD = {"rate_limits": {"tenant": {"default": {"tokens": "1M/h"}}},
+          "telemetry": {"sample": 0, "envoy_usage": True}}
+EXTRA = {"temperature": 0.5, "user": "u-1", "logit_bias": {"42": -100}}
+"""Fields the rewrite must pass on untouched."""
+
+
+def routed(doc: dict[str, Any], **sections: Any) -> Continue:
+    state = StreamState(snapshot(**sections), SECRET)
+    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+                                     ENVOY_USAGE_HEADER: "1"}, b"", False)
+    action = state.handle("request_body", None, orjson.dumps(
+        {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}], **EXTRA, **doc}),
+        True)
+    assert isinstance(action, Continue)
+    return action
+
+
+def sent(action: Continue) -> dict[str, Any] | None:
+    """The body as vLLM gets it; None when extproc leaves the client's bytes alone."""
+    if action.body is None:
+        assert "content-length" not in dict(action.set_headers)
+        return None
+    assert dict(action.set_headers)["content-length"] == str(len(action.body))
+    body: dict[str, Any] = orjson.loads(action.body)
+    assert {k: body[k] for k in EXTRA} == EXTRA
+    return body
+
+
+def changes(body: dict[str, Any] | None, doc: dict[str, Any]) -> dict[str, Any] | None:
+    """What the rewrite changed or added, against the client's body."""
+    if body is None:
+        return None
+    original = {"model": "llama-2-13b", **doc}
+    return {k: v for k, v in body.items() if k not in EXTRA and k != "messages"
+            and original.get(k, "<absent>") != v}
+
+
+@pytest.mark.parametrize(("doc", "sections", "changed"), [
+    # Nothing to change: the client's bytes go on as they are.
+    ({"max_tokens": 10}, {}, None),
+    ({"max_tokens": 10}, {"models": NO_CANARY}, None),
+    ({"stream": True}, {}, None),  # read by extproc (sample 1): no usage to add
+    # The canary serves under its own name.
+    ({"max_tokens": 10}, {"models": CANARY}, {"model": "llama-2-13b-v2"}),
+    # vLLM's priority, by tier (weight 17 x max_tokens / 1000): 0 high, 1 medium, 2 low.
+    ({"max_tokens": 1}, {"priority": INJECT}, {"priority": 0}),
+    ({"max_tokens": 100}, {"priority": INJECT}, {"priority": 1}),
+    ({"max_tokens": 6000}, {"priority": INJECT}, {"priority": 2}),
+    # A client cannot buy a better place in vLLM's queue with its own field.
+    ({"max_tokens": 6000, "priority": -100}, {"priority": INJECT}, {"priority": 2}),
+    ({"max_tokens": 6000, "priority": "0"}, {"priority": INJECT}, {"priority": 2}),
+    # An unread stream gets the usage chunk Envoy reads (and strips again).
+    ({"stream": True}, UNREAD, {"stream_options": {"include_usage": True}}),
+    ({"stream": True, "stream_options": {"include_usage": False}}, UNREAD,
+     {"stream_options": {"include_usage": True}}),
+    ({"stream": True, "stream_options": {"include_usage": True}}, UNREAD, None),  # asked itself
+    # All three at once.
+    ({"stream": True, "max_tokens": 1}, {**UNREAD, "priority": INJECT, "models": CANARY},
+     {"model": "llama-2-13b-v2", "priority": 0}),
+])
+def test_the_body_vllm_gets(doc: dict[str, Any], sections: dict[str, Any],
+                            changed: dict[str, Any] | None) -> None:
+    assert changes(sent(routed(doc, **sections)), doc) == changed
