@@ -1,8 +1,9 @@
 """docker-compose.yml and deploy/k8s/: they are valid, and every name they use exists.
 
-Every run validates each format without its tool: ``compose-spec`` (the compose_spec parser:
-unknown keys, bad durations and sizes, wrong types) for the compose file, ``kubernetes-validate``
-(the Kubernetes OpenAPI schemas, strict: unknown fields are errors) for every manifest.
+Every run validates the manifests without a cluster: ``kubernetes-validate`` (the Kubernetes
+OpenAPI schemas, strict: unknown fields are errors). The compose file's names are checked
+against the routing YAML it mounts; its schema is left to ``docker compose config`` (a Python
+compose validator with no known maintainer was tried and not adopted as a test dependency).
 ``kubectl kustomize`` needs no cluster and kubectl is on the machine image, so it runs too (in CI
 a missing kubectl is a failure). ``docker compose config`` needs the compose plugin, which no
 development or CI machine has: it runs only with ``LLM_SIDECAR_TEST_DEPLOY_TOOLS=1`` (then a
@@ -21,7 +22,6 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from compose_spec import PyCompose
 from kubernetes_validate import ValidationError, latest_version, validate
 
 from routing.artifacts import ROOT
@@ -52,24 +52,6 @@ def compose_cli() -> list[str] | None:
         return [docker, "compose"]
     standalone = shutil.which("docker-compose")
     return [standalone] if standalone is not None else None
-
-
-def test_the_compose_file_is_valid_compose() -> None:
-    """What ``docker compose config`` checks without an engine, where no Docker exists."""
-    PyCompose.from_yaml((REPO / "docker-compose.yml").read_text()).validate()
-
-
-@pytest.mark.parametrize(("edit", "problem"), [
-    (("healthcheck:", "healthchek:"), "extension key `healthchek`"),
-    (("interval: 5s", "interval: 5 parsecs"), "not a valid duration unit"),
-    (("mem_limit: 256m", "mem_limit: lots"), "unknown unit"),
-    (("retries: 12", "retries: -1"), "invalid type"),
-])
-def test_the_compose_validator_catches_a_broken_file(edit: tuple[str, str], problem: str) -> None:
-    text = (REPO / "docker-compose.yml").read_text()
-    assert edit[0] in text
-    with pytest.raises(ValueError, match=problem):
-        PyCompose.from_yaml(text.replace(*edit, 1)).validate()
 
 
 @pytest.mark.deploy_tools
