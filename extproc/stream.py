@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from types import MappingProxyType
 
 from extproc.actions import (
     PASS,
@@ -60,7 +61,8 @@ def routed(action: Step) -> Step:
     cluster = next((v for k, v in action.set_headers if k == "x-llm-cluster"), None)
     if cluster is None:
         return action
-    return replace(action, metadata={**action.metadata, CLUSTER_METADATA_KEY: cluster},
+    metadata = MappingProxyType({**action.metadata, CLUSTER_METADATA_KEY: cluster})
+    return replace(action, metadata=metadata,
                    remove_headers=(*action.remove_headers, *CLIENT_CREDENTIALS))
 
 
