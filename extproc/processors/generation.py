@@ -28,6 +28,7 @@ from extproc.processors.phases import (
     AwaitingBody,
     Done,
     Event,
+    GenerationPhase,
     Reading,
     Routed,
     advance,
@@ -53,7 +54,7 @@ class GenerationProcessor(BaseProcessor):
     def __init__(self, ctx: RequestContext, api: Api) -> None:
         super().__init__(ctx)
         self.api = api
-        self.phase: AwaitingBody | Routed | Reading | Done = AWAITING_BODY
+        self.phase: GenerationPhase = AWAITING_BODY
         self.picked: tuple[str, str] | None = None
         """The pool and pod the endpoint picker sent this request to (told at the stream's
         end, whatever the phase: the pod has one request less open from this replica)."""

@@ -99,6 +99,7 @@ class Reading:
     times: TokenTimes = field(default_factory=TokenTimes)
 
 
+GenerationPhase = AwaitingBody | Routed | Reading | Done
 GENERATION: Table = {
     AwaitingBody: {"request_body": (Routed,), "close": (Done,)},
     # A body without headers is read as a non-streamed answer of status 0 (as it always was).
@@ -176,6 +177,7 @@ class Buffering:
     buffer: ResponseBuffer = field(default_factory=ResponseBuffer)
 
 
+EmbeddingsPhase = AwaitingBody | Looking | Admitting | Forwarded | Buffering | Done
 EMBEDDINGS: Table = {
     AwaitingBody: {"request_body": (Looking, Forwarded), "close": (Done,)},
     Looking: {"lookup": (Admitting, Forwarded), "close": (Done,)},
