@@ -25,6 +25,7 @@ from extproc.actions import (
     Verdict,
 )
 from extproc.canary.guard import CanaryGuards
+from extproc.canary.policy import OPEN_CANARIES
 from extproc.context import EndpointPicking, RequestContext, spoofed_headers
 from extproc.errors import ClientError, error_body, method_not_allowed, unknown_path
 from extproc.identity import identify
@@ -180,9 +181,9 @@ class StreamState:
             clock=self.clock,
             telemetry=self.telemetry,
             picker=self.picker,
+            # Read once: the request routes by the canaries in force when it started.
+            canaries=self.guards.policy if self.guards is not None else OPEN_CANARIES,
         )
-        if self.guards is not None:
-            ctx = replace(ctx, canary_for=self.guards.effective)
         self.ctx = ctx
         self.processor = choose_processor(ctx)
         action = self.processor.on_request_headers(end_of_stream)

@@ -69,11 +69,11 @@ def decide_for(ctx: RequestContext, model: ModelRoute, prompt_tokens: int,
 
 
 def decide_demand_for(ctx: RequestContext, model: ModelRoute, demand: Demand) -> Decision:
-    """Pool, canary variant and priority of a request to ``model``: the canary this replica's
-    guard allows, sticky on the canary's key (else the API key), and the client's
+    """Pool, canary variant and priority of a request to ``model``: the canary in force when
+    the request started (``ctx.canaries``), sticky on the canary's key (else the API key), and the client's
     ``X-Context-Length`` hint."""
     hint = parse_context_hint(ctx.headers.get("x-context-length"))
-    canary = ctx.canary_for(model)
+    canary = ctx.canaries.canary_for(model)
     routed = model if canary is model.canary else replace(model, canary=canary)
     return decide(routed, demand, hint,
                   ctx.sticky_value(canary.sticky if canary else "api_key"),

@@ -192,7 +192,7 @@ class GenerationProcessor(BaseProcessor):
         pods = self._pick(decision, parsed)
         self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
         snapshot = self.ctx.snapshot
-        canary = self.ctx.canary_for(model)
+        canary = self.ctx.canaries.canary_for(model)
         plan = usage_plan(parsed)
         if not snapshot.config.telemetry.envoy_usage \
                 or self.ctx.headers.get(ENVOY_USAGE_HEADER) != "1":
