@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
+from extproc.telemetry.events import RequestRecord
 from routing.schema import ServicesTls
 
 Phase = Literal["request_headers", "request_body", "request_trailers", "response_headers",
@@ -58,6 +59,9 @@ class Continue:
     """The pods (``ip:port``) picked for this request, best first: sent as the endpoint picker
     protocol's ``envoy.lb`` metadata and ``x-gateway-destination-endpoint`` header, which
     Envoy's override_host balancer follows in order (the next on a retry)."""
+    record: RequestRecord | None = field(default=None, compare=False, repr=False)
+    """The request, when this answer ends it: the stream hands it to telemetry (the processor
+    that built the answer reports nothing itself). Not part of the answer's value."""
 
     def __post_init__(self) -> None:
         if type(self.metadata) is not MappingProxyType:
@@ -72,6 +76,8 @@ class Reply:
     body: bytes
     headers: Headers = (("content-type", "application/json"),)
     details: str = ""
+    record: RequestRecord | None = field(default=None, compare=False, repr=False)
+    """The request, when this answer ends a routed one (see :attr:`Continue.record`)."""
 
 
 Action = Continue | Reply
@@ -91,6 +97,8 @@ class Lookup:
 
     keys: tuple[str, ...]
     resume: Callable[[Found], Step]
+    record: ClassVar[None] = None
+    """A step that asks for I/O first ends no request (read on every message: no type test)."""
 
 
 Descriptor = tuple[tuple[str, str], ...]
@@ -136,6 +144,7 @@ class RateCheck:
     resume: Callable[[Verdict], Action]
     tls: ServicesTls | None = None
     """How Envoy reaches the services (``services.tls``); extproc reaches ratelimit the same way."""
+    record: ClassVar[None] = None
 
 
 Step = Action | Lookup | RateCheck

@@ -15,6 +15,7 @@ from extproc.actions import PASS, Action, Headers, Reply, Step
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
+from extproc.telemetry.events import RequestRecord
 from routing.compiled import ModelRoute
 
 
@@ -25,7 +26,7 @@ class Processor(Protocol):
     def on_request_body(self, body: bytes) -> Step: ...
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action: ...
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action: ...
-    def on_close(self) -> None: ...
+    def on_close(self) -> RequestRecord | None: ...
 
 
 class BaseProcessor:
@@ -44,8 +45,10 @@ class BaseProcessor:
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
         return PASS
 
-    def on_close(self) -> None:
-        """The ext_proc stream ended (normally or not): record a request left unfinished."""
+    def on_close(self) -> RequestRecord | None:
+        """The ext_proc stream ended (normally or not): the record of a request left
+        unfinished, for the stream to report."""
+        return None
 
 
 def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) -> Headers:

@@ -27,6 +27,7 @@ recorded once (:class:`extproc.telemetry.events.RequestRecord`), as aborted when
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -180,8 +181,8 @@ class EmbeddingsProcessor(BaseProcessor):
                     headers=(("content-type", "application/json"), (CACHE_HEADER, "hit")))
         reply = answer(verdict, hit, self.ctx.snapshot.config.services.ratelimit_failure_mode_deny)
         self._go("admitted", DONE)
-        self._record(request, "hit", reply.status, charged=0, prompt_tokens=0)
-        return reply
+        return replace(reply, record=self._record(request, "hit", reply.status, charged=0,
+                                                  prompt_tokens=0))
 
     def _forward(self, event: Event, forwarded: Forwarded, body: bytes | None) -> Action:
         """Route the request upstream, its body replaced by ``body`` (else by a canary rename)."""
@@ -211,9 +212,9 @@ class EmbeddingsProcessor(BaseProcessor):
             # An error (or nothing) from upstream is passed on as it is: nothing to store,
             # nothing to merge, and no tokens computed to charge.
             self._go("response_headers", DONE)
-            self._record(forwarded.parsed, outcome, code, charged=0,
-                         prompt_tokens=forwarded.reserved)
-            return Continue(set_headers=cache, mode=_SKIP_RESPONSE_BODY)
+            record = self._record(forwarded.parsed, outcome, code, charged=0,
+                                  prompt_tokens=forwarded.reserved)
+            return Continue(set_headers=cache, mode=_SKIP_RESPONSE_BODY, record=record)
         self._go("response_headers", Buffering(forwarded))
         return Continue(set_headers=cache)
 
@@ -253,48 +254,54 @@ class EmbeddingsProcessor(BaseProcessor):
             if merging:
                 # The client has the 200 headers and nothing else; a wrong or partial list of
                 # vectors is worse than a broken stream (Envoy resets it on this late reply).
-                self._record(request, outcome, 502, charged=None, prompt_tokens=reserved)
                 return Reply(502, error_body("The model backend's answer could not be merged "
                                              "with cached embeddings.", "server_error",
                                              "upstream_unavailable"),
-                             details="embedding_cache_merge_failed")
-            self._record(request, outcome, 200, charged=reserved, prompt_tokens=reserved)
-            return Continue(metadata=usage_metadata(reserved))
+                             details="embedding_cache_merge_failed",
+                             record=self._record(request, outcome, 502, charged=None,
+                                                 prompt_tokens=reserved))
+            return Continue(metadata=usage_metadata(reserved),
+                            record=self._record(request, outcome, 200, charged=reserved,
+                                                prompt_tokens=reserved))
         used = usage_tokens(doc)
         tokens = reserved if used is None else used
         store = None
         if forwarded.policy is not None and fresh:
             store = CacheWrite(entries_to_store(fresh), forwarded.policy.ttl_s)
-        self._record(request, outcome, 200, charged=tokens, prompt_tokens=tokens)
-        return Continue(body=merged, store=store, metadata=usage_metadata(tokens))
+        return Continue(body=merged, store=store, metadata=usage_metadata(tokens),
+                        record=self._record(request, outcome, 200, charged=tokens,
+                                            prompt_tokens=tokens))
 
-    def on_close(self) -> None:
+    def on_close(self) -> RequestRecord | None:
         """A request sent upstream whose answer never ended (client gone, upstream reset):
-        recorded as aborted; nothing is settled."""
+        its record says aborted; nothing is settled."""
         phase = self.phase
         self._go("close", DONE)
         if isinstance(phase, Looking):
-            self._record(phase.parsed, None, 0, charged=None, prompt_tokens=0, aborted=True)
-        elif isinstance(phase, Admitting):
-            self._record(phase.parsed, "hit", 0, charged=None, prompt_tokens=0, aborted=True)
-        elif isinstance(phase, Forwarded):
-            self._record(phase.parsed, phase.outcome, 0, charged=None,
-                         prompt_tokens=phase.reserved, aborted=True)
-        elif isinstance(phase, Buffering):
+            return self._record(phase.parsed, None, 0, charged=None, prompt_tokens=0,
+                                aborted=True)
+        if isinstance(phase, Admitting):
+            return self._record(phase.parsed, "hit", 0, charged=None, prompt_tokens=0,
+                                aborted=True)
+        if isinstance(phase, Forwarded):
+            return self._record(phase.parsed, phase.outcome, 0, charged=None,
+                                prompt_tokens=phase.reserved, aborted=True)
+        if isinstance(phase, Buffering):
             forwarded = phase.forwarded
-            self._record(forwarded.parsed, forwarded.outcome, 200, charged=None,
-                         prompt_tokens=forwarded.reserved, aborted=True)
+            return self._record(forwarded.parsed, forwarded.outcome, 200, charged=None,
+                                prompt_tokens=forwarded.reserved, aborted=True)
+        return None
 
     def _record(self, request: Parsed, outcome: CacheResult | None, status: int,
-                charged: int | None, prompt_tokens: int, aborted: bool = False) -> None:
-        """Report this request: once, as every caller leaves a phase for :class:`Done`."""
+                charged: int | None, prompt_tokens: int, aborted: bool = False) -> RequestRecord:
+        """This request's record: built once, as every caller leaves a phase for :class:`Done`."""
         ctx, decision = self.ctx, request.decision
-        ctx.telemetry.request_done(RequestRecord(
+        return RequestRecord(
             request_id=ctx.request_id, model=request.model.name, cluster=decision.cluster,
             variant=decision.variant, tenant=ctx.identity.tenant, status=status,
             streamed=False, errored=status >= 500, duration_s=ctx.clock() - ctx.started,
             ttft_s=None, tpot_s=None, prompt_tokens=prompt_tokens,
-            completion_tokens=0, charged_tokens=charged, aborted=aborted, cache=outcome))
+            completion_tokens=0, charged_tokens=charged, aborted=aborted, cache=outcome)
 
 
 def _upstream_doc(request: Parsed) -> dict[str, Any]:

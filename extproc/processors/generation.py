@@ -88,9 +88,10 @@ class GenerationProcessor(BaseProcessor):
         body carries no usage chunk for Envoy to read."""
         self.phase = advance(GENERATION, reading.routed, "response_headers", DONE)
         charged = 0 if reading.status >= 400 else None
-        self._report(reading, Usage(None, None, None, 0), charged, sampled=False)
+        record = self._report(reading, Usage(None, None, None, 0), charged, sampled=False)
         return Continue(mode=ModeOverride(response_headers=True, response_body="none"),
-                        metadata=usage_metadata(0) if charged == 0 else NO_METADATA)
+                        metadata=usage_metadata(0) if charged == 0 else NO_METADATA,
+                        record=record)
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
         reading = self.phase
@@ -125,13 +126,14 @@ class GenerationProcessor(BaseProcessor):
         decision = reading.routed.decision
         usage = reading.meter.finish()
         used = settled_tokens(usage, reading.status, reading.streamed, decision.prompt_tokens)
-        self._report(reading, usage, used if used is not None else tokens_to_charge(
+        record = self._report(reading, usage, used if used is not None else tokens_to_charge(
             usage, decision.prompt_tokens, decision.output_tokens))
-        return Continue(metadata=usage_metadata(used)) if used is not None else PASS
+        return Continue(metadata=usage_metadata(used) if used is not None else NO_METADATA,
+                        record=record)
 
-    def on_close(self) -> None:
+    def on_close(self) -> RequestRecord | None:
         """A request routed upstream whose response never ended: the client hung up or the
-        upstream reset (Envoy then resets the ext_proc stream). It is recorded as aborted,
+        upstream reset (Envoy then resets the ext_proc stream). Its record says aborted,
         with the completion tokens streamed so far; nothing is settled.
 
         Every stream of a picked request ends here, so this is where the picker hears the pod
@@ -146,10 +148,11 @@ class GenerationProcessor(BaseProcessor):
         if isinstance(phase, Routed):
             phase = Reading(phase, 0, False, False, UsageMeter(streaming=False))
         if isinstance(phase, Reading):
-            self._report(phase, phase.meter.finish(), None, aborted=True)
+            return self._report(phase, phase.meter.finish(), None, aborted=True)
+        return None
 
     def _report(self, reading: Reading, usage: Usage, charged: int | None,
-                aborted: bool = False, sampled: bool = True) -> None:
+                aborted: bool = False, sampled: bool = True) -> RequestRecord:
         ctx, decision = self.ctx, reading.routed.decision
         now = ctx.clock()
         first, last = reading.times.first, reading.times.last
@@ -178,7 +181,7 @@ class GenerationProcessor(BaseProcessor):
             limited=reading.limited,
             sampled=sampled,
         )
-        ctx.telemetry.request_done(record)
+        return record
 
     def on_request_body(self, body: bytes) -> Action:
         if not isinstance(self.phase, AwaitingBody):

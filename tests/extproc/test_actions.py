@@ -8,6 +8,7 @@ import pytest
 
 from extproc.actions import PASS, Continue
 from extproc.stream import routed
+from tests.extproc.processors.test_phases import CHAT, Records, started
 
 
 def test_the_shared_pass_answer_cannot_gain_metadata() -> None:
@@ -31,3 +32,18 @@ def test_routing_adds_the_cluster_to_a_copy() -> None:
     assert isinstance(out, Continue)
     assert out.metadata == {"lease": "l1", "cluster": "pool-a"}
     assert action.metadata == {"lease": "l1"}
+
+
+def test_the_answer_that_ends_a_request_carries_its_record_and_the_stream_reports_it() -> None:
+    """Processors build records, the stream alone reports them: exactly the one the answer
+    carries, once, and a record is no part of the answer's value."""
+    telemetry = Records()
+    state = started("/v1/chat/completions", telemetry)
+    state.handle("request_body", None, CHAT, True)
+    end = state.handle("response_headers", {":status": "200", "content-type": "application/json"},
+                       b"", True)
+    assert isinstance(end, Continue) and end.record is not None
+    assert telemetry.records == [end.record] and end.record.status == 200
+    assert Continue(record=end.record) == PASS
+    state.close()
+    assert telemetry.records == [end.record]
