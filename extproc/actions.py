@@ -5,15 +5,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal
 
+from extproc.telemetry.events import RequestRecord
 from routing.schema import ServicesTls
 
 Phase = Literal["request_headers", "request_body", "request_trailers", "response_headers",
                 "response_body"]
 Headers = tuple[tuple[str, str], ...]
+Metadata = Mapping[str, Any]
+NO_METADATA: Metadata = MappingProxyType({})
+
+
+def frozen_metadata(values: Mapping[str, Any]) -> Metadata:
+    """``values`` as a read-only mapping that no later change to ``values`` reaches."""
+    return values if type(values) is MappingProxyType else MappingProxyType(dict(values))
 
 
 @dataclass(frozen=True)
@@ -41,13 +50,22 @@ class Continue:
     body: bytes | None = None
     clear_route_cache: bool = False
     mode: ModeOverride | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    """Dynamic metadata to hand Envoy (for example LLM tokens to charge at stream end)."""
+    metadata: Metadata = field(default_factory=lambda: NO_METADATA)
+    """Dynamic metadata to hand Envoy (for example LLM tokens to charge at stream end).
+    Read-only: a dict given here is copied into a read-only view, so no answer (the shared
+    :data:`PASS` least of all) can be changed after it is built."""
     store: CacheWrite | None = None
     lb_endpoints: tuple[str, ...] = ()
     """The pods (``ip:port``) picked for this request, best first: sent as the endpoint picker
     protocol's ``envoy.lb`` metadata and ``x-gateway-destination-endpoint`` header, which
     Envoy's override_host balancer follows in order (the next on a retry)."""
+    record: RequestRecord | None = field(default=None, compare=False, repr=False)
+    """The request, when this answer ends it: the stream hands it to telemetry (the processor
+    that built the answer reports nothing itself). Not part of the answer's value."""
+
+    def __post_init__(self) -> None:
+        if type(self.metadata) is not MappingProxyType:
+            object.__setattr__(self, "metadata", frozen_metadata(self.metadata))
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,8 @@ class Reply:
     body: bytes
     headers: Headers = (("content-type", "application/json"),)
     details: str = ""
+    record: RequestRecord | None = field(default=None, compare=False, repr=False)
+    """The request, when this answer ends a routed one (see :attr:`Continue.record`)."""
 
 
 Action = Continue | Reply
@@ -77,6 +97,8 @@ class Lookup:
 
     keys: tuple[str, ...]
     resume: Callable[[Found], Step]
+    record: ClassVar[None] = None
+    """A step that asks for I/O first ends no request (read on every message: no type test)."""
 
 
 Descriptor = tuple[tuple[str, str], ...]
@@ -122,6 +144,7 @@ class RateCheck:
     resume: Callable[[Verdict], Action]
     tls: ServicesTls | None = None
     """How Envoy reaches the services (``services.tls``); extproc reaches ratelimit the same way."""
+    record: ClassVar[None] = None
 
 
 Step = Action | Lookup | RateCheck

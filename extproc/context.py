@@ -6,10 +6,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from extproc.canary.policy import OPEN_CANARIES, CanaryPolicy
 from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
 from extproc.telemetry.events import Telemetry
-from routing.compiled import Canary, ModelRoute, Snapshot
+from routing.compiled import Snapshot
 from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
 
 LLM_HEADER_PREFIX = "x-llm-"
@@ -34,8 +35,8 @@ class RequestContext:
     """Monotonic seconds when the request headers reached extproc."""
     clock: Callable[[], float]
     telemetry: Telemetry
-    canary_for: Callable[[ModelRoute], Canary | None] = lambda model: model.canary
-    """The canary in force for a model (None once a guard stopped it)."""
+    canaries: CanaryPolicy = OPEN_CANARIES
+    """The canaries in force, read once when the request started (a guard may stop one)."""
     picker: EndpointPicking | None = None
     """Picks the pod of ``endpoint_picker`` pools; None: Envoy balances every pool."""
 

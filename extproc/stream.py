@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from types import MappingProxyType
+from typing import TypeVar
 
 from extproc.actions import (
     PASS,
@@ -24,6 +26,7 @@ from extproc.actions import (
     Verdict,
 )
 from extproc.canary.guard import CanaryGuards
+from extproc.canary.policy import OPEN_CANARIES
 from extproc.context import EndpointPicking, RequestContext, spoofed_headers
 from extproc.errors import ClientError, error_body, method_not_allowed, unknown_path
 from extproc.identity import identify
@@ -48,6 +51,7 @@ _GET_ROUTES = {"/v1/models": ModelsProcessor}
 
 
 CLIENT_CREDENTIALS = ("authorization", "x-api-key")
+S = TypeVar("S", bound=Step)
 
 
 def routed(action: Step) -> Step:
@@ -60,7 +64,8 @@ def routed(action: Step) -> Step:
     cluster = next((v for k, v in action.set_headers if k == "x-llm-cluster"), None)
     if cluster is None:
         return action
-    return replace(action, metadata={**action.metadata, CLUSTER_METADATA_KEY: cluster},
+    metadata = MappingProxyType({**action.metadata, CLUSTER_METADATA_KEY: cluster})
+    return replace(action, metadata=metadata,
                    remove_headers=(*action.remove_headers, *CLIENT_CREDENTIALS))
 
 
@@ -98,21 +103,24 @@ class StreamState:
                end_of_stream: bool) -> Step:
         """The answer to one message (or a :class:`Lookup` to do first); never raises."""
         try:
-            return self._dispatch(phase, headers, body, end_of_stream)
+            step = self._dispatch(phase, headers, body, end_of_stream)
+            if step.record is not None:  # inline :meth:`_reported`: this runs on every message
+                self.telemetry.request_done(step.record)
+            return step
         except Exception as exc:
             return self._failed(exc, phase)
 
     def resume(self, lookup: Lookup, found: Found) -> Step:
         """The next step of the message that asked for ``lookup``, given what it found."""
         try:
-            return routed(lookup.resume(found))
+            return self._reported(routed(lookup.resume(found)))
         except Exception as exc:
             return self._failed(exc, "request_body")
 
     def admit(self, check: RateCheck, verdict: Verdict) -> Action:
         """The answer to the message that asked for ``check``, given the rate limiter's verdict."""
         try:
-            return check.resume(verdict)
+            return self._reported(check.resume(verdict))
         except Exception as exc:
             return self._failed(exc, "request_body")
 
@@ -126,10 +134,20 @@ class StreamState:
         if processor is None:
             return
         try:
-            processor.on_close()
+            record = processor.on_close()
+            if record is not None:
+                self.telemetry.request_done(record)
         except Exception:
             log.exception("extproc_internal_error", phase="close",
                           request_id=self.ctx.request_id if self.ctx else None)
+
+    def _reported(self, step: S) -> S:
+        """``step``, its request record (when it ends the request) handed to telemetry: the
+        one place records are reported, so a processor builds answers and reports nothing.
+        Every step has ``record`` (None on a :class:`Lookup` or :class:`RateCheck`)."""
+        if step.record is not None:
+            self.telemetry.request_done(step.record)
+        return step
 
     def _failed(self, exc: Exception, phase: Phase) -> Reply:
         if isinstance(exc, ClientError):
@@ -178,9 +196,9 @@ class StreamState:
             clock=self.clock,
             telemetry=self.telemetry,
             picker=self.picker,
+            # Read once: the request routes by the canaries in force when it started.
+            canaries=self.guards.policy if self.guards is not None else OPEN_CANARIES,
         )
-        if self.guards is not None:
-            ctx = replace(ctx, canary_for=self.guards.effective)
         self.ctx = ctx
         self.processor = choose_processor(ctx)
         action = self.processor.on_request_headers(end_of_stream)

@@ -123,7 +123,7 @@ def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
         response.mode_override.CopyFrom(_mode(action.mode))
     metadata: dict[str, Any] = {}
     if action.metadata:
-        metadata[METADATA_NAMESPACE] = action.metadata
+        metadata[METADATA_NAMESPACE] = dict(action.metadata)  # Struct.update takes dicts
     if action.lb_endpoints:
         metadata[LB_METADATA_NAMESPACE] = {DESTINATION_ENDPOINT: _endpoints(action)}
     if metadata:

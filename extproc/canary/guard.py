@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Gauge
 
+from extproc.canary.policy import OPEN_CANARIES, CanaryPolicy
 from extproc.telemetry.events import ForwardingTelemetry, RequestRecord, Telemetry
 from routing.compiled import Canary, ModelRoute, Snapshot
 from routing.schema import GuardSpec
@@ -84,18 +85,23 @@ class _Guard:
 
 
 class CanaryGuards:
-    """Guards of every model with ``canary.guard``, keyed by (model, canary config)."""
+    """Guards of every model with ``canary.guard``, keyed by (model, canary config).
+
+    Fed finished requests (by :class:`GuardedTelemetry`); what they decide is published as
+    :attr:`policy`, a new immutable value each time a guard trips, which streams read.
+    """
 
     def __init__(self) -> None:
         self._guards: dict[tuple[str, Canary], _Guard] = {}
+        self.policy: CanaryPolicy = OPEN_CANARIES
+        """The canaries in force: the one thing routing reads from the guards."""
 
     def effective(self, model: ModelRoute) -> Canary | None:
-        """The canary to use for ``model``: None once its guard has tripped."""
-        canary = model.canary
-        if canary is None or canary.guard is None:
-            return canary
-        guard = self._guards.get((model.name, canary))
-        return None if guard is not None and guard.tripped else canary
+        """The canary to use for ``model`` now: None once its guard has tripped."""
+        return self.policy.canary_for(model)
+
+    def _publish(self) -> None:
+        self.policy = CanaryPolicy(frozenset(key for key, g in self._guards.items() if g.tripped))
 
     def tripped(self) -> dict[str, str]:
         return {model: g.tripped for (model, _), g in self._guards.items() if g.tripped}
@@ -115,22 +121,27 @@ class CanaryGuards:
         guard = self._guards.get(key)
         if guard is None:
             # A changed canary config starts over; forget guards of configs no longer in use.
-            for stale in [k for k in self._guards if k[0] == model.name]:
-                del self._guards[stale]
+            stale = [k for k in self._guards if k[0] == model.name]
+            for old in stale:
+                del self._guards[old]
             guard = self._guards[key] = _Guard(model.canary)
+            if stale:
+                self._publish()
         if guard.tripped:
             return None
         (guard.candidate if record.variant == "canary" else guard.stable).add(record)
         reason = verdict(model.canary.guard, guard.stable, guard.candidate)
         if reason is not None:
             guard.tripped = reason
+            self._publish()
             log.warning("canary_guard_tripped", model=model.name, canary=model.canary.model,
                         reason=reason)
         return reason
 
 
 class GuardedTelemetry(ForwardingTelemetry):
-    """Feeds finished requests to the guards, then hands every event to ``inner``."""
+    """Feeds finished requests to the guards, then hands every event to ``inner``. It only
+    feeds them: routing reads the guards' :class:`CanaryPolicy`, never this."""
 
     def __init__(self, inner: Telemetry, guards: CanaryGuards,
                  snapshot: Callable[[], Snapshot], tripped_gauge: Gauge | None = None) -> None:

@@ -15,6 +15,7 @@ from extproc.actions import PASS, Action, Headers, Reply, Step
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
+from extproc.telemetry.events import RequestRecord
 from routing.compiled import ModelRoute
 
 
@@ -25,7 +26,7 @@ class Processor(Protocol):
     def on_request_body(self, body: bytes) -> Step: ...
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action: ...
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action: ...
-    def on_close(self) -> None: ...
+    def on_close(self) -> RequestRecord | None: ...
 
 
 class BaseProcessor:
@@ -44,8 +45,10 @@ class BaseProcessor:
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
         return PASS
 
-    def on_close(self) -> None:
-        """The ext_proc stream ended (normally or not): record a request left unfinished."""
+    def on_close(self) -> RequestRecord | None:
+        """The ext_proc stream ended (normally or not): the record of a request left
+        unfinished, for the stream to report."""
+        return None
 
 
 def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) -> Headers:
@@ -69,11 +72,11 @@ def decide_for(ctx: RequestContext, model: ModelRoute, prompt_tokens: int,
 
 
 def decide_demand_for(ctx: RequestContext, model: ModelRoute, demand: Demand) -> Decision:
-    """Pool, canary variant and priority of a request to ``model``: the canary this replica's
-    guard allows, sticky on the canary's key (else the API key), and the client's
+    """Pool, canary variant and priority of a request to ``model``: the canary in force when
+    the request started (``ctx.canaries``), sticky on the canary's key (else the API key), and the client's
     ``X-Context-Length`` hint."""
     hint = parse_context_hint(ctx.headers.get("x-context-length"))
-    canary = ctx.canary_for(model)
+    canary = ctx.canaries.canary_for(model)
     routed = model if canary is model.canary else replace(model, canary=canary)
     return decide(routed, demand, hint,
                   ctx.sticky_value(canary.sticky if canary else "api_key"),

@@ -27,7 +27,8 @@ recorded once (:class:`extproc.telemetry.events.RequestRecord`), as aborted when
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import orjson
 
@@ -45,11 +46,10 @@ from extproc.actions import (
     Verdict,
 )
 from extproc.admission import admission_metadata, usage_metadata
-from extproc.bodies import EmbeddingsBody, parse_embeddings
-from extproc.cache.keys import KeyPlan, namespace_for, plan_keys, request_salt
+from extproc.bodies import parse_embeddings
+from extproc.cache.keys import namespace_for, plan_keys, request_salt
 from extproc.cache.merge import (
     MergeError,
-    Resolution,
     entries_to_store,
     hit_body,
     merged_body,
@@ -60,7 +60,6 @@ from extproc.cache.merge import (
     usage_tokens,
 )
 from extproc.context import RequestContext
-from extproc.decide import Decision
 from extproc.errors import error_body
 from extproc.hit_limits import answer, hit_check
 from extproc.processors.base import (
@@ -70,9 +69,26 @@ from extproc.processors.base import (
     resolve_model,
     route_headers,
 )
+from extproc.processors.phases import (
+    AWAITING_BODY,
+    DONE,
+    EMBEDDINGS,
+    Admitting,
+    AwaitingBody,
+    Buffering,
+    CacheResult,
+    Done,
+    EmbeddingsPhase,
+    Event,
+    Forwarded,
+    Looking,
+    Parsed,
+    ResponseBuffer,
+    advance,
+    refuse,
+)
 from extproc.telemetry.events import RequestRecord
 from extproc.tokens import counter_for
-from routing.compiled import CachePolicy, ModelRoute
 from sidecar_runtime.logs import get_logger
 
 log = get_logger("extproc.processors.embeddings")
@@ -81,7 +97,6 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 """Largest vLLM answer held to merge or store (the gRPC message limit of extproc, too)."""
 
 CACHE_HEADER = "x-llm-cache"
-CacheResult = Literal["hit", "partial", "miss", "bypass"]
 _STREAM_RESPONSE = ModeOverride(response_headers=True, response_body="streamed")
 _SKIP_RESPONSE_BODY = ModeOverride(response_headers=False, response_body="none")
 _HOLD = Continue(body=b"")
@@ -89,30 +104,16 @@ _HOLD = Continue(body=b"")
 
 
 class EmbeddingsProcessor(BaseProcessor):
-    """``/v1/embeddings``, with the embedding cache for models that have ``cache:``."""
+    """``/v1/embeddings``, with the embedding cache for models that have ``cache:``.
+
+    Its state is one phase of :data:`extproc.processors.phases.EMBEDDINGS`."""
 
     def __init__(self, ctx: RequestContext) -> None:
         super().__init__(ctx)
-        self.parsed: EmbeddingsBody | None = None
-        self.model: ModelRoute | None = None
-        self.decision: Decision | None = None
-        self.counts: tuple[int, ...] = ()
-        """The counted tokens of each input, in input order."""
-        self.reserved = 0
-        """The counted tokens of the inputs sent upstream: the request's reservation, and what
-        is charged when vLLM's answer carries no usage."""
-        self.plan: KeyPlan | None = None
-        self.policy: CachePolicy | None = None
-        self.outcome: CacheResult | None = None
-        """None for a model without a cache."""
-        self.resolution: Resolution | None = None
-        self.sent: tuple[str, ...] = ()
-        """The key of each input in the order it went upstream (vLLM's ``index`` points here)."""
-        self.reading = False
-        self.body = bytearray()
-        self.too_large = False
-        self.status = 0
-        self.recorded = False
+        self.phase: EmbeddingsPhase = AWAITING_BODY
+
+    def _go(self, event: Event, new: EmbeddingsPhase) -> None:
+        self.phase = advance(EMBEDDINGS, self.phase, event, new)
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
         if end_of_stream:
@@ -122,163 +123,188 @@ class EmbeddingsProcessor(BaseProcessor):
         return Continue(mode=_STREAM_RESPONSE)
 
     def on_request_body(self, body: bytes) -> Step:
+        if not isinstance(self.phase, AwaitingBody):
+            raise refuse(self.phase, "request_body")
         parsed = parse_embeddings(body)
         model = resolve_model(self.ctx, parsed.model, "embedding")
         counter = counter_for(model.tokenizer)
         counts = [counter.count(item) if isinstance(item, str) else len(item)
                   for item in parsed.inputs]
         decision = decide_for(self.ctx, model, max(counts), 0)
-        self.parsed, self.model, self.decision = parsed, model, decision
-        self.counts = tuple(counts)
+        request = Parsed(parsed, model, decision, tuple(counts))
         policy = model.cache
         if policy is None:
-            return self._forward(None)
+            return self._forward("request_body", Forwarded(request, None, sum(counts)), None)
         namespace = namespace_for(policy, decision.variant, decision.upstream_model,
                                   self.ctx.identity.tenant)
         salt = request_salt(parsed.dimensions, parsed.encoding_format, parsed.doc)
-        self.plan = plan_keys(namespace, salt, parsed.inputs)
-        self.policy = policy
-        return Lookup(self.plan.distinct, self.on_lookup)
+        plan = plan_keys(namespace, salt, parsed.inputs)
+        self._go("request_body", Looking(request, plan, policy))
+        return Lookup(plan.distinct, self.on_lookup)
 
     def on_lookup(self, found: Found) -> Step:
         """The next step of the request body, once the cache has answered the lookup."""
-        assert self.plan is not None and self.decision is not None
+        looking = self.phase
+        if not isinstance(looking, Looking):
+            raise refuse(looking, "lookup")
+        request, plan = looking.parsed, looking.plan
         if found is None:
-            self.outcome = "bypass"
-            return self._forward(None)
-        resolution = resolve(self.plan, found)
-        self.outcome, self.resolution = resolution.outcome, resolution
+            return self._forward("lookup", Forwarded(request, "bypass", sum(request.counts)),
+                                 None)
+        resolution = resolve(plan, found)
         if resolution.outcome == "hit":
-            assert self.model is not None
-            check = hit_check(self.ctx.snapshot, route_headers(self.ctx, self.model, self.decision),
+            self._go("lookup", Admitting(request, resolution))
+            check = hit_check(self.ctx.snapshot,
+                              route_headers(self.ctx, request.model, request.decision),
                               self.on_admitted)
             return self.on_admitted(Verdict("ok")) if check is None else check
         if resolution.outcome == "miss":
-            self.sent = self.plan.keys
-            return self._forward(None)
-        self.sent = resolution.missing
-        return self._forward(missing_body(self._upstream_doc(), resolution))
-
-    def _hit(self) -> Reply:
-        """The answer of a request whose every input was cached."""
-        assert self.resolution is not None and self.decision is not None
-        request_id = self.ctx.request_id or "local"
-        return Reply(200, hit_body(self.resolution, self.decision.upstream_model,
-                                   f"embd-cache-{request_id}"),
-                     headers=(("content-type", "application/json"), (CACHE_HEADER, "hit")))
+            return self._forward("lookup", Forwarded(request, "miss", sum(request.counts),
+                                                     plan.keys, resolution, looking.policy),
+                                 None)
+        per_key = dict(zip(plan.keys, request.counts, strict=True))
+        reserved = sum(per_key[key] for key in resolution.missing)
+        forwarded = Forwarded(request, "partial", reserved, resolution.missing, resolution,
+                              looking.policy)
+        return self._forward("lookup", forwarded,
+                             missing_body(_upstream_doc(request), resolution))
 
     def on_admitted(self, verdict: Verdict) -> Reply:
         """A hit's answer once the rate limiter has judged it: as Envoy's filter would have."""
-        reply = answer(verdict, self._hit(),
-                       self.ctx.snapshot.config.services.ratelimit_failure_mode_deny)
-        self.status = reply.status
-        self._record(charged=0)
-        return reply
+        admitting = self.phase
+        if not isinstance(admitting, Admitting):
+            raise refuse(admitting, "admitted")
+        request, resolution = admitting.parsed, admitting.resolution
+        request_id = self.ctx.request_id or "local"
+        hit = Reply(200, hit_body(resolution, request.decision.upstream_model,
+                                  f"embd-cache-{request_id}"),
+                    headers=(("content-type", "application/json"), (CACHE_HEADER, "hit")))
+        reply = answer(verdict, hit, self.ctx.snapshot.config.services.ratelimit_failure_mode_deny)
+        self._go("admitted", DONE)
+        return replace(reply, record=self._record(request, "hit", reply.status, charged=0,
+                                                  prompt_tokens=0))
 
-    def _upstream_doc(self) -> dict[str, Any]:
-        assert self.parsed is not None and self.decision is not None
-        doc = dict(self.parsed.doc)
-        doc["model"] = self.decision.upstream_model
-        return doc
-
-    def _forward(self, body: bytes | None) -> Action:
+    def _forward(self, event: Event, forwarded: Forwarded, body: bytes | None) -> Action:
         """Route the request upstream, its body replaced by ``body`` (else by a canary rename)."""
-        assert self.parsed is not None and self.model is not None and self.decision is not None
-        decision = self.decision
-        if body is None and decision.upstream_model != self.parsed.model:
-            body = orjson.dumps(self._upstream_doc())
-        headers: Headers = route_headers(self.ctx, self.model, decision)
+        self._go(event, forwarded)
+        request = forwarded.parsed
+        decision = request.decision
+        if body is None and decision.upstream_model != request.body.model:
+            body = orjson.dumps(_upstream_doc(request))
+        headers: Headers = route_headers(self.ctx, request.model, decision)
         if body is not None:
             headers += (("content-length", str(len(body))),)
-        self.ctx.telemetry.routed(self.model.name, decision.cluster, decision.variant)
-        if self.outcome == "partial":
-            assert self.plan is not None and self.resolution is not None
-            per_key = dict(zip(self.plan.keys, self.counts, strict=True))
-            self.reserved = sum(per_key[key] for key in self.resolution.missing)
-        else:
-            self.reserved = sum(self.counts)
+        self.ctx.telemetry.routed(request.model.name, decision.cluster, decision.variant)
         # The answer is read (usage, vectors, merge): ask for it uncompressed.
         return Continue(set_headers=headers, remove_headers=("accept-encoding",), body=body,
                         clear_route_cache=True,
-                        metadata=admission_metadata(self.reserved))
+                        metadata=admission_metadata(forwarded.reserved))
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
+        forwarded = self.phase
+        if not isinstance(forwarded, Forwarded):
+            raise refuse(forwarded, "response_headers")
         status = headers.get(":status", "")
-        self.status = int(status) if status.isdigit() else 0
-        cache: Headers = ((CACHE_HEADER, self.outcome),) if self.outcome is not None else ()
-        if status != "200" or end_of_stream or self.decision is None:
+        code = int(status) if status.isdigit() else 0
+        outcome = forwarded.outcome
+        cache: Headers = ((CACHE_HEADER, outcome),) if outcome is not None else ()
+        if status != "200" or end_of_stream:
             # An error (or nothing) from upstream is passed on as it is: nothing to store,
             # nothing to merge, and no tokens computed to charge.
-            self._record(charged=0)
-            return Continue(set_headers=cache, mode=_SKIP_RESPONSE_BODY)
-        self.reading = True
+            self._go("response_headers", DONE)
+            record = self._record(forwarded.parsed, outcome, code, charged=0,
+                                  prompt_tokens=forwarded.reserved)
+            return Continue(set_headers=cache, mode=_SKIP_RESPONSE_BODY, record=record)
+        self._go("response_headers", Buffering(forwarded))
         return Continue(set_headers=cache)
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
-        if not self.reading:
-            return PASS
-        if not self.too_large:
-            if len(self.body) + len(chunk) > MAX_RESPONSE_BYTES:
-                self.too_large = True
-                self.body = bytearray()
+        buffering = self.phase
+        if not isinstance(buffering, Buffering):
+            if isinstance(buffering, Done):
+                return PASS  # a body Envoy sends after all (Done stays Done: no check needed)
+            raise refuse(buffering, "response_body")
+        buffer = buffering.buffer
+        if not buffer.too_large:
+            if len(buffer.data) + len(chunk) > MAX_RESPONSE_BYTES:
+                buffer.too_large = True
+                buffer.data = bytearray()
             else:
-                self.body += chunk
-        merging = self.outcome == "partial"
+                buffer.data += chunk
+        merging = buffering.forwarded.outcome == "partial"
         if not end_of_stream:
             return _HOLD if merging else PASS
-        self.reading = False
-        return self._finish(merging)
+        self._go("response_body", DONE)
+        return self._finish(buffering.forwarded, buffer, merging)
 
-    def _finish(self, merging: bool) -> Action:
+    def _finish(self, forwarded: Forwarded, buffer: ResponseBuffer, merging: bool) -> Action:
         """At the end of vLLM's answer: the merged body, the vectors to store, tokens to charge."""
+        request, outcome, reserved = forwarded.parsed, forwarded.outcome, forwarded.reserved
         try:
-            if self.too_large:
+            if buffer.too_large:
                 raise MergeError(f"the upstream answer is larger than {MAX_RESPONSE_BYTES} bytes")
-            doc = parse_response(bytes(self.body))
-            fresh = upstream_vectors(doc, self.sent) if self.sent else {}
+            doc = parse_response(bytes(buffer.data))
+            fresh = upstream_vectors(doc, forwarded.sent) if forwarded.sent else {}
             merged = None
-            if merging:
-                assert self.resolution is not None
-                merged = merged_body(doc, self.resolution, fresh)
+            if merging and forwarded.resolution is not None:
+                merged = merged_body(doc, forwarded.resolution, fresh)
         except MergeError as exc:
             log.warning("embeddings_unreadable_answer", request_id=self.ctx.request_id,
-                        cache=self.outcome, error=str(exc))
+                        cache=outcome, error=str(exc))
             if merging:
                 # The client has the 200 headers and nothing else; a wrong or partial list of
                 # vectors is worse than a broken stream (Envoy resets it on this late reply).
-                self.status = 502
-                self._record(charged=None)
                 return Reply(502, error_body("The model backend's answer could not be merged "
                                              "with cached embeddings.", "server_error",
                                              "upstream_unavailable"),
-                             details="embedding_cache_merge_failed")
-            self._record(charged=self.reserved)
-            return Continue(metadata=usage_metadata(self.reserved))
+                             details="embedding_cache_merge_failed",
+                             record=self._record(request, outcome, 502, charged=None,
+                                                 prompt_tokens=reserved))
+            return Continue(metadata=usage_metadata(reserved),
+                            record=self._record(request, outcome, 200, charged=reserved,
+                                                prompt_tokens=reserved))
         used = usage_tokens(doc)
-        tokens = self.reserved if used is None else used
+        tokens = reserved if used is None else used
         store = None
-        if self.policy is not None and fresh:
-            store = CacheWrite(entries_to_store(fresh), self.policy.ttl_s)
-        self._record(charged=tokens, prompt_tokens=tokens)
-        return Continue(body=merged, store=store, metadata=usage_metadata(tokens))
+        if forwarded.policy is not None and fresh:
+            store = CacheWrite(entries_to_store(fresh), forwarded.policy.ttl_s)
+        return Continue(body=merged, store=store, metadata=usage_metadata(tokens),
+                        record=self._record(request, outcome, 200, charged=tokens,
+                                            prompt_tokens=tokens))
 
-    def on_close(self) -> None:
+    def on_close(self) -> RequestRecord | None:
         """A request sent upstream whose answer never ended (client gone, upstream reset):
-        recorded as aborted; nothing is settled."""
-        self._record(charged=None, aborted=True)
+        its record says aborted; nothing is settled."""
+        phase = self.phase
+        self._go("close", DONE)
+        if isinstance(phase, Looking):
+            return self._record(phase.parsed, None, 0, charged=None, prompt_tokens=0,
+                                aborted=True)
+        if isinstance(phase, Admitting):
+            return self._record(phase.parsed, "hit", 0, charged=None, prompt_tokens=0,
+                                aborted=True)
+        if isinstance(phase, Forwarded):
+            return self._record(phase.parsed, phase.outcome, 0, charged=None,
+                                prompt_tokens=phase.reserved, aborted=True)
+        if isinstance(phase, Buffering):
+            forwarded = phase.forwarded
+            return self._record(forwarded.parsed, forwarded.outcome, 200, charged=None,
+                                prompt_tokens=forwarded.reserved, aborted=True)
+        return None
 
-    def _record(self, charged: int | None, aborted: bool = False,
-                prompt_tokens: int | None = None) -> None:
-        """Report this request once, however it ended."""
-        ctx, decision, model = self.ctx, self.decision, self.model
-        if self.recorded or decision is None or model is None:
-            return
-        self.recorded = True
-        if prompt_tokens is None:
-            prompt_tokens = 0 if self.outcome == "hit" else self.reserved
-        ctx.telemetry.request_done(RequestRecord(
-            request_id=ctx.request_id, model=model.name, cluster=decision.cluster,
-            variant=decision.variant, tenant=ctx.identity.tenant, status=self.status,
-            streamed=False, errored=self.status >= 500, duration_s=ctx.clock() - ctx.started,
+    def _record(self, request: Parsed, outcome: CacheResult | None, status: int,
+                charged: int | None, prompt_tokens: int, aborted: bool = False) -> RequestRecord:
+        """This request's record: built once, as every caller leaves a phase for :class:`Done`."""
+        ctx, decision = self.ctx, request.decision
+        return RequestRecord(
+            request_id=ctx.request_id, model=request.model.name, cluster=decision.cluster,
+            variant=decision.variant, tenant=ctx.identity.tenant, status=status,
+            streamed=False, errored=status >= 500, duration_s=ctx.clock() - ctx.started,
             ttft_s=None, tpot_s=None, prompt_tokens=prompt_tokens,
-            completion_tokens=0, charged_tokens=charged, aborted=aborted, cache=self.outcome))
+            completion_tokens=0, charged_tokens=charged, aborted=aborted, cache=outcome)
+
+
+def _upstream_doc(request: Parsed) -> dict[str, Any]:
+    doc = dict(request.body.doc)
+    doc["model"] = request.decision.upstream_model
+    return doc

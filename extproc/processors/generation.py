@@ -7,7 +7,7 @@ from typing import cast
 
 import orjson
 
-from extproc.actions import PASS, Action, Continue, ModeOverride
+from extproc.actions import NO_METADATA, PASS, Action, Continue, ModeOverride
 from extproc.admission import admission_metadata, usage_metadata
 from extproc.bodies import Api, GenerationBody, parse_generation
 from extproc.context import RequestContext
@@ -20,6 +20,19 @@ from extproc.processors.base import (
     decide_demand_for,
     resolve_model,
     route_headers,
+)
+from extproc.processors.phases import (
+    AWAITING_BODY,
+    DONE,
+    GENERATION,
+    AwaitingBody,
+    Done,
+    Event,
+    GenerationPhase,
+    Reading,
+    Routed,
+    advance,
+    refuse,
 )
 from extproc.telemetry.events import RequestRecord
 from extproc.telemetry.sampling import sampled, stable_share, usage_plan
@@ -41,19 +54,10 @@ class GenerationProcessor(BaseProcessor):
     def __init__(self, ctx: RequestContext, api: Api) -> None:
         super().__init__(ctx)
         self.api = api
-        self.decision: Decision | None = None
-        self.model_name = ""
-        self.status = 0
-        self.meter: UsageMeter | None = None
-        self.streamed = False
-        self.limited = False
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.token_events = 0
-        self.finished = False
-        self.reads_body = True
-        self.picked: str | None = None
-        """The pod the endpoint picker sent this request to (told when the request ends)."""
+        self.phase: GenerationPhase = AWAITING_BODY
+        self.picked: tuple[str, str] | None = None
+        """The pool and pod the endpoint picker sent this request to (told at the stream's
+        end, whatever the phase: the pod has one request less open from this replica)."""
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
         if end_of_stream:
@@ -61,95 +65,110 @@ class GenerationProcessor(BaseProcessor):
         return Continue(mode=ModeOverride(response_headers=True, response_body="streamed"))
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
+        routed = self.phase
+        if not isinstance(routed, Routed):
+            raise refuse(routed, "response_headers")
         status = headers.get(":status", "0")
-        self.status = int(status) if status.isdigit() else 0
-        self.streamed = headers.get("content-type", "").startswith("text/event-stream")
-        # The rate limiter's own replies (429, or 503 when its store is down) mark themselves.
-        self.limited = "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers
-        self.meter = UsageMeter(self.streamed)
-        if not self.reads_body:
-            return self._headers_only()
-        return self._finish() if end_of_stream else PASS
+        streamed = headers.get("content-type", "").startswith("text/event-stream")
+        reading = Reading(routed, int(status) if status.isdigit() else 0, streamed,
+                          # The rate limiter's own replies (429, or 503 when its store is
+                          # down) mark themselves.
+                          "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers,
+                          UsageMeter(streamed))
+        if not routed.reads_body:
+            return self._headers_only(reading)
+        if end_of_stream:
+            return self._finish(reading, routed, "response_headers")
+        self.phase = advance(GENERATION, routed, "response_headers", reading)
+        return PASS
 
-    def _headers_only(self) -> Action:
+    def _headers_only(self, reading: Reading) -> Action:
         """A response extproc does not read: recorded now, without timings or token counts
         (``sampled`` false); no body is asked for. An error status settles 0 here: an error
         body carries no usage chunk for Envoy to read."""
-        if self.decision is None or self.finished:
-            return PASS
-        self.finished = True
-        charged = 0 if self.status >= 400 else None
-        usage = Usage(None, None, None, 0)
-        self._report(usage, charged, sampled=False)
+        self.phase = advance(GENERATION, reading.routed, "response_headers", DONE)
+        charged = 0 if reading.status >= 400 else None
+        record = self._report(reading, Usage(None, None, None, 0), charged, sampled=False)
         return Continue(mode=ModeOverride(response_headers=True, response_body="none"),
-                        metadata=usage_metadata(0) if charged == 0 else {})
+                        metadata=usage_metadata(0) if charged == 0 else NO_METADATA,
+                        record=record)
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
-        if self.meter is None:
-            self.meter = UsageMeter(streaming=False)
-        if self.meter.feed(chunk):
+        reading = self.phase
+        if not isinstance(reading, Reading):
+            if isinstance(reading, Done):
+                return PASS  # chunks after the end pass (Done stays Done: no check needed)
+            if not isinstance(reading, Routed):
+                raise refuse(reading, "response_body")
+            # No response headers seen: read as a non-streamed answer of unknown status.
+            reading = self.phase = advance(GENERATION, reading, "response_body",
+                                           Reading(reading, 0, False, False, UsageMeter(False)))
+        if reading.meter.feed(chunk):
             now = self.ctx.clock()
-            if self.first_token_at is None:
-                self.first_token_at = now
-            self.last_token_at = now
+            times = reading.times
+            if times.first is None:
+                times.first = now
+            times.last = now
         # Finish on ``[DONE]``, not only at end of stream: a client that hangs up right after
         # it (the openai SDK does) resets the stream before its end reaches extproc, and the
         # request would then go unrecorded and its tokens uncharged.
-        return self._finish() if end_of_stream or self.meter.done else PASS
+        if end_of_stream or reading.meter.done:
+            return self._finish(reading, reading, "response_body")
+        return PASS
 
-    def _finish(self) -> Action:
+    def _finish(self, reading: Reading, phase: Routed | Reading, event: Event) -> Action:
         """At end of stream: the tokens the response used, for the rate limiter to settle the
         reservation with; none when they are not known (the reservation then stands).
 
-        Runs once per request; later chunks pass through untouched.
+        Runs once per request (the phase is then :class:`Done`; later chunks pass through).
         """
-        decision = self.decision
-        if decision is None or self.meter is None or self.finished:
-            return PASS
-        self.finished = True
-        usage = self.meter.finish()
-        used = settled_tokens(usage, self.status, self.streamed, decision.prompt_tokens)
-        self._report(usage, used if used is not None else tokens_to_charge(
+        self.phase = advance(GENERATION, phase, event, DONE)
+        decision = reading.routed.decision
+        usage = reading.meter.finish()
+        used = settled_tokens(usage, reading.status, reading.streamed, decision.prompt_tokens)
+        record = self._report(reading, usage, used if used is not None else tokens_to_charge(
             usage, decision.prompt_tokens, decision.output_tokens))
-        return Continue(metadata=usage_metadata(used)) if used is not None else PASS
+        return Continue(metadata=usage_metadata(used) if used is not None else NO_METADATA,
+                        record=record)
 
-    def on_close(self) -> None:
+    def on_close(self) -> RequestRecord | None:
         """A request routed upstream whose response never ended: the client hung up or the
-        upstream reset (Envoy then resets the ext_proc stream). It is recorded as aborted,
+        upstream reset (Envoy then resets the ext_proc stream). Its record says aborted,
         with the completion tokens streamed so far; nothing is settled.
 
         Every stream of a picked request ends here, so this is where the picker hears the pod
         has one request less open from this replica. For a response extproc does not read,
         that is at its headers: the open count then covers requests the pod has not started
         answering, and the scraped queue covers the rest."""
-        if self.picked is not None and self.decision is not None and self.ctx.picker is not None:
-            self.ctx.picker.done(self.decision.cluster, self.picked)
+        if self.picked is not None and self.ctx.picker is not None:
+            self.ctx.picker.done(*self.picked)
             self.picked = None
-        if self.decision is None or self.finished:
-            return
-        self.finished = True
-        meter = self.meter if self.meter is not None else UsageMeter(streaming=False)
-        self._report(meter.finish(), None, aborted=True)
+        phase = self.phase
+        self.phase = advance(GENERATION, phase, "close", DONE)
+        if isinstance(phase, Routed):
+            phase = Reading(phase, 0, False, False, UsageMeter(streaming=False))
+        if isinstance(phase, Reading):
+            return self._report(phase, phase.meter.finish(), None, aborted=True)
+        return None
 
-    def _report(self, usage: Usage, charged: int | None, aborted: bool = False,
-                sampled: bool = True) -> None:
-        ctx, decision = self.ctx, self.decision
-        assert decision is not None
+    def _report(self, reading: Reading, usage: Usage, charged: int | None,
+                aborted: bool = False, sampled: bool = True) -> RequestRecord:
+        ctx, decision = self.ctx, reading.routed.decision
         now = ctx.clock()
-        first, last = self.first_token_at, self.last_token_at
-        ttft = first - ctx.started if self.streamed and first is not None else None
+        first, last = reading.times.first, reading.times.last
+        ttft = first - ctx.started if reading.streamed and first is not None else None
         tpot = None
         if ttft is not None and first is not None and last is not None and usage.streamed_tokens > 1:
             tpot = (last - first) / (usage.streamed_tokens - 1)
         record = RequestRecord(
             request_id=ctx.request_id,
-            model=self.model_name,
+            model=reading.routed.model,
             cluster=decision.cluster,
             variant=decision.variant,
             tenant=ctx.identity.tenant,
-            status=self.status,
-            streamed=self.streamed,
-            errored=usage.errored or self.status >= 500,
+            status=reading.status,
+            streamed=reading.streamed,
+            errored=usage.errored or reading.status >= 500,
             duration_s=now - ctx.started,
             ttft_s=ttft,
             tpot_s=tpot,
@@ -159,12 +178,14 @@ class GenerationProcessor(BaseProcessor):
             else usage.streamed_tokens,
             charged_tokens=charged,
             aborted=aborted,
-            limited=self.limited,
+            limited=reading.limited,
             sampled=sampled,
         )
-        ctx.telemetry.request_done(record)
+        return record
 
     def on_request_body(self, body: bytes) -> Action:
+        if not isinstance(self.phase, AwaitingBody):
+            raise refuse(self.phase, "request_body")
         parsed = parse_generation(self.api, body)
         model = resolve_model(self.ctx, parsed.model, "chat")
         counter = counter_for(model.tokenizer)
@@ -172,22 +193,22 @@ class GenerationProcessor(BaseProcessor):
         decision = decide_demand_for(
             self.ctx, model, Demand(counts, parsed.max_output_tokens, parsed.choices))
         pods = self._pick(decision, parsed)
-        self.decision = decision
-        self.model_name = model.name
         self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
         snapshot = self.ctx.snapshot
-        canary = self.ctx.canary_for(model)
+        canary = self.ctx.canaries.canary_for(model)
         plan = usage_plan(parsed)
         if not snapshot.config.telemetry.envoy_usage \
                 or self.ctx.headers.get(ENVOY_USAGE_HEADER) != "1":
             plan = "extproc"  # this Envoy cannot read the usage (an Istio EnvoyFilter)
-        self.reads_body = (
+        reads_body = (
             decision.variant == "canary"
             or sampled(self.ctx.request_id, stable_share(
                 snapshot.config.telemetry.sample, canary.percent if canary else None))
             # Without rate limits no usage is settled: only sampling decides.
             or (snapshot.config.rate_limits is not None and plan == "extproc"))
-        inject = (not self.reads_body and snapshot.config.rate_limits is not None
+        self.phase = advance(GENERATION, self.phase, "request_body",
+                             Routed(decision, model.name, reads_body))
+        inject = (not reads_body and snapshot.config.rate_limits is not None
                   and plan == "envoy_injected")
         new_body = None
         if decision.upstream_model != parsed.model or snapshot.inject_priority or inject:
@@ -205,8 +226,8 @@ class GenerationProcessor(BaseProcessor):
         # The reservation and the lease ride on the request-body answer so the rate-limit
         # filter, which runs after ext_proc, can charge it at admission (CONTRACT §7).
         metadata = admission_metadata(decision.reservation)
-        if inject:
-            metadata[STRIP_USAGE_METADATA_KEY] = "1"  # Envoy's Lua filter takes the chunk out
+        if inject:  # Envoy's Lua filter takes the chunk out
+            metadata = {**metadata, STRIP_USAGE_METADATA_KEY: "1"}
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,
                         metadata=metadata, lb_endpoints=pods)
 
@@ -224,5 +245,5 @@ class GenerationProcessor(BaseProcessor):
             if pick is not None and pick.shed and spec is not None and spec.saturation:
                 raise server_overloaded(decision.cluster, spec.saturation.retry_after_s)
             return ()
-        self.picked = pick.endpoint
+        self.picked = (decision.cluster, pick.endpoint)
         return (pick.endpoint, *pick.fallbacks)

@@ -1,0 +1,31 @@
+"""The canary guard's verdicts as a routing input: one immutable value per change.
+
+The guard (:mod:`extproc.canary.guard`) judges from finished requests and publishes a new
+:class:`CanaryPolicy` when a canary trips; a stream reads the policy in force once, at its
+request headers, and routes by it. Nothing that routes reaches into the guard or telemetry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from routing.compiled import Canary, ModelRoute
+
+
+@dataclass(frozen=True)
+class CanaryPolicy:
+    """Which guarded canaries this replica has stopped, keyed by (model, canary config): a
+    changed ``canary:`` config is a new key, so it starts again."""
+
+    stopped: frozenset[tuple[str, Canary]] = frozenset()
+
+    def canary_for(self, model: ModelRoute) -> Canary | None:
+        """The canary in force for ``model``: None when its guard has stopped it."""
+        canary = model.canary
+        if canary is None or canary.guard is None or not self.stopped:
+            return canary
+        return None if (model.name, canary) in self.stopped else canary
+
+
+OPEN_CANARIES = CanaryPolicy()
+"""No canary stopped (a replica without guards, and every replica at start)."""

@@ -1,0 +1,49 @@
+"""Answers are values: once built, nothing (a later stream least of all) can change them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extproc.actions import PASS, Continue
+from extproc.stream import routed
+from tests.extproc.processors.test_phases import CHAT, Records, started
+
+
+def test_the_shared_pass_answer_cannot_gain_metadata() -> None:
+    with pytest.raises(TypeError):
+        PASS.metadata["tokens"] = "5"  # type: ignore[index]
+    assert dict(PASS.metadata) == {} and Continue() == PASS
+
+
+def test_a_dict_given_as_metadata_is_copied_not_shared() -> None:
+    given: dict[str, Any] = {"tokens": "5"}
+    action = Continue(metadata=given)
+    given["done"] = "1"
+    assert action.metadata == {"tokens": "5"}
+    with pytest.raises(TypeError):
+        action.metadata["done"] = "1"  # type: ignore[index]
+
+
+def test_routing_adds_the_cluster_to_a_copy() -> None:
+    action = Continue(set_headers=(("x-llm-cluster", "pool-a"),), metadata={"lease": "l1"})
+    out = routed(action)
+    assert isinstance(out, Continue)
+    assert out.metadata == {"lease": "l1", "cluster": "pool-a"}
+    assert action.metadata == {"lease": "l1"}
+
+
+def test_the_answer_that_ends_a_request_carries_its_record_and_the_stream_reports_it() -> None:
+    """Processors build records, the stream alone reports them: exactly the one the answer
+    carries, once, and a record is no part of the answer's value."""
+    telemetry = Records()
+    state = started("/v1/chat/completions", telemetry)
+    state.handle("request_body", None, CHAT, True)
+    end = state.handle("response_headers", {":status": "200", "content-type": "application/json"},
+                       b"", True)
+    assert isinstance(end, Continue) and end.record is not None
+    assert telemetry.records == [end.record] and end.record.status == 200
+    assert Continue(record=end.record) == PASS
+    state.close()
+    assert telemetry.records == [end.record]
