@@ -211,11 +211,17 @@ class GenerationProcessor(BaseProcessor):
         inject = (not reads_body and snapshot.config.rate_limits is not None
                   and plan == "envoy_injected")
         new_body = None
-        if decision.upstream_model != parsed.model or snapshot.inject_priority or inject:
+        # A client's own ``priority`` never reaches vLLM: with priority scheduling it would jump
+        # the queue (lower is served first), so it is replaced by the tier, or dropped.
+        client_priority = "priority" in parsed.doc
+        if decision.upstream_model != parsed.model or snapshot.inject_priority or inject \
+                or client_priority:
             doc = dict(parsed.doc)
             doc["model"] = decision.upstream_model
             if snapshot.inject_priority:
                 doc["priority"] = ("high", "medium", "low").index(decision.priority)
+            else:
+                doc.pop("priority", None)
             if inject:
                 options = doc.get("stream_options")
                 doc["stream_options"] = {**(options or {}), "include_usage": True}

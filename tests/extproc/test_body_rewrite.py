@@ -85,3 +85,12 @@ def changes(body: dict[str, Any] | None, doc: dict[str, Any]) -> dict[str, Any] 
 def test_the_body_vllm_gets(doc: dict[str, Any], sections: dict[str, Any],
                             changed: dict[str, Any] | None) -> None:
     assert changes(sent(routed(doc, **sections)), doc) == changed
+
+
+@pytest.mark.parametrize("value", [-100, 0, "0", None])
+def test_without_injection_a_clients_priority_is_dropped(value: object) -> None:
+    """vLLM with ``--scheduling-policy priority`` serves a lower ``priority`` first: a client's
+    own value would buy a place in its queue even when the gateway does not set one."""
+    body = sent(routed({"max_tokens": 10, "priority": value}))
+    assert body is not None and "priority" not in body
+    assert body["model"] == "llama-2-13b"

@@ -22,8 +22,12 @@ def start(path: str = "/v1/chat/completions", method: str = "POST",
 
 
 def body(state: StreamState, doc: object) -> Continue | Reply:
+    """The answer to the request body; the snapshot has no cache and no limits, so it is never
+    a lookup or a rate check."""
     raw = doc if isinstance(doc, bytes) else orjson.dumps(doc)
-    return state.handle("request_body", None, raw, True)
+    step = state.handle("request_body", None, raw, True)
+    assert isinstance(step, Continue | Reply), step
+    return step
 
 
 def chat_doc(content: str = "hello", **extra: object) -> dict[str, object]:
