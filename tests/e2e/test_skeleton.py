@@ -55,18 +55,22 @@ def test_streaming_chat_delivers_the_first_chunk_before_generation_ends(gateway:
         model="llama-2-13b", messages=[{"role": "user", "content": "Count slowly"}],
         max_tokens=150, stream=True, stream_options={"include_usage": True})
     first_at: float | None = None
+    last_at = 0.0
     text, usage = [], None
     for chunk in stream:
-        if first_at is None and chunk.choices and chunk.choices[0].delta.content:
-            first_at = time.monotonic() - started
         if chunk.choices and chunk.choices[0].delta.content:
+            last_at = time.monotonic() - started
+            if first_at is None:
+                first_at = last_at
             text.append(chunk.choices[0].delta.content)
         usage = chunk.usage or usage
     total = time.monotonic() - started
     assert first_at is not None
-    # 150 tokens at the simulator's 2 ms each take ≥ 300 ms; the first must not wait for them.
+    # 150 tokens at the simulator's 2 ms each take ≥ 300 ms; the first must not wait for them:
+    # the tokens arrive spread over the generation (a buffered answer would bring them at once;
+    # a loaded machine only spreads them more).
     assert total >= 0.3
-    assert first_at < total / 2, (first_at, total)
+    assert last_at - first_at >= 0.15, (first_at, last_at)
     assert usage is not None and usage.completion_tokens == 150
     assert len(text) == 150
 

@@ -60,7 +60,10 @@ async def test_chat_streams_tokens_as_they_are_generated(start_sim: StartSim, sd
         chunks.append(chunk)
     total = arrivals[-1]
     assert total >= 0.45  # 10 tokens x 50 ms
-    assert arrivals[0] < total / 3  # the first chunk came while generation was still going
+    # The first chunk came while generation was still going: streamed chunks spread over the
+    # ~450 ms of decoding (a buffered answer arrives all at once). A machine under load only
+    # spreads them more, unlike a bound on when the first one arrives.
+    assert arrivals[-1] - arrivals[0] >= 0.2
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert len(text.split(" ")) == 10

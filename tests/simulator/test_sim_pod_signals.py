@@ -120,7 +120,9 @@ async def test_a_repeated_prefix_hits_the_cache_and_skips_its_prefill(
     assert samples["vllm:prefix_cache_queries_total"] == 800
     assert samples["vllm:prefix_cache_hits_total"] == 384  # 24 whole blocks; the last token is computed
     assert cold >= 2.0
-    assert warm < 1.0  # 16 uncached tokens: 80 ms of prefill
+    # 16 uncached tokens: 80 ms of prefill against 2 s. Relative to the cold run, so a loaded
+    # machine slows both rather than failing a fixed bound.
+    assert warm < cold / 4
 
 
 async def test_a_different_prefix_misses_and_a_shared_head_hits_partly(
@@ -154,14 +156,17 @@ async def test_speed_two_halves_generation_time(start_sim: StartSim, http: aioht
     slow_s, fast_s = await asyncio.gather(
         _complete(http, slow, [1, 2, 3], 25), _complete(http, fast, [1, 2, 3], 25)
     )
-    assert slow_s >= 1.0
-    assert 0.5 <= fast_s < 0.9
+    assert slow_s >= 1.0 and fast_s >= 0.5
+    assert fast_s < slow_s * 0.8  # run side by side: the same load slows both
 
 
 async def test_speed_divides_prefill_too(start_sim: StartSim, http: aiohttp.ClientSession) -> None:
+    slow = await start_sim(prefill_ms_per_token=5.0)
     fast = await start_sim(prefill_ms_per_token=5.0, speed=4.0)
-    took = await _complete(http, fast, list(range(400)), 1)
-    assert 0.5 <= took < 1.5  # 400 x 5 ms / 4; 2 s at speed 1
+    slow_s, fast_s = await asyncio.gather(
+        _complete(http, slow, list(range(400)), 1), _complete(http, fast, list(range(400)), 1))
+    assert slow_s >= 2.0 and fast_s >= 0.5  # 400 x 5 ms, and a quarter of it
+    assert fast_s < slow_s / 2
 
 
 async def test_state_overrides_show_in_metrics_and_clear(
