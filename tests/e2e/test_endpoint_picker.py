@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from sidecar_runtime.procs import free_port
+from tests.harness.gateway import ip
 from tests.harness.picker_envoy import (
     TEST_CLUSTER,
     TEST_PICK,
@@ -31,10 +32,6 @@ from tests.harness.picker_envoy import (
 
 A, B, C, D, E = (free_port() for _ in range(5))
 ALL = (A, B, C)
-
-
-def ip(port: int) -> str:
-    return f"127.0.0.1:{port}"
 
 
 def doc() -> dict[str, Any]:

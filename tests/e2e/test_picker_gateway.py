@@ -21,17 +21,13 @@ import openai
 import pytest
 
 from sidecar_runtime.procs import free_port
-from tests.harness.gateway import Gateway, envoy_counter, running_gateway
+from tests.harness.gateway import Gateway, envoy_counter, ip, running_gateway
 from tests.harness.waits import wait_for
 
 A, B, C = (free_port() for _ in range(3))
 PODS = (A, B, C)
 BUSY = {"waiting": 40, "kv_usage": 0.99}
 LONG_PREFIX = "You are a careful assistant for the legal team. " * 40  # ~2 KB: 8 prefix blocks
-
-
-def ip(port: int) -> str:
-    return f"127.0.0.1:{port}"
 
 
 def doc() -> dict[str, Any]:

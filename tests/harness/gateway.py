@@ -80,6 +80,11 @@ class Gateway:
         return "\n".join(parts)
 
 
+def ip(port: int) -> str:
+    """``127.0.0.1:PORT``: a pod, service or listener address of a test config."""
+    return f"127.0.0.1:{port}"
+
+
 def envoy_counter(admin_url: str, pattern: str) -> int:
     """The sum of Envoy's counters whose name matches the regex ``pattern`` (0 before any was
     counted), read from the admin interface at ``admin_url`` (``http://host:port``)."""

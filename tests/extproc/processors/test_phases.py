@@ -33,7 +33,7 @@ from extproc.processors.phases import (
     advance,
 )
 from extproc.stream import StreamState
-from extproc.telemetry.events import RequestRecord
+from extproc.telemetry.events import NullTelemetry, RequestRecord
 from tests.extproc.helpers import snapshot
 
 GENERATION_ALLOWED = {
@@ -135,21 +135,14 @@ def test_a_few_refused_transitions_say_what_was_asked(table: Table, before: type
                                   "is not a transition")
 
 
-class Records:
+class Records(NullTelemetry):
+    """Keeps the request records; everything else as NullTelemetry (no-ops)."""
+
     def __init__(self) -> None:
         self.records: list[RequestRecord] = []
 
     def request_done(self, record: RequestRecord) -> None:
         self.records.append(record)
-
-    def rejected(self, status: int, code: str) -> None:
-        pass
-
-    def routed(self, model: str, cluster: str, variant: str) -> None:
-        pass
-
-    def phase(self, phase: str, seconds: float) -> None:
-        pass
 
 
 CHAT = orjson.dumps({"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}]})
