@@ -57,7 +57,7 @@ async def main_async(args: argparse.Namespace, settings: Settings) -> int:
     install_stop_handlers(stop)
     watcher = asyncio.create_task(holder.watch(stop))
     try:
-        await serve(holder.current, settings, host, port, metrics_host(host), args.metrics_port,
+        await serve(holder, settings, host, port, metrics_host(host), args.metrics_port,
                     registry, stop, args.worker_ops_socket)
     finally:
         stop.set()

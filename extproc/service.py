@@ -35,6 +35,7 @@ from sidecar_runtime.key_audit import audit_key_id_secret
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.ops_http import start_ops_server
 from sidecar_runtime.redis_audit import audit_redis
+from sidecar_runtime.reload import Reloader
 from sidecar_runtime.settings import Settings
 
 log = get_logger("extproc.service")
@@ -122,14 +123,17 @@ def _last_message(step: Step, phase: Phase, end: bool, responses_asked: bool) ->
     return phase.startswith("response") or not responses_asked
 
 
-async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str, port: int,
+async def serve(config: Reloader[Snapshot], settings: Settings, host: str, port: int,
                 metrics_host: str, metrics_port: int, registry: CollectorRegistry,
                 stop: asyncio.Event, worker_ops_socket: str | None = None) -> None:
     """Run the gRPC server and the ops HTTP server until ``stop`` is set, then drain.
 
-    ``worker_ops_socket``: this process is one of ``--workers N``: the gRPC port is shared
-    (SO_REUSEPORT) and /metrics and /healthz go to that Unix socket, for the supervisor.
+    ``config`` holds the routing snapshot (each stream reads ``config.current()`` once); the
+    endpoint picker follows its reloads. ``worker_ops_socket``: this process is one of
+    ``--workers N``: the gRPC port is shared (SO_REUSEPORT) and /metrics and /healthz go to
+    that Unix socket, for the supervisor.
     """
+    snapshot = config.current
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -143,7 +147,8 @@ async def serve(snapshot: Callable[[], Snapshot], settings: Settings, host: str,
     cache = open_vector_cache(settings, CacheMetrics(registry))
     await cache.connect()
     limits = RateLimitClient(registry)
-    picker = PickerRuntime(snapshot, registry)
+    picker = PickerRuntime(snapshot().config, registry)
+    config.subscribe(lambda fresh: picker.follow(fresh.config))
     await picker.start()
     servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache, limits, picker)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)

@@ -70,6 +70,12 @@ class Reloader(Generic[T]):
         self._errors = errors
         self._signature = path_signature(self.path)
         self._current = load(self.path)
+        self._listeners: list[Callable[[T], None]] = []
+
+    def subscribe(self, listener: Callable[[T], None]) -> None:
+        """Call ``listener(snapshot)`` after each swap made by :meth:`run`, on the event loop's
+        thread (where state shared with requests can be changed without locks)."""
+        self._listeners.append(listener)
 
     def current(self) -> T:
         """The snapshot to use for one whole request (read it once, keep it)."""
@@ -109,10 +115,14 @@ class Reloader(Generic[T]):
         while True:
             await asyncio.sleep(self._interval_s)
             try:
-                await asyncio.to_thread(self.check_now)
+                swapped = await asyncio.to_thread(self.check_now)
             except Exception as exc:
                 log.error("config_reload_crashed", path=self.path, error=repr(exc))
                 self._report(False, repr(exc))
+                continue
+            if swapped:
+                for listener in self._listeners:
+                    listener(self._current)
 
     async def watch(self, stop: asyncio.Event) -> None:
         """:meth:`run` until ``stop`` is set."""

@@ -19,7 +19,7 @@ from typing import Literal
 
 from extproc.picker.prefix import PrefixIndex, block_hashes
 from extproc.picker.scoring import PoolContext, Row, saturated, score_rows
-from extproc.picker.state import UNREACHABLE_AFTER, Candidate, PoolState
+from extproc.picker.state import Candidate, PoolState
 from routing.picker_schema import EndpointPickerSpec, PickerWeights, SaturationSpec
 from routing.schema import RoutingConfig
 from routing.units import parse_hostport
@@ -220,7 +220,7 @@ class EndpointPicker:
         rows: list[Row] = [(pool.fresh(pod, now), pod.sent_since_scrape, pod.in_flight,
                             matches.get(address, 0.0), pod.tpot_s)
                            for address, pod in pool.pods.items()]
-        unreachable = [pod.connect_failures >= UNREACHABLE_AFTER for pod in pool.pods.values()]
+        unreachable = [pod.unreachable for pod in pool.pods.values()]
         result = choose_reachable(addresses, rows, unreachable, spec.weights, spec.saturation,
                                   priority, self._rng)
         if result.endpoint is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import threading
 import time
 
 from prometheus_client import CollectorRegistry
@@ -13,6 +14,7 @@ from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.reload_metrics import ReloadMetrics
+from tests.harness.waits import until
 from tests.routing.test_check import GOOD
 
 
@@ -131,3 +133,28 @@ async def test_watch_applies_a_change_within_two_seconds(tmp_path: pathlib.Path)
     finally:
         stop.set()
         await watcher
+
+
+async def test_subscribers_hear_each_swap_on_the_event_loop(tmp_path: pathlib.Path) -> None:
+    """What the endpoint picker relies on: the new snapshot, on the loop's own thread (it
+    changes state requests read without locks), and nothing for a bad file."""
+    path = tmp_path / "routing.yaml"
+    path.write_text(GOOD)
+    results: list[bool] = []
+    holder = Reloader(str(path), load, interval_s=0.02,
+                      on_result=lambda ok, _message: results.append(ok))
+    heard: list[tuple[list[str], bool]] = []
+    loop_thread = threading.get_ident()
+    holder.subscribe(lambda snap: heard.append((list(snap.models),
+                                                threading.get_ident() == loop_thread)))
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(holder.watch(stop))
+    try:
+        replace(path, GOOD.replace("[vllm-short, vllm-long]", "[vllm-short, vllm-lng]"))
+        await until(lambda: results == [False], timeout_s=10, what="the bad file judged")
+        replace(path, with_model("mistral-7b"))
+        await until(lambda: len(heard) == 1, timeout_s=10, what="the good file heard")
+    finally:
+        stop.set()
+        await watcher
+    assert heard == [(["llama-2-13b", "mistral-7b"], True)]
