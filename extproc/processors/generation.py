@@ -242,13 +242,13 @@ class GenerationProcessor(BaseProcessor):
         balances it); a 503 ``server_overloaded`` for a low-priority request to a saturated
         pool. The prefix the picker keys on is the first prompt's text in order."""
         picker = self.ctx.picker
-        if picker is None:
-            return ()
+        spec = self.ctx.snapshot.config.clusters[decision.cluster].endpoint_picker
+        if picker is None or spec is None:
+            return ()  # before joining the prompt: most pools have no picker
         prompt = "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts else b""
         pick = picker.pick(decision.cluster, prompt, cast(Priority, decision.priority))
         if pick is None or pick.endpoint is None:
-            spec = self.ctx.snapshot.config.clusters[decision.cluster].endpoint_picker
-            if pick is not None and pick.shed and spec is not None and spec.saturation:
+            if pick is not None and pick.shed and spec.saturation:
                 raise server_overloaded(decision.cluster, spec.saturation.retry_after_s)
             return ()
         self.picked = (decision.cluster, pick.endpoint)
