@@ -1,4 +1,4 @@
-"""The ``llm-sidecar`` command line (CONTRACT §2)."""
+"""The ``llm-sidecar`` command line (README: Commands)."""
 
 from __future__ import annotations
 

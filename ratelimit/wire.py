@@ -132,7 +132,7 @@ def response_to_proto(outcome: LimitOutcome) -> rls_pb2.RateLimitResponse:
             base_pb2.HeaderValue(key="content-type", value="application/json"))
         if outcome.backend_failed:
             # Envoy's local-reply mapper turns a denial carrying this header into a 503: the
-            # store being down is not the client's rate limit (CONTRACT §6).
+            # store being down is not the client's rate limit (README: Errors).
             response.response_headers_to_add.append(
                 base_pb2.HeaderValue(key=BACKEND_DENY_HEADER, value="unavailable"))
         response.raw_body = error_body(outcome)

@@ -12,7 +12,7 @@ CLUSTER_METADATA_KEY = "cluster"
 TOKENS_METADATA_KEY = "llm_tokens"
 """The tokens a response used, set at its end only when known (absent: the reservation stands)."""
 RESERVATION_METADATA_KEY = "llm_reservation"
-"""The tokens a request reserves at admission (CONTRACT §7)."""
+"""The tokens a request reserves at admission (README: Rate limits)."""
 DONE_METADATA_KEY = "llm_done"
 """``"1"`` once the response reached its end (set with ``llm_tokens``, by extproc or by Envoy's
 sse_to_metadata at end of stream): a stream cut after its usage chunk but before its end has

@@ -52,7 +52,7 @@ class BaseProcessor:
 
 
 def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) -> Headers:
-    """The ``x-llm-*`` headers Envoy routes and rate-limits on (CONTRACT §4)."""
+    """The ``x-llm-*`` headers Envoy routes and rate-limits on (README: Headers)."""
     return (
         ("x-llm-cluster", decision.cluster),
         ("x-llm-model", model.name),

@@ -230,7 +230,7 @@ class GenerationProcessor(BaseProcessor):
         if new_body is not None:
             headers += (("content-length", str(len(new_body))),)
         # The reservation and the lease ride on the request-body answer so the rate-limit
-        # filter, which runs after ext_proc, can charge it at admission (CONTRACT §7).
+        # filter, which runs after ext_proc, can charge it at admission (README: Rate limits).
         metadata = admission_metadata(decision.reservation)
         if inject:  # Envoy's Lua filter takes the chunk out
             metadata = {**metadata, STRIP_USAGE_METADATA_KEY: "1"}

@@ -1,5 +1,5 @@
 """Token reservations, abort-safe charging, concurrency caps and shadow limits through real
-Envoy, on the memory backend and on a real Redis (CONTRACT §7).
+Envoy, on the memory backend and on a real Redis (README: Rate limits).
 
 Each test uses its own tenant (or key), so the module's gateways are shared. A request's
 reservation is read off OpenAI's ``x-ratelimit-remaining-tokens`` header of a first request on
