@@ -1,5 +1,5 @@
 """Fixtures shared by every test folder live in tests/harness; this file registers them and
-marks the slow tiers, so ``pytest -m "not e2e and not fuzz"`` is the fast edit loop."""
+marks the slow tiers, so ``pytest -m "not e2e and not fuzz" -n 4`` is the fast edit loop."""
 
 from __future__ import annotations
 
