@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc import wire
@@ -29,16 +29,14 @@ from extproc.stream import StreamState
 from extproc.telemetry.events import NULL_TELEMETRY, Telemetry
 from extproc.telemetry.metrics import ExtprocMetrics
 from extproc.telemetry.request_log import LoggedTelemetry
-from routing.compiled import Snapshot
-from sidecar_runtime.grpc_listen import add_port, listen_address, reuse_port_option
+from routing.compiled import Snapshot, compile_config
+from routing.loader import load_config
 from sidecar_runtime.key_audit import audit_key_id_secret
-from sidecar_runtime.logs import get_logger
-from sidecar_runtime.ops_http import start_ops_server
 from sidecar_runtime.redis_audit import audit_redis
 from sidecar_runtime.reload import Reloader
+from sidecar_runtime.reload_metrics import ReloadMetrics
 from sidecar_runtime.settings import Settings
 
-log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 LINGER_S = 2.0
 """How long a finished stream waits for Envoy to reset it before closing it itself."""
@@ -123,64 +121,59 @@ def _last_message(step: Step, phase: Phase, end: bool, responses_asked: bool) ->
     return phase.startswith("response") or not responses_asked
 
 
-async def serve(config: Reloader[Snapshot], settings: Settings, host: str, port: int,
-                metrics_host: str, metrics_port: int, registry: CollectorRegistry,
-                stop: asyncio.Event, worker_ops_socket: str | None = None) -> None:
-    """Run the gRPC server and the ops HTTP server until ``stop`` is set, then drain.
+def load_snapshot(path: str) -> Snapshot:
+    """The routing YAML at ``path``, loaded and compiled (what a reload swaps in)."""
+    return compile_config(load_config(path))
 
-    ``config`` holds the routing snapshot (each stream reads ``config.current()`` once); the
-    endpoint picker follows its reloads. ``worker_ops_socket``: this process is one of
-    ``--workers N``: the gRPC port is shared (SO_REUSEPORT) and /metrics and /healthz go to
-    that Unix socket, for the supervisor.
+
+class ExtprocService:
+    """ext_proc's part of the process skeleton (:mod:`sidecar_runtime.service_process`): the
+    routing config and its reloader, the servicer and the resources it uses (embedding cache,
+    rate-limit client, endpoint picker), metrics and the ``/canary`` page.
+
+    Built on the event loop (the picker reads its clock). Each stream reads
+    ``reloader.current()`` once; the endpoint picker follows reloads.
     """
-    snapshot = config.current
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        reuse_port_option(worker_ops_socket is not None),
-    ])
-    metrics = ExtprocMetrics(registry, lambda: snapshot().known_tenants)
-    guards = CanaryGuards()
-    telemetry = GuardedTelemetry(LoggedTelemetry(metrics), guards, snapshot, metrics.canary_tripped)
-    audit_redis(settings.redis_url, settings.dev_mode, registry, "extproc")
-    audit_key_id_secret(settings.key_id_secret, settings.dev_mode, registry)
-    cache = open_vector_cache(settings, CacheMetrics(registry))
-    await cache.connect()
-    limits = RateLimitClient(registry)
-    picker = PickerRuntime(snapshot().config, registry)
-    config.subscribe(lambda fresh: picker.follow(fresh.config))
-    await picker.start()
-    servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache, limits, picker)
-    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = add_port(server, host, port, settings)
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    runner = await start_ops_server(metrics_host, metrics_port, registry,
-                                    lambda: not stop.is_set(),
-                                    {"/canary": lambda query: canary_page(registry, query)},
-                                    unix_path=worker_ops_socket)
-    log.info("extproc_listening", grpc=listen_address(host, bound),
-             tls=settings.grpc_tls_cert_file is not None,
-             metrics=worker_ops_socket or f"{metrics_host}:{metrics_port}")
-    try:
-        await stop.wait()
-    finally:
-        # Drain: health says NOT_SERVING, the listener closes (Envoy opens new streams on
-        # another replica: its retry policy covers a refused connect), and streams in flight,
-        # an SSE generation holds its own for the whole response, get up to the grace period.
-        log.info("extproc_draining", grace_s=settings.shutdown_grace_s)
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.stop(grace=settings.shutdown_grace_s)
-        await cache.aclose()
-        await limits.aclose()
-        await picker.stop()
-        await runner.cleanup()
-        log.info("extproc_stopped")
 
+    name = "extproc"
+    health_name = SERVICE_NAME
+    grpc_options = (("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                    ("grpc.max_send_message_length", 64 * 1024 * 1024))
+
+    def __init__(self, config_path: str, settings: Settings) -> None:
+        self.registry = CollectorRegistry()
+        self.reloader: Reloader[Snapshot] = Reloader(
+            config_path, load_snapshot, settings.reload_interval_s,
+            ReloadMetrics(self.registry, "extproc"))
+        self._settings = settings
+        snapshot = self.reloader.current
+        metrics = ExtprocMetrics(self.registry, lambda: snapshot().known_tenants)
+        self._guards = CanaryGuards()
+        self._telemetry = GuardedTelemetry(LoggedTelemetry(metrics), self._guards, snapshot,
+                                           metrics.canary_tripped)
+        audit_redis(settings.redis_url, settings.dev_mode, self.registry, "extproc")
+        audit_key_id_secret(settings.key_id_secret, settings.dev_mode, self.registry)
+        self._cache = open_vector_cache(settings, CacheMetrics(self.registry))
+        self._limits = RateLimitClient(self.registry)
+        self._picker = PickerRuntime(snapshot().config, self.registry)
+        self.reloader.subscribe(lambda fresh: self._picker.follow(fresh.config))
+        self.ops_pages: Mapping[str, Callable[[Mapping[str, str]], str]] = {
+            "/canary": lambda query: canary_page(self.registry, query)}
+
+    async def open(self, server: grpc.aio.Server) -> None:
+        await self._cache.connect()
+        await self._picker.start()
+        servicer = ExternalProcessor(self.reloader.current, self._settings, self._telemetry,
+                                     self._guards, self._cache, self._limits, self._picker)
+        pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+
+    async def close(self) -> None:
+        await self._cache.aclose()
+        await self._limits.aclose()
+        await self._picker.stop()
+
+    def describe(self) -> Mapping[str, Any]:
+        return {}
 
 
 def canary_page(registry: CollectorRegistry, query: Mapping[str, str]) -> str:

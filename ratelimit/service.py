@@ -1,18 +1,16 @@
-"""The gRPC side: ``envoy.service.ratelimit.v3.RateLimitService`` and ``grpc.health.v1`` on
-grpc.aio, plus the process around them (store, reload, admin HTTP). The only module of the
-package that imports ``grpc``.
+"""The gRPC side: ``envoy.service.ratelimit.v3.RateLimitService`` on grpc.aio, and what the
+service brings to the process skeleton (store, limiter, config reloader); the skeleton
+(:mod:`sidecar_runtime.service_process`) adds health, ops HTTP, reload polling and the drain.
+The only module of the package that imports ``grpc``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import grpc
-from aiohttp import web
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 
 from ratelimit.descriptors import RateLimitConfig
 from ratelimit.errors import ConfigError
@@ -24,17 +22,18 @@ from ratelimit.metrics import RateLimitMetrics
 from ratelimit.redis_store import RedisStore
 from ratelimit.store import BucketStore
 from ratelimit.wire import request_from_proto, response_to_proto
-from sidecar_runtime.grpc_listen import add_port, metrics_host, reuse_port_option
 from sidecar_runtime.logs import get_logger
-from sidecar_runtime.ops_http import bound_port, start_ops_server
 from sidecar_runtime.redis_audit import audit_redis
 from sidecar_runtime.redis_client import make_client
 from sidecar_runtime.reload import Reloader
+from sidecar_runtime.service_process import Listen, ServiceProcess
 from sidecar_runtime.settings import Settings, redis_url_for_logs
 
 log = get_logger("ratelimit")
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
 _MAX_WARNED_DOMAINS = 256
+CONFIG_ERRORS: tuple[type[Exception], ...] = (ConfigError, OSError, ValueError)
+"""What loading a descriptor config (or a routing YAML) raises when the config is bad."""
 
 
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[misc]
@@ -74,43 +73,29 @@ def make_store(settings: Settings, metrics: RateLimitMetrics) -> BucketStore:
                         failures_to_open=settings.redis_breaker_failures)
 
 
-class RateLimitServer:
-    """The whole ratelimit process, startable in-process (tests) or from :func:`serve`.
+class RateLimitService:
+    """ratelimit's part of the process skeleton (:mod:`sidecar_runtime.service_process`): the
+    descriptor config and its reloader, the bucket store, the limiter and its servicer."""
 
-    Ports given as 0 are chosen by the OS; :attr:`port` and :attr:`metrics_port` tell which.
-    """
+    name = "ratelimit"
+    health_name = SERVICE_NAME
+    grpc_options: tuple[tuple[str, Any], ...] = ()
 
-    def __init__(
-        self,
-        config_path: str,
-        host: str,
-        port: int,
-        metrics_port: int,
-        settings: Settings,
-        store: BucketStore | None = None,
-        worker_ops_socket: str | None = None,
-    ) -> None:
+    def __init__(self, config_path: str, settings: Settings,
+                 store: BucketStore | None = None) -> None:
         self.metrics = RateLimitMetrics()
-        self._worker_ops_socket = worker_ops_socket
-        self.host = host
-        self._settings = settings
-        self.port = port
-        self.metrics_port = metrics_port
+        self.registry = self.metrics.registry
+        self.ops_pages: Mapping[str, Callable[[Mapping[str, str]], str]] = {}
         self._warned: set[str] = set()
         self.reloader: Reloader[RateLimitConfig] = Reloader(
             config_path,
             load_path,
             settings.reload_interval_s,
             on_result=self._reloaded,
-            errors=(ConfigError, OSError, ValueError),
+            errors=CONFIG_ERRORS,
         )
         self.store = store if store is not None else make_store(settings, self.metrics)
         self.limiter = Limiter(self.reloader.current, self.store, self.metrics, self._unknown_domain)
-        self._server: grpc.aio.Server | None = None
-        self._health = health_aio.HealthServicer()
-        self._serving = False
-        self._tasks: list[asyncio.Task[None]] = []
-        self._admin: web.AppRunner | None = None
 
     def _reloaded(self, ok: bool, _: str) -> None:
         self.metrics.reloads.labels("ok" if ok else "error").inc()
@@ -121,67 +106,22 @@ class RateLimitServer:
         self._warned.add(domain)
         log.warning("ratelimit_unknown_domain", domain=domain, detail="answered OK, not limited")
 
-    async def start(self) -> None:
-        # A worker of --workers N shares the port; its /metrics goes to the supervisor.
-        server = grpc.aio.server(options=[reuse_port_option(self._worker_ops_socket is not None)])
+    async def open(self, server: grpc.aio.Server) -> None:
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitServicer(self.limiter), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = add_port(server, self.host, self.port, self._settings)
-        await server.start()
-        self._server = server
-        runner = await start_ops_server(
-            metrics_host(self.host), self.metrics_port, self.metrics.registry,
-            lambda: self._serving, unix_path=self._worker_ops_socket)
-        self.metrics_port = bound_port(runner, self.metrics_port)
-        self._admin = runner
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._serving = True
-        self._tasks.append(asyncio.create_task(self.reloader.run()))
-        domains = sorted(self.reloader.current().domains)
-        log.info("ratelimit_serving", port=self.port, metrics_port=self.metrics_port, domains=domains)
 
-    async def stop(self, grace_s: float = 2.0) -> None:
-        """Report NOT_SERVING, finish in-flight calls (up to ``grace_s``), release all."""
-        self._serving = False
-        with contextlib.suppress(Exception):
-            await self._health.enter_graceful_shutdown()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
-        if self._server is not None:
-            await self._server.stop(grace_s)
-            self._server = None
-        if self._admin is not None:
-            await self._admin.cleanup()
-            self._admin = None
+    async def close(self) -> None:
         await self.store.aclose()
 
+    def describe(self) -> Mapping[str, Any]:
+        return {"domains": sorted(self.reloader.current().domains)}
 
-async def serve(
-    config_path: str,
-    host: str,
-    port: int,
-    metrics_port: int,
-    settings: Settings,
-    stop: asyncio.Event | None = None,
-    worker_ops_socket: str | None = None,
-) -> None:
-    """Serve until ``stop`` is set (or the task is cancelled), then stop gracefully.
 
-    Raises :class:`ConfigError` when the initial config is invalid. ``worker_ops_socket``:
-    this process is one of ``--workers N`` (see :mod:`sidecar_runtime.workers`).
-    """
-    server = RateLimitServer(config_path, host, port, metrics_port, settings,
-                             worker_ops_socket=worker_ops_socket)
-    await server.start()
-    try:
-        if stop is None:
-            await asyncio.Event().wait()
-        else:
-            await stop.wait()
-    finally:
-        await asyncio.shield(server.stop(settings.shutdown_grace_s))
+RateLimitProcess = ServiceProcess[RateLimitService]
+
+
+def rate_limit_process(config_path: str, host: str, port: int, metrics_port: int,
+                       settings: Settings, store: BucketStore | None = None) -> RateLimitProcess:
+    """The whole ratelimit process, to start in-process (tests); ports 0 are chosen by the
+    system, ``process.port`` and ``process.metrics_port`` say which."""
+    return ServiceProcess(RateLimitService(config_path, settings, store),
+                          Listen(host, port, metrics_port), settings)

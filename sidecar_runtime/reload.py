@@ -107,7 +107,8 @@ class Reloader(Generic[T]):
             self._on_result(ok, message)
 
     async def run(self) -> None:
-        """Poll every ``interval_s`` until cancelled.
+        """Poll every ``interval_s`` until cancelled (the process skeleton runs it as a task
+        while the service serves, :mod:`sidecar_runtime.service_process`).
 
         An unexpected error while loading is logged and polling goes on: a watcher that died
         would leave the service on its old config for good, silently.
@@ -123,12 +124,3 @@ class Reloader(Generic[T]):
             if swapped:
                 for listener in self._listeners:
                     listener(self._current)
-
-    async def watch(self, stop: asyncio.Event) -> None:
-        """:meth:`run` until ``stop`` is set."""
-        task = asyncio.create_task(self.run())
-        try:
-            await stop.wait()
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)

@@ -16,7 +16,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from pydantic import SecretStr
 
 from ratelimit.guard import GuardedStore
-from ratelimit.service import RateLimitServer
+from ratelimit.service import RateLimitService, rate_limit_process
 from sidecar_runtime.breaker import BreakerState
 from sidecar_runtime.settings import Settings
 from tests.harness.redis_servers import RedisServer
@@ -48,7 +48,7 @@ descriptors:
 
 
 class Client:
-    def __init__(self, server: RateLimitServer, channel: grpc.aio.Channel) -> None:
+    def __init__(self, server: RateLimitService, channel: grpc.aio.Channel) -> None:
         self.server = server
         self.stub = rls_pb2_grpc.RateLimitServiceStub(channel)
 
@@ -76,11 +76,11 @@ async def client(
         redis_timeout_ms=int(DEADLINE_S * 1000),
         redis_breaker_failures=1,  # these tests count deadlines: open on the first failure
     )
-    server = RateLimitServer(str(path), "127.0.0.1", 0, 0, settings)
+    server = rate_limit_process(str(path), "127.0.0.1", 0, 0, settings)
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            yield Client(server, channel)
+            yield Client(server.service, channel)
     finally:
         await server.stop(grace_s=0.2)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ratelimit.descriptors import RateLimitConfig
 from ratelimit.loader import load_path
-from ratelimit.service import RateLimitServer
+from ratelimit.service import rate_limit_process
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.settings import Settings
 from tests.harness.waits import until
@@ -35,25 +35,25 @@ async def applied(condition: Callable[[], bool], what: str) -> None:
 async def test_edit_applies_within_two_seconds_and_broken_file_keeps_old(tmp_path: Path) -> None:
     path = tmp_path / "ratelimit.yaml"
     path.write_text(TEMPLATE.format(n=5))
-    server = RateLimitServer(str(path), "127.0.0.1", 0, 0, Settings(reload_interval_s=0.1))
+    server = rate_limit_process(str(path), "127.0.0.1", 0, 0, Settings(reload_interval_s=0.1))
     await server.start()
     try:
-        reloader = server.reloader
+        reloader, metrics = server.service.reloader, server.service.metrics
         assert capacity(reloader.current()) == 5
         path.write_text(TEMPLATE.format(n=7))
         await applied(lambda: capacity(reloader.current()) == 7, "capacity 7 in reloader")
 
         path.write_text("domain: llm\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: x}\n")
-        await applied(lambda: server.metrics.reloads.labels("error")._value.get() == 1, "error reloads == 1")
+        await applied(lambda: metrics.reloads.labels("error")._value.get() == 1, "error reloads == 1")
         assert capacity(reloader.current()) == 7
         await asyncio.sleep(0.3)  # the broken file is not reloaded (or re-logged) every poll
-        assert server.metrics.reloads.labels("error")._value.get() == 1
+        assert metrics.reloads.labels("error")._value.get() == 1
 
         path.write_text(TEMPLATE.format(n=9))
         await applied(lambda: capacity(reloader.current()) == 9, "capacity 9 in reloader")
         # The reload thread swaps the snapshot, then counts it: wait for the count too.
-        await applied(lambda: server.metrics.reloads.labels("ok")._value.get() >= 2, "ok reloads >= 2")
-        assert server.metrics.reloads.labels("ok")._value.get() == 2
+        await applied(lambda: metrics.reloads.labels("ok")._value.get() >= 2, "ok reloads >= 2")
+        assert metrics.reloads.labels("ok")._value.get() == 2
     finally:
         await server.stop(grace_s=0.1)
 

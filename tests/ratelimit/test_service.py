@@ -13,7 +13,7 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ratelimit.service import RateLimitServer
+from ratelimit.service import RateLimitProcess, rate_limit_process
 from sidecar_runtime.settings import Settings
 
 CONFIG = """
@@ -39,10 +39,10 @@ Response = rls_pb2.RateLimitResponse
 
 
 @pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[RateLimitServer]:
+async def server(tmp_path: Path) -> AsyncIterator[RateLimitProcess]:
     path = tmp_path / "ratelimit.yaml"
     path.write_text(CONFIG)
-    server = RateLimitServer(str(path), "127.0.0.1", 0, 0, Settings(reload_interval_s=0.1))
+    server = rate_limit_process(str(path), "127.0.0.1", 0, 0, Settings(reload_interval_s=0.1))
     await server.start()
     try:
         yield server
@@ -51,7 +51,7 @@ async def server(tmp_path: Path) -> AsyncIterator[RateLimitServer]:
 
 
 @pytest.fixture
-async def channel(server: RateLimitServer) -> AsyncIterator[grpc.aio.Channel]:
+async def channel(server: RateLimitProcess) -> AsyncIterator[grpc.aio.Channel]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield channel
 
@@ -190,7 +190,7 @@ async def test_garbage_does_not_crash_the_service(channel: grpc.aio.Channel) -> 
     assert (await ask(channel, KEY)).overall_code == Response.OK
 
 
-async def test_health_and_http_endpoints(server: RateLimitServer, channel: grpc.aio.Channel) -> None:
+async def test_health_and_http_endpoints(server: RateLimitProcess, channel: grpc.aio.Channel) -> None:
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "envoy.service.ratelimit.v3.RateLimitService"):
         reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)

@@ -55,4 +55,4 @@ def test_the_runtime_is_all_there() -> None:
     # A glob that matched nothing would pass the parametrized test vacuously.
     names = {p.stem for p in RUNTIME.glob("*.py")}
     assert {"settings", "logs", "breaker", "redis_client", "reload", "grpc_listen", "ops_http",
-            "workers", "wire_names"} <= names
+            "workers", "wire_names", "signals", "service_process"} <= names
