@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol
 
-from extproc.actions import PASS, Action, Headers, Reply, Step
+from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply, Step
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
@@ -92,6 +92,17 @@ def resolve_model(ctx: RequestContext, name: str, want: str) -> ModelRoute:
         raise bad_request(f"The model `{name}` is {what}; it cannot serve this endpoint.",
                           param="model", code="model_not_supported")
     return model
+
+
+ENVOYS_OWN_ANSWER = Continue(mode=ModeOverride(response_headers=True, response_body="none"))
+
+
+def envoys_own_answer() -> Continue:
+    """Response headers before the request body was answered: Envoy replied itself (a body
+    above its buffer limit gets its 413 while extproc may already have asked for response
+    headers). The request reached no pool and reserved nothing: the answer passes as it is,
+    unread and unrecorded, and no body message is asked for."""
+    return ENVOYS_OWN_ANSWER
 
 
 def body_required() -> Reply:

@@ -66,6 +66,7 @@ from extproc.processors.base import (
     BaseProcessor,
     body_required,
     decide_for,
+    envoys_own_answer,
     resolve_model,
     route_headers,
 )
@@ -203,6 +204,9 @@ class EmbeddingsProcessor(BaseProcessor):
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
         forwarded = self.phase
         if not isinstance(forwarded, Forwarded):
+            if isinstance(forwarded, AwaitingBody):
+                self._go("response_headers", DONE)
+                return envoys_own_answer()
             raise refuse(forwarded, "response_headers")
         status = headers.get(":status", "")
         code = int(status) if status.isdigit() else 0

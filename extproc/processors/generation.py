@@ -18,6 +18,7 @@ from extproc.processors.base import (
     BaseProcessor,
     body_required,
     decide_demand_for,
+    envoys_own_answer,
     resolve_model,
     route_headers,
 )
@@ -67,6 +68,9 @@ class GenerationProcessor(BaseProcessor):
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
         routed = self.phase
         if not isinstance(routed, Routed):
+            if isinstance(routed, AwaitingBody):
+                self.phase = advance(GENERATION, routed, "response_headers", DONE)
+                return envoys_own_answer()
             raise refuse(routed, "response_headers")
         status = headers.get(":status", "0")
         streamed = headers.get("content-type", "").startswith("text/event-stream")

@@ -101,7 +101,9 @@ class Reading:
 
 GenerationPhase = AwaitingBody | Routed | Reading | Done
 GENERATION: Table = {
-    AwaitingBody: {"request_body": (Routed,), "close": (Done,)},
+    # Response headers before the body: Envoy answered itself (its 413 for a body above its
+    # buffer limit); the request never reached a pool.
+    AwaitingBody: {"request_body": (Routed,), "response_headers": (Done,), "close": (Done,)},
     # A body without headers is read as a non-streamed answer of status 0 (as it always was).
     Routed: {"response_headers": (Reading, Done), "response_body": (Reading, Done),
              "close": (Done,)},
@@ -179,7 +181,8 @@ class Buffering:
 
 EmbeddingsPhase = AwaitingBody | Looking | Admitting | Forwarded | Buffering | Done
 EMBEDDINGS: Table = {
-    AwaitingBody: {"request_body": (Looking, Forwarded), "close": (Done,)},
+    AwaitingBody: {"request_body": (Looking, Forwarded), "response_headers": (Done,),
+                   "close": (Done,)},
     Looking: {"lookup": (Admitting, Forwarded), "close": (Done,)},
     Admitting: {"admitted": (Done,), "close": (Done,)},
     Forwarded: {"response_headers": (Buffering, Done), "close": (Done,)},

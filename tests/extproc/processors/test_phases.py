@@ -38,6 +38,7 @@ from tests.extproc.helpers import snapshot
 
 GENERATION_ALLOWED = {
     (AwaitingBody, "request_body", Routed),
+    (AwaitingBody, "response_headers", Done),  # Envoy's own answer (its 413) before the body
     (AwaitingBody, "close", Done),
     (Routed, "response_headers", Reading),   # a response extproc reads
     (Routed, "response_headers", Done),      # recorded at its headers (not read, or no body)
@@ -53,6 +54,7 @@ GENERATION_ALLOWED = {
 EMBEDDINGS_ALLOWED = {
     (AwaitingBody, "request_body", Looking),     # a model with a cache
     (AwaitingBody, "request_body", Forwarded),   # a model without one
+    (AwaitingBody, "response_headers", Done),    # Envoy's own answer before the body
     (AwaitingBody, "close", Done),
     (Looking, "lookup", Admitting),              # every input cached
     (Looking, "lookup", Forwarded),              # partial, miss or bypass
@@ -158,10 +160,10 @@ def started(path: str, telemetry: Records) -> StreamState:
 
 
 @pytest.mark.parametrize(("path", "messages"), [
-    # A response before the request was routed.
-    ("/v1/chat/completions", [("response_headers", {":status": "200"}, b"")]),
+    # A response body before the request was routed (response headers then are Envoy's own
+    # answer: test_envoys_own_answer_before_the_body_passes).
     ("/v1/chat/completions", [("response_body", None, b"data: [DONE]\n\n")]),
-    ("/v1/embeddings", [("response_headers", {":status": "200"}, b"")]),
+    ("/v1/embeddings", [("response_body", None, b"{}")]),
     # A second request body (Envoy buffers the body: there is only ever one).
     ("/v1/chat/completions", [("request_body", None, CHAT), ("request_body", None, CHAT)]),
     ("/v1/embeddings", [("request_body", None, EMBED), ("request_body", None, EMBED)]),
@@ -188,6 +190,26 @@ def test_an_unexpected_message_is_a_logged_internal_error(
     state.close()  # the stream still ends cleanly, and records a routed request once at most
     state.close()
     assert len(telemetry.records) <= 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+def test_envoys_own_answer_before_the_body_passes(path: str) -> None:
+    """A body above Envoy's buffer limit gets Envoy's own 413 while extproc waits for the body;
+    when extproc had already asked for response headers, they come to it in AwaitingBody. The
+    413 passes as Envoy wrote it (it used to become a 500), nothing is read or recorded."""
+    telemetry = Records()
+    state = started(path, telemetry)
+    with capture_logs() as logs:
+        answer = state.handle("response_headers", {":status": "413",
+                                                   "content-type": "application/json"},
+                              b"", False)
+        assert isinstance(answer, Continue)
+        assert answer.set_headers == () and answer.body is None
+        assert answer.mode is not None and answer.mode.response_body == "none"
+        assert state.handle("response_body", None, b'{"error": {}}', True) == Continue()
+    assert [e for e in logs if e["log_level"] == "error"] == []
+    state.close()
+    assert telemetry.records == []
 
 
 def test_done_is_final_whatever_comes_after() -> None:
