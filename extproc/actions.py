@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from extproc.telemetry.events import RequestRecord
+from extproc.records import Rejection, RequestRecord, RouteChosen
 from routing.schema import ServicesTls
 
 Phase = Literal["request_headers", "request_body", "request_trailers", "response_headers",
@@ -59,9 +59,12 @@ class Continue:
     """The pods (``ip:port``) picked for this request, best first: sent as the endpoint picker
     protocol's ``envoy.lb`` metadata and ``x-gateway-destination-endpoint`` header, which
     Envoy's override_host balancer follows in order (the next on a retry)."""
+    route: RouteChosen | None = field(default=None, compare=False, repr=False)
+    """The routing decision, when this answer sends the request to a pool."""
     record: RequestRecord | None = field(default=None, compare=False, repr=False)
-    """The request, when this answer ends it: the stream hands it to telemetry (the processor
-    that built the answer reports nothing itself). Not part of the answer's value."""
+    """The request, when this answer ends it. What an answer reports (this, :attr:`route`) is
+    handed to telemetry by the service (:func:`extproc.telemetry.events.emit`): neither the
+    processor that built it nor the stream reports anything. Not part of the answer's value."""
 
     def __post_init__(self) -> None:
         if type(self.metadata) is not MappingProxyType:
@@ -78,6 +81,8 @@ class Reply:
     details: str = ""
     record: RequestRecord | None = field(default=None, compare=False, repr=False)
     """The request, when this answer ends a routed one (see :attr:`Continue.record`)."""
+    rejection: Rejection | None = field(default=None, compare=False, repr=False)
+    """The client error this answers, when the stream turned one into this reply."""
 
 
 Action = Continue | Reply
@@ -97,8 +102,6 @@ class Lookup:
 
     keys: tuple[str, ...]
     resume: Callable[[Found], Step]
-    record: ClassVar[None] = None
-    """A step that asks for I/O first ends no request (read on every message: no type test)."""
 
 
 Descriptor = tuple[tuple[str, str], ...]
@@ -144,7 +147,6 @@ class RateCheck:
     resume: Callable[[Verdict], Action]
     tls: ServicesTls | None = None
     """How Envoy reaches the services (``services.tls``); extproc reaches ratelimit the same way."""
-    record: ClassVar[None] = None
 
 
 Step = Action | Lookup | RateCheck

@@ -9,7 +9,6 @@ from typing import Protocol
 from extproc.canary.policy import OPEN_CANARIES, CanaryPolicy
 from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
-from extproc.telemetry.events import Telemetry
 from routing.compiled import Snapshot
 from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
 
@@ -34,7 +33,6 @@ class RequestContext:
     started: float
     """Monotonic seconds when the request headers reached extproc."""
     clock: Callable[[], float]
-    telemetry: Telemetry
     canaries: CanaryPolicy = OPEN_CANARIES
     """The canaries in force, read once when the request started (a guard may stop one)."""
     picker: EndpointPicking | None = None

@@ -1,4 +1,5 @@
-"""The ext_proc gRPC service: receives messages, hands them to the stream state, sends answers.
+"""The ext_proc gRPC service: receives messages, hands them to the stream state, sends answers,
+and hands telemetry what the answers report (the stream state and processors report nothing).
 
 Only this module (with :mod:`extproc.wire`) knows about gRPC and protobuf.
 """
@@ -26,17 +27,19 @@ from extproc.context import EndpointPicking
 from extproc.picker.runtime import PickerRuntime
 from extproc.rls_client import RateLimitClient
 from extproc.stream import StreamState
-from extproc.telemetry.events import NULL_TELEMETRY, Telemetry
+from extproc.telemetry.events import NULL_TELEMETRY, Telemetry, emit
 from extproc.telemetry.metrics import ExtprocMetrics
 from extproc.telemetry.request_log import LoggedTelemetry
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
 from sidecar_runtime.key_audit import audit_key_id_secret
+from sidecar_runtime.logs import get_logger
 from sidecar_runtime.redis_audit import audit_redis
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.reload_metrics import ReloadMetrics
 from sidecar_runtime.settings import Settings
 
+log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 LINGER_S = 2.0
 """How long a finished stream waits for Envoy to reset it before closing it itself."""
@@ -67,8 +70,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
     ) -> AsyncIterator[pb.ProcessingResponse]:
         telemetry = self._telemetry
         clock = time.perf_counter
-        state = StreamState(self._snapshot(), self._secret, telemetry=telemetry,
-                            guards=self._guards, picker=self._picker)
+        state = StreamState(self._snapshot(), self._secret, guards=self._guards,
+                            picker=self._picker)
         responses_asked = False  # the filter config skips response messages unless asked
         try:
             async for request in request_iterator:
@@ -82,6 +85,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         step = state.resume(step, await self._cache.lookup(step.keys))
                     else:
                         step = state.admit(step, await self._limits.check(step))
+                try:  # free when nothing raises (3.11's zero-cost try)
+                    emit(telemetry, step)
+                except Exception:
+                    # A fault in telemetry must not change or break the answer.
+                    log.exception("extproc_internal_error", phase=phase, where="telemetry")
                 response = wire.build(phase, step)
                 telemetry.phase(phase, clock() - started)
                 if isinstance(step, Continue) and step.store is not None:
@@ -104,10 +112,23 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     return
         finally:
             # However the stream ended: Envoy's reset after the last answer (the request was
-            # recorded already, this does nothing), or a reset before it (client gone, upstream
-            # reset: grpcio cancels this generator, at an await with CancelledError or at the
-            # yield with GeneratorExit), which records the request as aborted.
-            state.close()
+            # recorded already, close returns nothing), or a reset before it (client gone,
+            # upstream reset: grpcio cancels this generator, at an await with CancelledError or
+            # at the yield with GeneratorExit): close returns the request's aborted record.
+            _record_aborted(telemetry, state)
+
+
+def _record_aborted(telemetry: Telemetry, state: StreamState) -> None:
+    """Hand telemetry the record of a request whose stream ended before its response did;
+    never raises (it runs in ``finally``, where an exception would replace the cancellation)."""
+    record = state.close()
+    if record is None:
+        return
+    try:
+        telemetry.request_done(record)
+    except Exception:
+        log.exception("extproc_internal_error", phase="close", where="telemetry",
+                      request_id=record.request_id)
 
 
 def _last_message(step: Step, phase: Phase, end: bool, responses_asked: bool) -> bool:

@@ -3,6 +3,9 @@
 The processor is chosen from the path on the request-headers message; until then nothing is
 known and a message out of order is passed through. Client errors become OpenAI-shaped replies
 here, in one place; an unexpected exception becomes a 500 reply rather than a broken stream.
+It reports nothing itself: what happened (a route chosen, a client error answered, a request
+ended) rides on the answers it returns and on :meth:`StreamState.close`'s value, as
+:mod:`extproc.records` values the service hands to telemetry.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
-from typing import TypeVar
 
 from extproc.actions import (
     PASS,
@@ -25,8 +27,7 @@ from extproc.actions import (
     Step,
     Verdict,
 )
-from extproc.canary.guard import CanaryGuards
-from extproc.canary.policy import OPEN_CANARIES
+from extproc.canary.policy import OPEN_CANARIES, PolicySource
 from extproc.context import EndpointPicking, RequestContext, spoofed_headers
 from extproc.errors import ClientError, error_body, method_not_allowed, unknown_path
 from extproc.identity import identify
@@ -35,7 +36,7 @@ from extproc.processors.embeddings import EmbeddingsProcessor
 from extproc.processors.error import ErrorProcessor
 from extproc.processors.generation import GenerationProcessor
 from extproc.processors.models import ModelsProcessor
-from extproc.telemetry.events import NULL_TELEMETRY, Telemetry
+from extproc.records import Rejection, RequestRecord
 from routing.compiled import Snapshot
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.wire_names import CLUSTER_METADATA_KEY
@@ -51,7 +52,6 @@ _GET_ROUTES = {"/v1/models": ModelsProcessor}
 
 
 CLIENT_CREDENTIALS = ("authorization", "x-api-key")
-S = TypeVar("S", bound=Step)
 
 
 def routed(action: Step) -> Step:
@@ -86,15 +86,13 @@ class StreamState:
 
     def __init__(self, snapshot: Snapshot, key_id_secret: bytes,
                  clock: Callable[[], float] = time.monotonic,
-                 telemetry: Telemetry = NULL_TELEMETRY,
-                 guards: CanaryGuards | None = None,
+                 guards: PolicySource | None = None,
                  picker: EndpointPicking | None = None) -> None:
         self.snapshot = snapshot
         self.guards = guards
         self.picker = picker
         self.secret = key_id_secret
         self.clock = clock
-        self.telemetry = telemetry
         self.processor: Processor | None = None
         self.ctx: RequestContext | None = None
         self.body_seen = False
@@ -103,58 +101,46 @@ class StreamState:
                end_of_stream: bool) -> Step:
         """The answer to one message (or a :class:`Lookup` to do first); never raises."""
         try:
-            step = self._dispatch(phase, headers, body, end_of_stream)
-            if step.record is not None:  # inline :meth:`_reported`: this runs on every message
-                self.telemetry.request_done(step.record)
-            return step
+            return self._dispatch(phase, headers, body, end_of_stream)
         except Exception as exc:
             return self._failed(exc, phase)
 
     def resume(self, lookup: Lookup, found: Found) -> Step:
         """The next step of the message that asked for ``lookup``, given what it found."""
         try:
-            return self._reported(routed(lookup.resume(found)))
+            return routed(lookup.resume(found))
         except Exception as exc:
             return self._failed(exc, "request_body")
 
     def admit(self, check: RateCheck, verdict: Verdict) -> Action:
         """The answer to the message that asked for ``check``, given the rate limiter's verdict."""
         try:
-            return self._reported(check.resume(verdict))
+            return check.resume(verdict)
         except Exception as exc:
             return self._failed(exc, "request_body")
 
-    def close(self) -> None:
+    def close(self) -> RequestRecord | None:
         """The stream is over, however it ended; never raises, and safe to call twice.
 
-        After a normal end the processor has recorded its request already and this does
-        nothing; after a reset (client gone, upstream reset) it records the request as aborted.
+        After a normal end an answer carried the request's record already, and this returns
+        None; after a reset (client gone, upstream reset) it returns the request's record as
+        aborted, once.
         """
         processor = self.processor
         if processor is None:
-            return
+            return None
         try:
-            record = processor.on_close()
-            if record is not None:
-                self.telemetry.request_done(record)
+            return processor.on_close()
         except Exception:
             log.exception("extproc_internal_error", phase="close",
                           request_id=self.ctx.request_id if self.ctx else None)
-
-    def _reported(self, step: S) -> S:
-        """``step``, its request record (when it ends the request) handed to telemetry: the
-        one place records are reported, so a processor builds answers and reports nothing.
-        Every step has ``record`` (None on a :class:`Lookup` or :class:`RateCheck`)."""
-        if step.record is not None:
-            self.telemetry.request_done(step.record)
-        return step
+            return None
 
     def _failed(self, exc: Exception, phase: Phase) -> Reply:
         if isinstance(exc, ClientError):
-            self.telemetry.rejected(exc.status, exc.code)
             return Reply(exc.status, exc.body(),
                          headers=(("content-type", "application/json"), *exc.headers),
-                         details=exc.code)
+                         details=exc.code, rejection=Rejection(exc.status, exc.code))
         log.exception("extproc_internal_error", phase=phase,  # called inside an except block
                       request_id=self.ctx.request_id if self.ctx else None)
         return Reply(500, error_body("The gateway failed to process the request.",
@@ -194,7 +180,6 @@ class StreamState:
             request_id=clean.get("x-request-id", ""),
             started=self.clock(),
             clock=self.clock,
-            telemetry=self.telemetry,
             picker=self.picker,
             # Read once: the request routes by the canaries in force when it started.
             canaries=self.guards.policy if self.guards is not None else OPEN_CANARIES,

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from prometheus_client import Gauge
 
 from extproc.canary.policy import OPEN_CANARIES, CanaryPolicy
-from extproc.telemetry.events import ForwardingTelemetry, RequestRecord, Telemetry
+from extproc.records import RequestRecord
+from extproc.telemetry.events import ForwardingTelemetry, Telemetry
 from routing.compiled import Canary, ModelRoute, Snapshot
 from routing.schema import GuardSpec
 from sidecar_runtime.logs import get_logger

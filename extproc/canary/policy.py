@@ -8,6 +8,7 @@ request headers, and routes by it. Nothing that routes reaches into the guard or
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from routing.compiled import Canary, ModelRoute
 
@@ -29,3 +30,11 @@ class CanaryPolicy:
 
 OPEN_CANARIES = CanaryPolicy()
 """No canary stopped (a replica without guards, and every replica at start)."""
+
+
+class PolicySource(Protocol):
+    """Where a stream reads the canaries in force (:class:`extproc.canary.guard.CanaryGuards`
+    publishes them): the stream depends on this, not on the guard and its metrics."""
+
+    @property
+    def policy(self) -> CanaryPolicy: ...

@@ -15,7 +15,7 @@ from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, decide, parse_context_hint
 from extproc.errors import bad_request, model_not_found
-from extproc.telemetry.events import RequestRecord
+from extproc.records import RequestRecord
 from routing.compiled import ModelRoute
 
 
@@ -47,7 +47,7 @@ class BaseProcessor:
 
     def on_close(self) -> RequestRecord | None:
         """The ext_proc stream ended (normally or not): the record of a request left
-        unfinished, for the stream to report."""
+        unfinished (the stream returns it from its ``close``)."""
         return None
 
 

@@ -22,7 +22,7 @@ clients), so a merged body of another length needs no header fix-up.
 Every embeddings response that reaches vLLM is read to charge its ``usage`` tokens (README: Rate limits);
 the request-body answer that sends it upstream carries its reservation (the counted tokens of
 the inputs that go upstream) as dynamic metadata. Every request that got past the body step is
-recorded once (:class:`extproc.telemetry.events.RequestRecord`), as aborted when its stream ends first.
+recorded once (:class:`extproc.records.RequestRecord`), as aborted when its stream ends first.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ from extproc.processors.phases import (
     advance,
     refuse,
 )
-from extproc.telemetry.events import RequestRecord
+from extproc.records import RequestRecord, RouteChosen
 from extproc.tokens import counter_for
 from sidecar_runtime.logs import get_logger
 
@@ -195,11 +195,11 @@ class EmbeddingsProcessor(BaseProcessor):
         headers: Headers = route_headers(self.ctx, request.model, decision)
         if body is not None:
             headers += (("content-length", str(len(body))),)
-        self.ctx.telemetry.routed(request.model.name, decision.cluster, decision.variant)
         # The answer is read (usage, vectors, merge): ask for it uncompressed.
         return Continue(set_headers=headers, remove_headers=("accept-encoding",), body=body,
                         clear_route_cache=True,
-                        metadata=admission_metadata(forwarded.reserved))
+                        metadata=admission_metadata(forwarded.reserved),
+                        route=RouteChosen(request.model.name, decision.cluster, decision.variant))
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
         forwarded = self.phase

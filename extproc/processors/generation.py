@@ -35,7 +35,7 @@ from extproc.processors.phases import (
     advance,
     refuse,
 )
-from extproc.telemetry.events import RequestRecord
+from extproc.records import RequestRecord, RouteChosen
 from extproc.telemetry.sampling import sampled, stable_share, usage_plan
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
@@ -197,7 +197,6 @@ class GenerationProcessor(BaseProcessor):
         decision = decide_demand_for(
             self.ctx, model, Demand(counts, parsed.max_output_tokens, parsed.choices))
         pods = self._pick(decision, parsed)
-        self.ctx.telemetry.routed(model.name, decision.cluster, decision.variant)
         snapshot = self.ctx.snapshot
         canary = self.ctx.canaries.canary_for(model)
         plan = usage_plan(parsed)
@@ -239,7 +238,8 @@ class GenerationProcessor(BaseProcessor):
         if inject:  # Envoy's Lua filter takes the chunk out
             metadata = {**metadata, STRIP_USAGE_METADATA_KEY: "1"}
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,
-                        metadata=metadata, lb_endpoints=pods)
+                        metadata=metadata, lb_endpoints=pods,
+                        route=RouteChosen(model.name, decision.cluster, decision.variant))
 
     def _pick(self, decision: Decision, parsed: GenerationBody) -> tuple[str, ...]:
         """The pods to try, best first, when the pool has an endpoint picker (else none: Envoy

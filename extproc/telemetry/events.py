@@ -1,70 +1,17 @@
-"""What extproc reports about each request, as plain values; metrics and logs consume them.
+"""Where what extproc reports goes: the :class:`Telemetry` interface, and :func:`emit`, which
+hands it what an answer reports.
 
-Processors call a :class:`Telemetry`; the Prometheus implementation is in :mod:`extproc.telemetry.metrics`,
-and tests use :class:`NullTelemetry` or a recording fake.
+The core builds the reports as values (:mod:`extproc.records`) and returns them; the service
+alone calls a :class:`Telemetry` (through :func:`emit`). The Prometheus implementation is in
+:mod:`extproc.telemetry.metrics`, and tests use :class:`NullTelemetry` or a recording fake.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-Outcome = Literal["ok", "error", "client_error", "rate_limited", "aborted"]
-"""How a request ended: the ``outcome`` of its log line and metric labels (a fixed set)."""
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One routed request (chat, completions or embeddings) as the gateway saw it end.
-
-    Exactly one per request that was routed: at the end of its response, or, when the ext_proc
-    stream ends before that (the client hung up, the upstream reset), with ``aborted``.
-    """
-
-    request_id: str
-    model: str
-    cluster: str
-    variant: str
-    tenant: str
-    status: int
-    streamed: bool
-    errored: bool
-    """5xx, or an error body/event (a vLLM 400's included): see
-    :func:`extproc.canary.guard.canary_error` for what the canary guard counts."""
-    duration_s: float
-    ttft_s: float | None
-    """Request start to the first content chunk (streamed responses only): the prefill side."""
-    tpot_s: float | None
-    """Mean time between content chunks after the first: the decode side."""
-    prompt_tokens: int
-    completion_tokens: int
-    """From the response's ``usage``, else the content chunks streamed so far."""
-    charged_tokens: int | None
-    """Tokens extproc handed the rate limiter at the end; None when the response never ended
-    (aborted): extproc settled nothing, and what was reserved at admission stands."""
-    aborted: bool = False
-    """The ext_proc stream ended before the response did."""
-    cache: str | None = None
-    """Embeddings with a cache: hit, partial, miss or bypass."""
-    limited: bool = False
-    """The gateway's rate limiter answered (429, or 503 with its store down): no pool saw it."""
-    sampled: bool = True
-    """extproc read the response. False: recorded at the response headers (``telemetry.sample``),
-    so ``duration_s`` is time to headers and there are no TTFT, TPOT or token counts."""
-
-
-def outcome(record: RequestRecord) -> Outcome:
-    """The one place a record's outcome is decided (log line and metrics agree)."""
-    if record.aborted:
-        return "aborted"
-    status = record.status
-    if status >= 500 or (record.errored and status < 400):
-        return "error"
-    if status == 429:
-        return "rate_limited"
-    if status >= 400:
-        return "client_error"
-    return "ok"
+from extproc.actions import Action, Continue
+from extproc.records import RequestRecord
 
 
 class Telemetry(Protocol):
@@ -108,3 +55,17 @@ class ForwardingTelemetry:
 
     def phase(self, phase: str, seconds: float) -> None:
         self.inner.phase(phase, seconds)
+
+
+def emit(telemetry: Telemetry, answer: Action) -> None:
+    """Hand ``telemetry`` what ``answer`` reports: the route it chose, the client error it
+    answers, the request it ends (in that order). Runs on every ext_proc message: three
+    attribute reads when the answer reports nothing."""
+    if isinstance(answer, Continue):
+        if answer.route is not None:
+            route = answer.route
+            telemetry.routed(route.model, route.cluster, route.variant)
+    elif answer.rejection is not None:
+        telemetry.rejected(answer.rejection.status, answer.rejection.code)
+    if answer.record is not None:
+        telemetry.request_done(answer.record)

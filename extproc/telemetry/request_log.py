@@ -6,7 +6,8 @@ rate limiter's lines. It never carries the API key: only the key id and tenant.
 
 from __future__ import annotations
 
-from extproc.telemetry.events import ForwardingTelemetry, RequestRecord, outcome
+from extproc.records import RequestRecord, outcome
+from extproc.telemetry.events import ForwardingTelemetry
 from sidecar_runtime.logs import get_logger
 
 log = get_logger("extproc.request")

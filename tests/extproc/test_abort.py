@@ -1,7 +1,8 @@
 """Every routed request is recorded exactly once, also when its stream ends before its response.
 
 The stream state is fed ext_proc messages, then closed as the service closes it when Envoy
-resets the stream (client gone, upstream reset) or after the last answer.
+resets the stream (client gone, upstream reset) or after the last answer; what it reports is
+read as the service hands it to telemetry (:class:`tests.extproc.served.Served`).
 """
 
 from __future__ import annotations
@@ -11,26 +12,19 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.actions import Continue, Lookup
+from extproc.records import RouteChosen, outcome
 from extproc.stream import StreamState
-from extproc.telemetry.events import NullTelemetry, RequestRecord, outcome
 from extproc.telemetry.metrics import ExtprocMetrics
 from sidecar_runtime.wire_names import DONE_METADATA_KEY, RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
 from tests.extproc.helpers import snapshot
+from tests.extproc.served import Recorder, Served
 
 SECRET = b"test-secret"
 SSE = {":status": "200", "content-type": "text/event-stream"}
 
 
-class Recorder(NullTelemetry):
-    def __init__(self) -> None:
-        self.records: list[RequestRecord] = []
-
-    def request_done(self, record: RequestRecord) -> None:
-        self.records.append(record)
-
-
-def chat(recorder: Recorder, **doc: object) -> StreamState:
-    state = StreamState(snapshot(), SECRET, telemetry=recorder)
+def chat(recorder: Recorder, **doc: object) -> Served:
+    state = Served(StreamState(snapshot(), SECRET), recorder)
     state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
                                      "x-request-id": "r1"}, b"", False)
     body = {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}], **doc}
@@ -98,23 +92,24 @@ def test_after_a_normal_end_closing_records_nothing_more(ending: str) -> None:
 
 def test_a_request_never_routed_is_not_a_request_record() -> None:
     recorder = Recorder()
-    state = StreamState(snapshot(), SECRET, telemetry=recorder)
+    state = Served(StreamState(snapshot(), SECRET), recorder)
     state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
                  False)
     state.close()  # the client left before sending its body
-    state2 = StreamState(snapshot(), SECRET, telemetry=recorder)
+    state2 = Served(StreamState(snapshot(), SECRET), recorder)
     state2.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
                   False)
     state2.handle("request_body", None, b"{nope", True)  # a 400: counted as a rejection
     state2.close()
-    StreamState(snapshot(), SECRET, telemetry=recorder).close()  # no message at all
+    Served(StreamState(snapshot(), SECRET), recorder).close()  # no message at all
     assert recorder.records == []
+    assert [(r.status, r.code) for r in recorder.rejections] == [(400, "invalid_json")]
 
 
 def test_aborted_requests_count_in_the_metrics_with_their_tokens() -> None:
     registry = CollectorRegistry()
     metrics = ExtprocMetrics(registry, lambda: frozenset({"default"}))
-    state = StreamState(snapshot(), SECRET, telemetry=metrics)
+    state = Served(StreamState(snapshot(), SECRET), metrics)
     state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
                  False)
     state.handle("request_body", None, orjson.dumps(
@@ -139,10 +134,10 @@ def test_aborted_requests_count_in_the_metrics_with_their_tokens() -> None:
 CACHED = {"kind": "embedding", "clusters": ["embed"], "cache": {"namespace": "bge", "ttl": "1h"}}
 
 
-def embeddings(recorder: Recorder, inputs: list[str], model: str = "bge-m3") -> StreamState:
+def embeddings(recorder: Recorder, inputs: list[str], model: str = "bge-m3") -> Served:
     snap = snapshot(models={"bge-m3": CACHED,
                             "plain": {"kind": "embedding", "clusters": ["embed"]}})
-    state = StreamState(snap, SECRET, telemetry=recorder)
+    state = Served(StreamState(snap, SECRET), recorder)
     state.handle("request_headers", {":path": "/v1/embeddings", ":method": "POST"}, b"", False)
     step = state.handle("request_body", None, orjson.dumps({"model": model, "input": inputs}),
                         True)
@@ -177,6 +172,7 @@ def test_a_finished_embeddings_request_is_recorded_once_with_vllms_usage() -> No
     state.close()
     (record,) = recorder.records
     assert outcome(record) == "ok" and record.prompt_tokens == 7 and record.charged_tokens == 7
+    assert recorder.routes == [RouteChosen("bge-m3", "embed", "stable")]  # once, at the lookup
 
 
 def test_an_embeddings_error_from_upstream_is_recorded_as_such() -> None:

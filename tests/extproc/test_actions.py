@@ -8,7 +8,8 @@ import pytest
 
 from extproc.actions import PASS, Continue
 from extproc.stream import routed
-from tests.extproc.processors.test_phases import CHAT, Records, started
+from tests.extproc.processors.test_phases import CHAT, started
+from tests.extproc.served import Recorder
 
 
 def test_the_shared_pass_answer_cannot_gain_metadata() -> None:
@@ -34,10 +35,10 @@ def test_routing_adds_the_cluster_to_a_copy() -> None:
     assert action.metadata == {"lease": "l1"}
 
 
-def test_the_answer_that_ends_a_request_carries_its_record_and_the_stream_reports_it() -> None:
-    """Processors build records, the stream alone reports them: exactly the one the answer
-    carries, once, and a record is no part of the answer's value."""
-    telemetry = Records()
+def test_the_answer_that_ends_a_request_carries_its_record_and_the_service_reports_it() -> None:
+    """Processors build records and the stream returns them; the service alone reports them:
+    exactly the one the answer carries, once, and a record is no part of the answer's value."""
+    telemetry = Recorder()
     state = started("/v1/chat/completions", telemetry)
     state.handle("request_body", None, CHAT, True)
     end = state.handle("response_headers", {":status": "200", "content-type": "application/json"},

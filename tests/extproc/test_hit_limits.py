@@ -18,8 +18,8 @@ from extproc.hit_limits import (
     request_descriptors,
     x_ratelimit_headers,
 )
+from extproc.records import outcome
 from extproc.stream import StreamState
-from extproc.telemetry.events import NullTelemetry, RequestRecord, outcome
 from extproc.tokens import counter_for
 from ratelimit import wire as ratelimit_wire
 from ratelimit.descriptors import Limit
@@ -29,6 +29,7 @@ from routing.compiled import listed_key_id
 from sidecar_runtime.wire_names import RESERVATION_METADATA_KEY
 from simulator.embeddings import embed
 from tests.extproc.helpers import snapshot
+from tests.extproc.served import Recorder, Served
 
 SECRET = b"test-secret"
 CACHED = {"kind": "embedding", "clusters": ["embed"], "cache": {"namespace": "bge", "ttl": "1h"}}
@@ -36,14 +37,6 @@ KEY = "sk-hit-limits-0123456789"
 KEY_ID = listed_key_id(hashlib.sha256(KEY.encode()).hexdigest())
 API_KEYS = [{"name": "bot", "tenant": "acme", "sha256": hashlib.sha256(KEY.encode()).hexdigest()}]
 ROUTED = {"x-llm-key-id": KEY_ID, "x-llm-tenant": "acme", "x-llm-model": "bge-m3"}
-
-
-class Recorder(NullTelemetry):
-    def __init__(self) -> None:
-        self.records: list[RequestRecord] = []
-
-    def request_done(self, record: RequestRecord) -> None:
-        self.records.append(record)
 
 
 def snap(rate_limits: dict[str, Any] | None = None, **services: Any) -> Any:
@@ -141,7 +134,7 @@ def test_the_wire_reads_the_rate_limit_services_own_429() -> None:
 
 
 def hit_stream(snapshot_: Any, recorder: Recorder) -> Any:
-    state = StreamState(snapshot_, SECRET, telemetry=recorder)
+    state = Served(StreamState(snapshot_, SECRET), recorder)
     state.handle("request_headers", {":path": "/v1/embeddings", ":method": "POST",
                                      "authorization": f"Bearer {KEY}"}, b"", False)
     lookup = state.handle("request_body", None,
@@ -172,6 +165,7 @@ def test_a_hit_without_request_limits_is_answered_at_once_and_recorded() -> None
     assert isinstance(reply, Reply) and reply.status == 200
     (record,) = recorder.records
     assert outcome(record) == "ok" and record.cache == "hit"
+    assert recorder.routes == []  # answered from the cache: no pool was chosen
 
 
 def reserve(inputs: list[str], cached: set[str]) -> Continue:

@@ -6,8 +6,10 @@ import orjson
 import pytest
 
 from extproc.actions import Continue, Reply
+from extproc.records import Rejection, RouteChosen
 from extproc.stream import StreamState
 from tests.extproc.helpers import snapshot
+from tests.extproc.served import Recorder, Served
 
 SECRET = b"test-secret"
 
@@ -21,7 +23,7 @@ def start(path: str = "/v1/chat/completions", method: str = "POST",
     return state
 
 
-def body(state: StreamState, doc: object) -> Continue | Reply:
+def body(state: StreamState | Served, doc: object) -> Continue | Reply:
     """The answer to the request body; the snapshot has no cache and no limits, so it is never
     a lookup or a rate check."""
     raw = doc if isinstance(doc, bytes) else orjson.dumps(doc)
@@ -164,15 +166,9 @@ def test_messages_out_of_order_pass_through() -> None:
 
 
 def test_a_stream_is_recorded_and_charged_at_done_even_if_its_end_never_arrives() -> None:
-    from extproc.telemetry.events import NullTelemetry, RequestRecord
-
-    records: list[RequestRecord] = []
-
-    class Recorder(NullTelemetry):
-        def request_done(self, record: RequestRecord) -> None:
-            records.append(record)
-
-    state = StreamState(snapshot(), SECRET, telemetry=Recorder())
+    recorder = Recorder()
+    records = recorder.records
+    state = Served(StreamState(snapshot(), SECRET), recorder)
     state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
                  False)
     body(state, chat_doc(max_tokens=2, stream=True))
@@ -256,3 +252,32 @@ def test_bounds_are_openai_400s(path: str, doc: dict[str, object], param: str) -
     error = orjson.loads(action.body)["error"]
     assert (error["type"], error["code"], error["param"]) == (
         "invalid_request_error", "invalid_request", param)
+
+
+def test_the_stream_reports_by_the_values_it_returns() -> None:
+    """No telemetry is handed in: the answer that routes carries the route, the one that
+    answers a client error its rejection, and close returns an aborted request's record once."""
+    state = start(**{"x-request-id": "r9"})
+    routed = body(state, chat_doc(stream=True))
+    assert isinstance(routed, Continue) and routed.record is None
+    assert routed.route == RouteChosen("llama-2-13b", "vllm-short", "stable")
+    reading = state.handle("response_headers", {":status": "200",
+                                                "content-type": "text/event-stream"}, b"", False)
+    assert isinstance(reading, Continue) and reading.record is None and reading.route is None
+    record = state.close()
+    assert record is not None and record.aborted and record.request_id == "r9"
+    assert state.close() is None  # once
+
+    rejected = body(start(), b"{nope")
+    assert isinstance(rejected, Reply) and rejected.record is None
+    assert rejected.rejection == Rejection(400, "invalid_json")
+    unknown = body(start(), chat_doc(model="no-such-model"))
+    assert isinstance(unknown, Reply) and unknown.rejection == Rejection(404, "model_not_found")
+
+
+def test_an_internal_error_is_no_client_rejection() -> None:
+    state = start()
+    body(state, chat_doc())
+    # A second body is a message the request's phase does not expect: a bug, not the client's.
+    again = body(state, chat_doc())
+    assert isinstance(again, Reply) and again.status == 500 and again.rejection is None

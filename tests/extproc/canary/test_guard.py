@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from extproc.canary.guard import CanaryGuards, Window, canary_error, verdict
-from extproc.telemetry.events import RequestRecord
+from extproc.records import RequestRecord
 from routing.schema import GuardSpec
 from tests.extproc.helpers import snapshot
 

@@ -4,7 +4,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.canary.report import judge, quantile, render_all, report
-from extproc.telemetry.events import RequestRecord
+from extproc.records import RequestRecord
 from extproc.telemetry.metrics import ExtprocMetrics
 
 

@@ -33,8 +33,8 @@ from extproc.processors.phases import (
     advance,
 )
 from extproc.stream import StreamState
-from extproc.telemetry.events import NullTelemetry, RequestRecord
 from tests.extproc.helpers import snapshot
+from tests.extproc.served import Recorder, Served
 
 GENERATION_ALLOWED = {
     (AwaitingBody, "request_body", Routed),
@@ -137,22 +137,12 @@ def test_a_few_refused_transitions_say_what_was_asked(table: Table, before: type
                                   "is not a transition")
 
 
-class Records(NullTelemetry):
-    """Keeps the request records; everything else as NullTelemetry (no-ops)."""
-
-    def __init__(self) -> None:
-        self.records: list[RequestRecord] = []
-
-    def request_done(self, record: RequestRecord) -> None:
-        self.records.append(record)
-
-
 CHAT = orjson.dumps({"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}]})
 EMBED = orjson.dumps({"model": "bge-m3", "input": ["a", "b"]})
 
 
-def started(path: str, telemetry: Records) -> StreamState:
-    state = StreamState(snapshot(), b"s", telemetry=telemetry)
+def started(path: str, telemetry: Recorder) -> Served:
+    state = Served(StreamState(snapshot(), b"s"), telemetry)
     assert isinstance(state.handle("request_headers", {":path": path, ":method": "POST",
                                                        "x-request-id": "r1"}, b"", False),
                       Continue)
@@ -178,7 +168,7 @@ def started(path: str, telemetry: Records) -> StreamState:
 ])
 def test_an_unexpected_message_is_a_logged_internal_error(
         path: str, messages: list[tuple[Any, dict[str, str] | None, bytes]]) -> None:
-    telemetry = Records()
+    telemetry = Recorder()
     state = started(path, telemetry)
     with capture_logs() as logs:
         answers = [state.handle(phase, headers, body, phase == "request_body" or body == b"{}")
@@ -197,7 +187,7 @@ def test_envoys_own_answer_before_the_body_passes(path: str) -> None:
     """A body above Envoy's buffer limit gets Envoy's own 413 while extproc waits for the body;
     when extproc had already asked for response headers, they come to it in AwaitingBody. The
     413 passes as Envoy wrote it (it used to become a 500), nothing is read or recorded."""
-    telemetry = Records()
+    telemetry = Recorder()
     state = started(path, telemetry)
     with capture_logs() as logs:
         answer = state.handle("response_headers", {":status": "413",
@@ -214,7 +204,7 @@ def test_envoys_own_answer_before_the_body_passes(path: str) -> None:
 
 def test_done_is_final_whatever_comes_after() -> None:
     """Close after close, and chunks after the end: passed, the request recorded once."""
-    telemetry = Records()
+    telemetry = Recorder()
     state = started("/v1/chat/completions", telemetry)
     state.handle("request_body", None, CHAT, True)
     state.handle("response_headers", {":status": "200", "content-type": "text/event-stream"},

@@ -12,10 +12,10 @@ import pytest
 from extproc.actions import Continue, ModeOverride
 from extproc.bodies import parse_generation
 from extproc.stream import StreamState
-from extproc.telemetry.events import NullTelemetry, RequestRecord
 from extproc.telemetry.sampling import sampled, stable_share, usage_plan
 from sidecar_runtime.wire_names import DONE_METADATA_KEY, ENVOY_USAGE_HEADER, TOKENS_METADATA_KEY
 from tests.extproc.helpers import snapshot
+from tests.extproc.served import Recorder, Served
 
 LIMITS = {"tenant": {"default": {"tokens": "1M/h"}}}
 CANARY = {"llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "canary": {
@@ -61,22 +61,12 @@ def test_envoy_reads_the_usage_of_streams(doc: dict[str, Any], expected: str) ->
     assert usage_plan(gen(**doc)) == expected
 
 
-class Records(NullTelemetry):
-    """Keeps the request records; everything else as NullTelemetry (no-ops)."""
-
-    def __init__(self) -> None:
-        self.records: list[RequestRecord] = []
-
-    def request_done(self, record: RequestRecord) -> None:
-        self.records.append(record)
-
-
 def routed(doc: dict[str, Any], *, marker: bool = True, **sections: Any
-           ) -> tuple[StreamState, Continue, Records]:
+           ) -> tuple[Served, Continue, Recorder]:
     """``marker``: the request came through an Envoy that reads usage (the bootstrap's
     ``x-llm-envoy-usage``)."""
-    records = Records()
-    state = StreamState(snapshot(**sections), b"secret", telemetry=records)
+    records = Recorder()
+    state = Served(StreamState(snapshot(**sections), b"secret"), records)
     headers = {":path": "/v1/chat/completions", ":method": "POST", "x-request-id": "r-1"}
     if marker:
         headers[ENVOY_USAGE_HEADER] = "1"
