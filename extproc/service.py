@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -25,9 +26,10 @@ from extproc.canary.report import MIN_SAMPLES, render_all
 from extproc.context import EndpointPicking
 from extproc.picker.runtime import PickerRuntime
 from extproc.rls_client import RateLimitClient
+from extproc.settlements import SettlementBatcher
 from extproc.stream import StreamState
 from extproc.telemetry.events import NULL_TELEMETRY, Telemetry
-from extproc.telemetry.metrics import ExtprocMetrics
+from extproc.telemetry.metrics import ExtprocMetrics, settlements_counter
 from extproc.telemetry.request_log import LoggedTelemetry
 from routing.compiled import Snapshot
 from sidecar_runtime.grpc_listen import add_port, listen_address, reuse_port_option
@@ -37,6 +39,7 @@ from sidecar_runtime.ops_http import start_ops_server
 from sidecar_runtime.redis_audit import audit_redis
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.settings import Settings
+from sidecar_runtime.wire_names import DONE_METADATA_KEY
 
 log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -52,8 +55,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                  guards: CanaryGuards | None = None,
                  cache: VectorCache | None = None,
                  limits: RateLimitClient | None = None,
-                 picker: EndpointPicking | None = None) -> None:
+                 picker: EndpointPicking | None = None,
+                 settlements: SettlementBatcher | None = None) -> None:
         self._snapshot = snapshot
+        self._settlements = settlements
         self._picker = picker
         self._secret = settings.key_id_secret.get_secret_value().encode()
         self._telemetry = telemetry
@@ -84,6 +89,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         step = state.resume(step, await self._cache.lookup(step.keys))
                     else:
                         step = state.admit(step, await self._limits.check(step))
+                if isinstance(step, Continue) and step.settle is not None:
+                    step = self._settled(step)
                 response = wire.build(phase, step)
                 telemetry.phase(phase, clock() - started)
                 if isinstance(step, Continue) and step.store is not None:
@@ -110,6 +117,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             # reset: grpcio cancels this generator, at an await with CancelledError or at the
             # yield with GeneratorExit), which records the request as aborted.
             state.close()
+
+    def _settled(self, step: Continue) -> Continue:
+        """``step`` without Envoy's ``llm_done`` when the batcher took its settlement over (so
+        Envoy sends no token descriptor for it: settled once); as it is otherwise."""
+        if self._settlements is None or step.settle is None \
+                or not self._settlements.offer(step.settle):
+            return step
+        return replace(step, settle=None, metadata={
+            key: value for key, value in step.metadata.items() if key != DONE_METADATA_KEY})
 
 
 def _last_message(step: Step, phase: Phase, end: bool, responses_asked: bool) -> bool:
@@ -147,10 +163,14 @@ async def serve(config: Reloader[Snapshot], settings: Settings, host: str, port:
     cache = open_vector_cache(settings, CacheMetrics(registry))
     await cache.connect()
     limits = RateLimitClient(registry)
+    settlements = SettlementBatcher(
+        lambda batch: limits.settle(snapshot().config.services, batch),
+        settings.settle_batch_ms / 1000, settlements_counter(registry))
     picker = PickerRuntime(snapshot().config, registry)
     config.subscribe(lambda fresh: picker.follow(fresh.config))
     await picker.start()
-    servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache, limits, picker)
+    servicer = ExternalProcessor(snapshot, settings, telemetry, guards, cache, limits, picker,
+                                 settlements)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -175,6 +195,7 @@ async def serve(config: Reloader[Snapshot], settings: Settings, host: str, port:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=settings.shutdown_grace_s)
+        await settlements.aclose()  # the streams are done: send the last batch
         await cache.aclose()
         await limits.aclose()
         await picker.stop()

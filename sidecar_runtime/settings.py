@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SECRET_URL_PARAMETERS = frozenset({"password", "ssl_password"})
@@ -39,6 +39,11 @@ class Settings(BaseSettings):
 
     cache_store_timeout_ms: int = 1000
     """Deadline for storing embedding vectors (after the answer is sent, so it may be longer)."""
+
+    settle_batch_ms: float = Field(default=5.0, ge=0, le=1000)
+    """extproc settles the token reservations of responses it read itself (every non-streamed
+    answer, sampled streams) in one rate-limit call per this many milliseconds, instead of
+    one stream-done call per request from Envoy. 0: Envoy settles every request, as before."""
 
     cache_memory_bytes: int = 256 * 1024 * 1024
     """Bound of the in-process embedding cache used when no Redis URL is set (LRU)."""

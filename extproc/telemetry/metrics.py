@@ -22,6 +22,18 @@ PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 OTHER_TENANT = "other"
 
 
+def settlements_counter(registry: CollectorRegistry) -> Callable[[str, int], None]:
+    """``llm_sidecar_extproc_settlements_total{result}`` as the batcher counts into it
+    (:class:`extproc.settlements.SettlementBatcher`: result, requests)."""
+    counter = Counter(
+        "llm_sidecar_extproc_settlements",
+        "Token reservations extproc settled itself, by result (ok: the ratelimit service took "
+        "them; failed: their batch got no answer, the reservations stand; envoy: handed back to "
+        "Envoy's stream-done call, the batcher being off, full or draining).",
+        ["result"], registry=registry)
+    return lambda result, requests: counter.labels(result).inc(requests)
+
+
 class ExtprocMetrics:
     """Every extproc metric on one registry; ``known_tenants`` bounds the tenant label."""
 
