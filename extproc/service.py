@@ -39,10 +39,11 @@ from sidecar_runtime.ops_http import start_ops_server
 from sidecar_runtime.redis_audit import audit_redis
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.settings import Settings
-from sidecar_runtime.wire_names import DONE_METADATA_KEY
+from sidecar_runtime.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
 
 log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+_USAGE_KEYS = frozenset({TOKENS_METADATA_KEY, DONE_METADATA_KEY})
 LINGER_S = 2.0
 """How long a finished stream waits for Envoy to reset it before closing it itself."""
 
@@ -119,13 +120,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             state.close()
 
     def _settled(self, step: Continue) -> Continue:
-        """``step`` without Envoy's ``llm_done`` when the batcher took its settlement over (so
-        Envoy sends no token descriptor for it: settled once); as it is otherwise."""
+        """``step`` without the usage metadata Envoy settles from when the batcher took its
+        settlement over, so Envoy sends no token descriptor for it (settled once); as it is
+        otherwise. Both keys go: on a stream, Envoy's sse_to_metadata writes ``llm_done`` at
+        its end whoever read it, and would complete the pair."""
         if self._settlements is None or step.settle is None \
                 or not self._settlements.offer(step.settle):
             return step
         return replace(step, settle=None, metadata={
-            key: value for key, value in step.metadata.items() if key != DONE_METADATA_KEY})
+            key: value for key, value in step.metadata.items() if key not in _USAGE_KEYS})
 
 
 def _last_message(step: Step, phase: Phase, end: bool, responses_asked: bool) -> bool:

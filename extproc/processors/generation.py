@@ -209,8 +209,9 @@ class GenerationProcessor(BaseProcessor):
         snapshot = self.ctx.snapshot
         canary = self.ctx.canaries.canary_for(model)
         plan = usage_plan(parsed)
-        if not snapshot.config.telemetry.envoy_usage \
-                or self.ctx.headers.get(ENVOY_USAGE_HEADER) != "1":
+        envoy_reads = snapshot.config.telemetry.envoy_usage \
+            and self.ctx.headers.get(ENVOY_USAGE_HEADER) == "1"
+        if not envoy_reads:
             plan = "extproc"  # this Envoy cannot read the usage (an Istio EnvoyFilter)
         reads_body = (
             decision.variant == "canary"
@@ -222,7 +223,7 @@ class GenerationProcessor(BaseProcessor):
         lease = new_lease()
         self.phase = advance(GENERATION, self.phase, "request_body",
                              Routed(decision, model.name, reads_body, lease, headers,
-                                    plan == "envoy"))
+                                    envoy_reads and parsed.stream and parsed.include_usage))
         inject = (not reads_body and snapshot.config.rate_limits is not None
                   and plan == "envoy_injected")
         new_body = None

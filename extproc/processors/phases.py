@@ -90,8 +90,9 @@ class Routed:
     route: Headers = ()
     """The ``x-llm-*`` headers extproc routed it with (what its rate-limit descriptors hold)."""
     envoy_reads_usage: bool = False
-    """Envoy's sse_to_metadata reads this stream's usage (the client asked for it) and
-    settles it: extproc leaves the settlement to Envoy even when it reads the stream."""
+    """The stream carries usage chunks (the client asked for them) that Envoy's sse_to_metadata
+    reads and settles with: extproc leaves the settlement to Envoy even when it reads the
+    stream."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -206,8 +206,10 @@ def test_envoy_gets_llm_done_only_when_the_batcher_did_not_take_the_settlement(t
     step = Continue(metadata={TOKENS_METADATA_KEY: "3", DONE_METADATA_KEY: "1"}, settle=settlement)
     out = servicer._settled(step)
     assert batcher.offered == [settlement]
-    assert out.metadata[TOKENS_METADATA_KEY] == "3"  # kept for the access log
+    # Neither key when taken: Envoy's SSE filter writes llm_done at a stream's end, and
+    # llm_tokens with it would make Envoy settle a second time.
     assert (DONE_METADATA_KEY in out.metadata) is not takes
+    assert (TOKENS_METADATA_KEY in out.metadata) is not takes
 
 
 # --- the batcher -------------------------------------------------------------------------
@@ -250,6 +252,8 @@ async def test_a_batch_is_sent_after_the_interval_in_one_call() -> None:
     assert service.batches == [tuple(one(n).descriptors[0] for n in range(5))]
     await batcher.aclose()
     assert counted(batcher, registry, "ok") == 5
+    assert registry.get_sample_value("llm_sidecar_extproc_settlement_batches_total",
+                                     {"result": "ok"}) == 1
 
 
 async def test_a_full_batch_leaves_at_once_and_never_above_the_size() -> None:
