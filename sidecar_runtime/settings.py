@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     cache_store_timeout_ms: int = 1000
     """Deadline for storing embedding vectors (after the answer is sent, so it may be longer)."""
 
-    settle_batch_ms: float = Field(default=5.0, ge=0, le=1000)
+    settle_batch_ms: float = Field(default=5.0, ge=0, le=60_000)
     """extproc settles the token reservations of responses it read itself (every non-streamed
     answer, sampled streams) in one rate-limit call per this many milliseconds, instead of
     one stream-done call per request from Envoy. 0: Envoy settles every request, as before."""

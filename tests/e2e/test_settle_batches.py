@@ -180,3 +180,20 @@ def test_an_upstream_error_is_settled_to_zero(gw: Gateway) -> None:
     wait_until(lambda: settled(gw) >= settles + 2, 10, 0.05)
     after = remaining(chat(model="llama-2-13b", messages=MESSAGES, max_tokens=1))
     assert after >= start - 40  # nothing of the 50-token reservation kept
+
+
+def test_a_draining_extproc_sends_its_last_batch(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With a batch interval longer than the test, the settlement waits in extproc's queue;
+    SIGTERM drains extproc, which sends it before exiting: the reservation is settled."""
+    d = default_doc()
+    d["telemetry"] = {"sample": 1}
+    d["rate_limits"] = {"tenant": {"default": {"tokens": f"{DAY_CAP}/d"}}}
+    env = {"LLM_SIDECAR_SETTLE_BATCH_MS": "60000"}
+    with running_gateway(d, str(tmp_path_factory.mktemp("gw-settle-drain")), env=env) as gw:
+        answer = client(gw, "drain").chat.completions.create(
+            model="llama-2-13b", messages=MESSAGES, max_tokens=5)
+        assert answer.usage is not None
+        queued = metric(gw.extproc_metrics, "llm_sidecar_extproc_settlements_total")
+        assert queued == 0 and settled(gw) == 0  # waiting in the queue
+        assert gw.child("extproc").stop() == 0
+        wait_until(lambda: settled(gw) >= 1, 10, 0.05)

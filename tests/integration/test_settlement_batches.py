@@ -147,3 +147,29 @@ async def test_a_call_above_the_cap_is_refused_and_settles_nothing(
         assert answer.overall_code == rls_pb2.RateLimitResponse.OK
         after = await levels(server, "capped")
         assert all(a >= b + 999 for a, b in zip(after, before, strict=True))  # refunded
+
+
+async def test_a_reload_that_moves_the_service_moves_the_batches(tmp_path: Path) -> None:
+    """The batcher's call reads ``services`` at each flush: after a reload names another
+    ratelimit address, the next batch goes there (memory stores: which one settled shows)."""
+    path = tmp_path / "routing.yaml"
+    path.write_text(YAML)
+    config = load_config(str(path))
+    servers = [RateLimitServer(str(path), "127.0.0.1", 0, 0, Settings()) for _ in range(2)]
+    for server in servers:
+        await server.start()
+    client = RateLimitClient(CollectorRegistry())
+    try:
+        for server in servers:
+            settlement = settlement_for(config, route("moved"), new_lease(), 3)
+            assert settlement is not None
+            services = ServicesSection(ratelimit=f"127.0.0.1:{server.port}", ratelimit_timeout_s=5)
+            assert await client.settle(services, settlement.descriptors)
+        assert [s.metrics.settlements.labels("tokens")._value.get() for s in servers] == [2, 2]
+        await servers[0].stop(grace_s=0.1)
+        old = ServicesSection(ratelimit=f"127.0.0.1:{servers[0].port}", ratelimit_timeout_s=1)
+        assert settlement is not None
+        assert not await client.settle(old, settlement.descriptors)  # gone: not answered
+    finally:
+        await client.aclose()
+        await servers[1].stop(grace_s=0.1)
