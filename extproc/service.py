@@ -168,7 +168,7 @@ async def serve(config: Reloader[Snapshot], settings: Settings, host: str, port:
     limits = RateLimitClient(registry)
     settlements = SettlementBatcher(
         lambda batch: limits.settle(snapshot().config.services, batch),
-        settings.settle_batch_ms / 1000, settlements_counter(registry))
+        settings.settle_batch_ms / 1000, settlements_counter(registry), settings.settle_batch_min)
     picker = PickerRuntime(snapshot().config, registry)
     config.subscribe(lambda fresh: picker.follow(fresh.config))
     await picker.start()

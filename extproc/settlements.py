@@ -23,6 +23,7 @@ stand, the safe side of CONTRACT §7, as when Envoy's own stream-done call fails
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -85,15 +86,23 @@ def settlement_for(config: RoutingConfig, headers: Headers, lease: str,
 class SettlementBatcher:
     """Queues settlements and sends them ``interval_s`` after the first of a batch arrived, or
     as soon as ``max_descriptors`` are queued; one call per batch (see the module docstring).
+    Below ``min_batch`` settlements per interval it leaves them to Envoy (:meth:`offer`).
 
     :meth:`offer` never waits; :meth:`aclose` sends what is queued and waits for every call in
     flight (each bounded by the send's own deadline).
     """
 
-    def __init__(self, send: Send, interval_s: float, count: Count,
+    def __init__(self, send: Send, interval_s: float, count: Count, min_batch: int = 1,
                  max_descriptors: int = MAX_BATCH_DESCRIPTORS,
-                 max_pending: int = MAX_PENDING_DESCRIPTORS) -> None:
+                 max_pending: int = MAX_PENDING_DESCRIPTORS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._send = send
+        self._clock = clock
+        self._min_batch = min_batch
+        self._window_start = -1e18
+        self._window_offers = 0
+        self._last_offers = 0
+        """Settlements offered in the last whole interval: the rate a new batch expects."""
         self._interval_s = interval_s
         self._max_descriptors = max_descriptors
         self._max_pending = max_pending
@@ -114,9 +123,21 @@ class SettlementBatcher:
         return len(self._queue)
 
     def offer(self, settlement: Settlement) -> bool:
-        """Queue ``settlement``; False when Envoy must settle it instead (see the class)."""
+        """Queue ``settlement``; False when Envoy must settle it instead (see the class).
+
+        A batch costs extproc a gRPC call of its own, which for one settlement is dearer than
+        Envoy's stream-done call (bench/README.md): a new batch is started only when the last
+        interval saw ``min_batch`` settlements offered; joining a batch under way is free."""
         size = len(settlement.descriptors)
-        if self._closed or self._queued + self._in_flight + size > self._max_pending:
+        now = self._clock()
+        if now - self._window_start >= self._interval_s:
+            whole = now - self._window_start < 2 * self._interval_s
+            self._last_offers = self._window_offers if whole else 0
+            self._window_start, self._window_offers = now, 0
+        self._window_offers += 1
+        if self._closed or self._queued + self._in_flight + size > self._max_pending \
+                or (self._min_batch > 1 and not self._queue
+                    and self._last_offers < self._min_batch):
             self._count("envoy", 1)
             return False
         self._queue.append(settlement)

@@ -38,7 +38,9 @@ def gw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
     d["rate_limits"] = {"tenant": {"overrides": {
         name: {"tokens": f"{DAY_CAP}/d"} for name in TENANTS
     }}}
-    env = {"LLM_SIDECAR_SETTLE_BATCH_MS": "5" if request.param == "batched" else "0"}
+    # Every settlement batched, even one alone (the default leaves a quiet gateway's to Envoy).
+    env = {"LLM_SIDECAR_SETTLE_BATCH_MS": "5" if request.param == "batched" else "0",
+           "LLM_SIDECAR_SETTLE_BATCH_MIN": "1"}
     with running_gateway(d, str(tmp_path_factory.mktemp(f"gw-settle-{request.param}")),
                          env=env) as gateway:
         yield gateway
@@ -188,7 +190,7 @@ def test_a_draining_extproc_sends_its_last_batch(tmp_path_factory: pytest.TempPa
     d = default_doc()
     d["telemetry"] = {"sample": 1}
     d["rate_limits"] = {"tenant": {"default": {"tokens": f"{DAY_CAP}/d"}}}
-    env = {"LLM_SIDECAR_SETTLE_BATCH_MS": "60000"}
+    env = {"LLM_SIDECAR_SETTLE_BATCH_MS": "60000", "LLM_SIDECAR_SETTLE_BATCH_MIN": "1"}
     with running_gateway(d, str(tmp_path_factory.mktemp("gw-settle-drain")), env=env) as gw:
         answer = client(gw, "drain").chat.completions.create(
             model="llama-2-13b", messages=MESSAGES, max_tokens=5)

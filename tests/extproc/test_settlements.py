@@ -314,3 +314,23 @@ async def test_an_interval_of_zero_leaves_every_settlement_to_envoy() -> None:
     assert not batcher.offer(one(1))
     await batcher.aclose()
     assert service.batches == []
+
+
+async def test_a_lone_settlement_is_left_to_envoy_a_busy_interval_is_batched() -> None:
+    """A batch of one costs extproc a call dearer than Envoy's: a new batch starts only after
+    an interval that saw ``min_batch`` settlements; one under way takes every newcomer."""
+    now = [0.0]
+    service, registry = Service(), CollectorRegistry()
+    batcher = SettlementBatcher(service.send, 3600, settlements_counter(registry), min_batch=3,
+                                max_descriptors=3, clock=lambda: now[0])
+    assert [batcher.offer(one(n)) for n in range(3)] == [False] * 3  # nothing seen before
+    now[0] = 3600.5  # the next interval: the last one saw 3
+    assert [batcher.offer(one(n)) for n in range(2)] == [True, True]
+    now[0] = 7201  # the last interval saw 2, but a batch is under way: joined (and now full)
+    assert batcher.offer(one(9))
+    now[0] = 7202  # no batch under way, and the last interval saw 2: Envoy settles
+    assert not batcher.offer(one(10))
+    await batcher.aclose()
+    assert [len(b) for b in service.batches] == [3]
+    assert counted(batcher, registry, "envoy") == 4
+    assert counted(batcher, registry, "ok") == 3
