@@ -7,13 +7,15 @@ knows its usage (every non-streamed answer, a sampled stream, an upstream error)
 very token descriptors Envoy's stream-done call would carry (:func:`settlement_for`, read off
 the same route rate limits, so the two cannot drift) and hands them to a
 :class:`SettlementBatcher`, which sends what gathered every few milliseconds (or once
-``max_descriptors`` are queued) in one ``ShouldRateLimit`` call; the ratelimit service settles
-them in one store call (one ``EVALSHA`` per Redis slot group).
+``max_descriptors`` are queued) in one ``ShouldRateLimit`` call (below ``min_batch`` settlements
+per interval it leaves them to Envoy: a batch of one costs more than Envoy's call); the
+ratelimit service settles them in one store call (one ``EVALSHA`` per Redis slot group).
 
 Exactly one of Envoy and extproc settles a request: the answer that ends the response carries
-Envoy's ``llm_done`` only when the batcher did not take the settlement (disabled, queue full,
-draining), and without ``llm_done`` Envoy sends no token descriptor (its concurrency-slot release
-is unchanged; a request without a concurrency cap then makes no stream-done call at all).
+Envoy's ``llm_tokens`` and ``llm_done`` only when the batcher did not take the settlement
+(disabled, quiet, queue full, draining), and without them Envoy sends no token descriptor (its
+concurrency-slot release is unchanged; a request without a concurrency cap then makes no
+stream-done call at all).
 
 A batch the service does not answer (down, deadline missed) is not retried: its reservations
 stand, the safe side of CONTRACT §7, as when Envoy's own stream-done call fails. Counted in
