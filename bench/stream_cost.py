@@ -14,8 +14,11 @@ one workload after another:
   streams get it added and the chunk stripped by Envoy's Lua filter).
 
 For each: CPU per request of extproc, ratelimit and Envoy (``/proc``, children included), ext_proc
-messages per request (Envoy's ``ext_proc.stream_msgs_sent``), and the load average of the machine
-(shared: other processes' CPU shows up as load, not in these numbers).
+messages per request (Envoy's ``ext_proc.stream_msgs_sent``), rate-limit calls per request (the
+service's ``ratelimit_requests_total``: Envoy's admissions and stream-done calls, extproc's
+settlement batches), and the load average of the machine (shared: other processes' CPU shows up
+as load, not in these numbers). ``--settle-batch-ms 0,5`` runs each sample twice: Envoy settling
+every request (0), and extproc batching the settlements of what it read (5, the default).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import http.client
 import json
 import os
 import tempfile
+import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
@@ -70,21 +75,48 @@ def _msgs(gw: Gateway) -> float:
                    if line.strip())
 
 
+def _metric(url: str, name: str, **labels: str) -> float:
+    total = 0.0
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _rls_calls(gw: Gateway) -> float:
+    return _metric(gw.ratelimit_metrics, "ratelimit_requests_total")
+
+
+def _settled(gw: Gateway) -> float:
+    return _metric(gw.ratelimit_metrics, "ratelimit_settlements_total", what="tokens")
+
+
 def _pids(gw: Gateway) -> dict[str, int]:
     return {name: gw.child(name).process.pid for name in ("extproc", "ratelimit", "envoy")}
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def measure(gw: Gateway, body: dict[str, Any], count: int, concurrency: int) -> dict[str, float]:
     with ThreadPoolExecutor(concurrency) as pool:  # warm-up: connections, code paths
         list(pool.map(lambda _: _one(gw, body), range(concurrency * 2)))
+    _wait(lambda: _settled(gw) >= 3 * concurrency)  # the warm-up's settles are in
     pids = _pids(gw)
+    settled0 = _settled(gw)
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    msgs0 = _msgs(gw)
+    msgs0, calls0 = _msgs(gw), _rls_calls(gw)
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(lambda _: _one(gw, body), range(count)))
+    _wait(lambda: _settled(gw) >= settled0 + count)  # a batch may still be on its way
     out = {f"{name}_ms": (cpu_seconds(pid) - cpu0[name]) * 1000 / count
            for name, pid in pids.items()}
     out["ext_proc_msgs"] = (_msgs(gw) - msgs0) / count
+    out["rls_calls"] = (_rls_calls(gw) - calls0) / count
     out["load1"] = os.getloadavg()[0]
     return out
 
@@ -96,20 +128,26 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--samples", default="1,0.1,0.02,0",
                         help="telemetry.sample of each run; 1 reads every response, as before")
+    parser.add_argument("--settle-batch-ms", default="5",
+                        help="LLM_SIDECAR_SETTLE_BATCH_MS of each run (0: Envoy settles)")
     args = parser.parse_args()
     rows: list[tuple[str, str, dict[str, float]]] = []
     for sample in (float(v) for v in args.samples.split(",")):
-        label = f"sample {sample:g}" + (" (as before)" if sample == 1 else "")
-        with tempfile.TemporaryDirectory() as work, running_gateway(_doc(sample), work) as gw:
-            for name, body in WORKLOADS.items():
-                count = args.requests if not body.get("stream") else args.streams
-                rows.append((label, name, measure(gw, body, count, args.concurrency)))
+        for batch in args.settle_batch_ms.split(","):
+            label = f"sample {sample:g}, settle batch {batch} ms"
+            env = {"LLM_SIDECAR_SETTLE_BATCH_MS": batch}
+            with tempfile.TemporaryDirectory() as work, \
+                    running_gateway(_doc(sample), work, env=env) as gw:
+                for name, body in WORKLOADS.items():
+                    count = args.requests if not body.get("stream") else args.streams
+                    rows.append((label, name, measure(gw, body, count, args.concurrency)))
     print("| run | workload | extproc ms/req | ratelimit ms/req | Envoy ms/req | ext_proc msgs/req"
-          " | load avg (1 min) |")
-    print("|---|---|---|---|---|---|---|")
+          " | RLS calls/req | load avg (1 min) |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, name, r in rows:
         print(f"| {label} | {name} | {r['extproc_ms']:.2f} | {r['ratelimit_ms']:.2f} | "
-              f"{r['envoy_ms']:.2f} | {r['ext_proc_msgs']:.1f} | {r['load1']:.2f} |")
+              f"{r['envoy_ms']:.2f} | {r['ext_proc_msgs']:.1f} | {r['rls_calls']:.2f} | "
+              f"{r['load1']:.2f} |")
     for label in dict.fromkeys(label for label, _, _ in rows):
         by = {name: r for lab, name, r in rows if lab == label}
         print(f"{label}: extproc sse256 / json16 = "

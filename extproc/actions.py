@@ -41,6 +41,23 @@ class CacheWrite:
     ttl_s: int
 
 
+Descriptor = tuple[tuple[str, str], ...]
+"""One rate-limit descriptor: its (key, value) entries in order."""
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """A finished request's token reservation, which extproc may settle itself (batched, see
+    :mod:`extproc.settlements`) instead of leaving it to Envoy's stream-done call.
+
+    ``descriptors`` are exactly the token descriptors that call would carry (level entries,
+    lease, used tokens, done). The answer carrying this also carries Envoy's ``llm_done``: the
+    service removes it when its batcher takes the settlement over, so exactly one of the two
+    settles (README: Rate limits)."""
+
+    descriptors: tuple[Descriptor, ...]
+
+
 @dataclass(frozen=True)
 class Continue:
     """Let the message through, with optional header and body changes."""
@@ -55,6 +72,8 @@ class Continue:
     Read-only: a dict given here is copied into a read-only view, so no answer (the shared
     :data:`PASS` least of all) can be changed after it is built."""
     store: CacheWrite | None = None
+    settle: Settlement | None = None
+    """The request's token settlement, when this answer ends a response whose usage is known."""
     lb_endpoints: tuple[str, ...] = ()
     """The pods (``ip:port``) picked for this request, best first: sent as the endpoint picker
     protocol's ``envoy.lb`` metadata and ``x-gateway-destination-endpoint`` header, which
@@ -102,10 +121,6 @@ class Lookup:
 
     keys: tuple[str, ...]
     resume: Callable[[Found], Step]
-
-
-Descriptor = tuple[tuple[str, str], ...]
-"""One rate-limit descriptor: its (key, value) entries in order."""
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,11 @@ which would admit the request unchecked. 32K output x 128 choices x 2048 prompts
 a request reserves this much instead, more than any bucket holds, and is refused."""
 
 
-def admission_metadata(reservation: int) -> dict[str, Any]:
-    """Dynamic metadata for the request-body answer of a request that goes upstream."""
+def admission_metadata(reservation: int, lease: str | None = None) -> dict[str, Any]:
+    """Dynamic metadata for the request-body answer of a request that goes upstream (``lease``:
+    the one extproc settles under itself; a new one when not given)."""
     return {RESERVATION_METADATA_KEY: min(max(0, reservation), MAX_RESERVATION),
-            LEASE_METADATA_KEY: new_lease()}
+            LEASE_METADATA_KEY: lease if lease is not None else new_lease()}
 
 
 def usage_metadata(used: int) -> dict[str, Any]:

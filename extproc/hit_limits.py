@@ -35,7 +35,7 @@ def request_descriptors(config: RoutingConfig, headers: Mapping[str, str]) -> tu
     for rate_limit in route_rate_limits(config):
         if rate_limit.get("apply_on_stream_done") or not _requests_kind(rate_limit["actions"]):
             continue
-        entries = _entries(rate_limit["actions"], headers)
+        entries = descriptor_entries(rate_limit["actions"], headers)
         if entries is not None:
             out.append(entries)
     return tuple(out)
@@ -48,7 +48,13 @@ def _requests_kind(actions: list[dict[str, Any]]) -> bool:
                for action in actions)
 
 
-def _entries(actions: list[dict[str, Any]], headers: Mapping[str, str]) -> Descriptor | None:
+def descriptor_entries(actions: list[dict[str, Any]], headers: Mapping[str, str],
+                       metadata: Mapping[str, str] | None = None) -> Descriptor | None:
+    """The descriptor Envoy builds from one rate limit's ``actions``, or None when Envoy would
+    send none (a header absent; a required metadata key absent or empty, as Envoy's
+    ``metadata`` action treats an empty string). ``metadata``: extproc's own dynamic metadata
+    in :data:`~sidecar_runtime.wire_names.METADATA_NAMESPACE` (None: metadata actions are an
+    error)."""
     entries: list[tuple[str, str]] = []
     for action in actions:
         if "generic_key" in action:
@@ -60,6 +66,13 @@ def _entries(actions: list[dict[str, Any]], headers: Mapping[str, str]) -> Descr
             if value is None:
                 return None
             entries.append((spec["descriptor_key"], value))
+        elif "metadata" in action and metadata is not None:
+            spec = action["metadata"]
+            found = metadata.get(spec["metadata_key"]["path"][0]["key"], "")
+            if found:
+                entries.append((spec["descriptor_key"], found))
+            elif not spec.get("skip_if_absent"):
+                return None
         else:
             raise ValueError(f"an Envoy rate-limit action extproc cannot evaluate: {action}")
     return tuple(entries)

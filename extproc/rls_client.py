@@ -1,4 +1,5 @@
-"""extproc's own calls to the rate-limit service (for requests it answers itself).
+"""extproc's own calls to the rate-limit service: checks for requests it answers itself, and
+batches of token settlements (:mod:`extproc.settlements`).
 
 One gRPC channel per process, to ``services.ratelimit``, opened on the first check and replaced
 when a reload names another address. A check never raises and never waits past the check's
@@ -16,8 +17,8 @@ from envoy.service.ratelimit.v3 import rls_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from extproc import rls_wire
-from extproc.actions import RateCheck, Verdict
-from routing.schema import ServicesTls
+from extproc.actions import Descriptor, RateCheck, Verdict
+from routing.schema import ServicesSection, ServicesTls
 from sidecar_runtime.logs import get_logger
 
 log = get_logger("extproc.rls_client")
@@ -42,28 +43,28 @@ class RateLimitClient:
             "Rate-limit checks extproc made itself (embedding cache hits), by verdict.",
             ["result"], registry=registry)
 
-    def _stub_for(self, check: RateCheck) -> rls_pb2_grpc.RateLimitServiceStub:
-        key = (check.target, check.tls.model_dump_json() if check.tls else "")
+    def _stub_for(self, target: str, tls: ServicesTls | None,
+                  timeout_s: float) -> rls_pb2_grpc.RateLimitServiceStub:
+        key = (target, tls.model_dump_json() if tls else "")
         if self._stub is None or key != self._key:
             old = self._channel
             if old is not None:
-                # Checks in flight on the old address finish within their deadline.
+                # Calls in flight on the old address finish within their deadline.
                 asyncio.get_running_loop().call_later(
-                    check.timeout_s + 1, lambda: asyncio.ensure_future(old.close()))
-            if check.tls is None:
-                self._channel = grpc.aio.insecure_channel(check.target)
+                    timeout_s + 1, lambda: asyncio.ensure_future(old.close()))
+            if tls is None:
+                self._channel = grpc.aio.insecure_channel(target)
             else:
-                options = [("grpc.ssl_target_name_override", check.tls.server_name)] \
-                    if check.tls.server_name else []
-                self._channel = grpc.aio.secure_channel(check.target, _credentials(check.tls),
-                                                        options)
+                options = [("grpc.ssl_target_name_override", tls.server_name)] \
+                    if tls.server_name else []
+                self._channel = grpc.aio.secure_channel(target, _credentials(tls), options)
             self._stub = rls_pb2_grpc.RateLimitServiceStub(self._channel)
             self._key = key
         return self._stub
 
     async def check(self, check: RateCheck) -> Verdict:
         try:
-            stub = self._stub_for(check)
+            stub = self._stub_for(check.target, check.tls, check.timeout_s)
             response = await stub.ShouldRateLimit(rls_wire.request(check),
                                                   timeout=check.timeout_s)
             verdict = rls_wire.verdict(response)
@@ -73,6 +74,20 @@ class RateLimitClient:
             verdict = UNAVAILABLE
         self._checks.labels(verdict.result).inc()
         return verdict
+
+    async def settle(self, services: ServicesSection, descriptors: tuple[Descriptor, ...]) -> bool:
+        """One call settling ``descriptors`` (a batch of :mod:`extproc.settlements`) at the
+        current ``services.ratelimit`` (a reload that moves it is followed, as for checks);
+        True when the service answered OK. Never raises, never waits past the deadline."""
+        try:
+            stub = self._stub_for(services.ratelimit, services.tls, services.ratelimit_timeout_s)
+            response = await stub.ShouldRateLimit(rls_wire.settle_request(descriptors),
+                                                  timeout=services.ratelimit_timeout_s)
+        except (grpc.aio.AioRpcError, OSError) as exc:
+            reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.debug("extproc_settlement_unanswered", target=services.ratelimit, reason=reason)
+            return False
+        return rls_wire.verdict(response).result == "ok"
 
     async def aclose(self) -> None:
         if self._channel is not None:

@@ -6,6 +6,7 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from extproc.actions import Descriptor, LimitStatus, RateCheck, Verdict
+from routing.ratelimits import DOMAIN
 
 _Response = rls_pb2.RateLimitResponse
 _WINDOWS = {
@@ -23,6 +24,12 @@ def request(check: RateCheck) -> rls_pb2.RateLimitRequest:
     """The request as Envoy sends it: no ``hits_addend`` anywhere, so each descriptor costs 1."""
     return rls_pb2.RateLimitRequest(domain=check.domain,
                                     descriptors=[_descriptor(d) for d in check.descriptors])
+
+
+def settle_request(descriptors: tuple[Descriptor, ...]) -> rls_pb2.RateLimitRequest:
+    """A batch of stream-done token descriptors (``llm_sidecar.used`` in each): the service
+    settles them and charges nothing, whatever ``hits_addend`` says."""
+    return rls_pb2.RateLimitRequest(domain=DOMAIN, descriptors=[_descriptor(d) for d in descriptors])
 
 
 def _descriptor(descriptor: Descriptor) -> ratelimit_pb2.RateLimitDescriptor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -26,9 +27,10 @@ from extproc.canary.report import MIN_SAMPLES, render_all
 from extproc.context import EndpointPicking
 from extproc.picker.runtime import PickerRuntime
 from extproc.rls_client import RateLimitClient
+from extproc.settlements import SettlementBatcher
 from extproc.stream import StreamState
 from extproc.telemetry.events import NULL_TELEMETRY, Telemetry, emit
-from extproc.telemetry.metrics import ExtprocMetrics
+from extproc.telemetry.metrics import ExtprocMetrics, settlements_counter
 from extproc.telemetry.request_log import LoggedTelemetry
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
@@ -38,9 +40,11 @@ from sidecar_runtime.redis_audit import audit_redis
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.reload_metrics import ReloadMetrics
 from sidecar_runtime.settings import Settings
+from sidecar_runtime.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
 
 log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+_USAGE_KEYS = frozenset({TOKENS_METADATA_KEY, DONE_METADATA_KEY})
 LINGER_S = 2.0
 """How long a finished stream waits for Envoy to reset it before closing it itself."""
 
@@ -53,8 +57,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                  guards: CanaryGuards | None = None,
                  cache: VectorCache | None = None,
                  limits: RateLimitClient | None = None,
-                 picker: EndpointPicking | None = None) -> None:
+                 picker: EndpointPicking | None = None,
+                 settlements: SettlementBatcher | None = None) -> None:
         self._snapshot = snapshot
+        self._settlements = settlements
         self._picker = picker
         self._secret = settings.key_id_secret.get_secret_value().encode()
         self._telemetry = telemetry
@@ -90,6 +96,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 except Exception:
                     # A fault in telemetry must not change or break the answer.
                     log.exception("extproc_internal_error", phase=phase, where="telemetry")
+                if isinstance(step, Continue) and step.settle is not None:
+                    step = self._settled(step)
                 response = wire.build(phase, step)
                 telemetry.phase(phase, clock() - started)
                 if isinstance(step, Continue) and step.store is not None:
@@ -116,6 +124,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             # upstream reset: grpcio cancels this generator, at an await with CancelledError or
             # at the yield with GeneratorExit): close returns the request's aborted record.
             _record_aborted(telemetry, state)
+
+    def _settled(self, step: Continue) -> Continue:
+        """``step`` without the usage metadata Envoy settles from when the batcher took its
+        settlement over, so Envoy sends no token descriptor for it (settled once); as it is
+        otherwise. Both keys go: on a stream, Envoy's sse_to_metadata writes ``llm_done`` at
+        its end whoever read it, and would complete the pair."""
+        if self._settlements is None or step.settle is None \
+                or not self._settlements.offer(step.settle):
+            return step
+        return replace(step, settle=None, metadata={
+            key: value for key, value in step.metadata.items() if key not in _USAGE_KEYS})
 
 
 def _record_aborted(telemetry: Telemetry, state: StreamState) -> None:
@@ -176,6 +195,10 @@ class ExtprocService:
         audit_key_id_secret(settings.key_id_secret, settings.dev_mode, self.registry)
         self._cache = open_vector_cache(settings, CacheMetrics(self.registry))
         self._limits = RateLimitClient(self.registry)
+        self._settlements = SettlementBatcher(
+            lambda batch: self._limits.settle(snapshot().config.services, batch),
+            settings.settle_batch_ms / 1000, settlements_counter(self.registry),
+            settings.settle_batch_min)
         self._picker = PickerRuntime(snapshot().config, self.registry)
         self.reloader.subscribe(lambda fresh: self._picker.follow(fresh.config))
         self.ops_pages: Mapping[str, Callable[[Mapping[str, str]], str]] = {
@@ -185,10 +208,12 @@ class ExtprocService:
         await self._cache.connect()
         await self._picker.start()
         servicer = ExternalProcessor(self.reloader.current, self._settings, self._telemetry,
-                                     self._guards, self._cache, self._limits, self._picker)
+                                     self._guards, self._cache, self._limits, self._picker,
+                                     self._settlements)
         pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
 
     async def close(self) -> None:
+        await self._settlements.aclose()  # the streams are done: send the last batch
         await self._cache.aclose()
         await self._limits.aclose()
         await self._picker.stop()

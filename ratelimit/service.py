@@ -21,7 +21,7 @@ from ratelimit.memory_store import MemoryStore
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.redis_store import RedisStore
 from ratelimit.store import BucketStore
-from ratelimit.wire import request_from_proto, response_to_proto
+from ratelimit.wire import MAX_DESCRIPTORS, request_from_proto, response_to_proto
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.redis_audit import audit_redis
 from sidecar_runtime.redis_client import make_client
@@ -45,6 +45,11 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
     async def ShouldRateLimit(
         self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
     ) -> rls_pb2.RateLimitResponse:
+        if len(request.descriptors) > MAX_DESCRIPTORS:
+            # Envoy sends a handful per call and extproc's settlement batches at most 256: a
+            # call above the cap is refused before any work, so none can carry unbounded work.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"at most {MAX_DESCRIPTORS} descriptors per call")
         try:
             outcome = await self._limiter.check(request_from_proto(request))
         except Exception:  # a bug must not turn into 500s: log it and admit

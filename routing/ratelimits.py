@@ -16,6 +16,10 @@ sets (README: Rate limits):
   the service settles the reservation once; when either is absent Envoy sends no token
   descriptor and the reservation stands. The
   concurrency descriptors release the lease's slot.
+* settled by extproc: for a response extproc read to its end it sends these same token
+  descriptors itself, many requests' in one call (:mod:`extproc.settlements`), and sets neither
+  ``llm_tokens`` nor ``llm_done``, so Envoy's stream-done call carries only the slot releases
+  (and is not made at all when the route has no concurrency cap).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Kubernetes NetworkPolicies of the deployment: who may open a connection to whom.
 
 Only the gateway (Envoy) reaches extproc, ratelimit and the pools; extproc also reaches
-ratelimit (it charges cache hits itself) and the pods of ``endpoint_picker`` pools (their
-metrics); only ratelimit reaches the buckets Redis and only extproc the cache Redis.
+ratelimit (it charges cache hits and settles reservations itself) and the pods of
+``endpoint_picker`` pools (their metrics); only ratelimit reaches the buckets Redis
+and only extproc the cache Redis.
 The metrics ports answer Prometheus (pods labelled ``app.kubernetes.io/name: prometheus``, in
 any namespace, as the Prometheus Operator and its Helm charts label them). Each policy selects
 one component's pods, which makes them refuse any ingress it does not list; the gateway itself

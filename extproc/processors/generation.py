@@ -7,8 +7,8 @@ from typing import cast
 
 import orjson
 
-from extproc.actions import NO_METADATA, PASS, Action, Continue, ModeOverride
-from extproc.admission import admission_metadata, usage_metadata
+from extproc.actions import PASS, Action, Continue, ModeOverride, Settlement
+from extproc.admission import admission_metadata, new_lease, usage_metadata
 from extproc.bodies import Api, GenerationBody, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand
@@ -36,6 +36,7 @@ from extproc.processors.phases import (
     refuse,
 )
 from extproc.records import RequestRecord, RouteChosen
+from extproc.settlements import settlement_for
 from extproc.telemetry.sampling import sampled, stable_share, usage_plan
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
@@ -93,8 +94,11 @@ class GenerationProcessor(BaseProcessor):
         self.phase = advance(GENERATION, reading.routed, "response_headers", DONE)
         charged = 0 if reading.status >= 400 else None
         record = self._report(reading, Usage(None, None, None, 0), charged, sampled=False)
+        if charged is None:
+            return Continue(mode=ModeOverride(response_headers=True, response_body="none"),
+                            record=record)
         return Continue(mode=ModeOverride(response_headers=True, response_body="none"),
-                        metadata=usage_metadata(0) if charged == 0 else NO_METADATA,
+                        metadata=usage_metadata(0), settle=self._settlement(reading.routed, 0),
                         record=record)
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
@@ -132,8 +136,16 @@ class GenerationProcessor(BaseProcessor):
         used = settled_tokens(usage, reading.status, reading.streamed, decision.prompt_tokens)
         record = self._report(reading, usage, used if used is not None else tokens_to_charge(
             usage, decision.prompt_tokens, decision.output_tokens))
-        return Continue(metadata=usage_metadata(used) if used is not None else NO_METADATA,
-                        record=record)
+        if used is None:
+            return Continue(record=record)
+        settle = None if reading.routed.envoy_reads_usage and reading.streamed \
+            else self._settlement(reading.routed, used)
+        return Continue(metadata=usage_metadata(used), settle=settle, record=record)
+
+    def _settlement(self, routed: Routed, used: int) -> Settlement | None:
+        """What extproc may settle itself (the service decides: see :mod:`extproc.settlements`);
+        the answer's ``llm_done`` stays for Envoy otherwise."""
+        return settlement_for(self.ctx.snapshot.config, routed.route, routed.lease, used)
 
     def on_close(self) -> RequestRecord | None:
         """A request routed upstream whose response never ended: the client hung up or the
@@ -200,8 +212,9 @@ class GenerationProcessor(BaseProcessor):
         snapshot = self.ctx.snapshot
         canary = self.ctx.canaries.canary_for(model)
         plan = usage_plan(parsed)
-        if not snapshot.config.telemetry.envoy_usage \
-                or self.ctx.headers.get(ENVOY_USAGE_HEADER) != "1":
+        envoy_reads = snapshot.config.telemetry.envoy_usage \
+            and self.ctx.headers.get(ENVOY_USAGE_HEADER) == "1"
+        if not envoy_reads:
             plan = "extproc"  # this Envoy cannot read the usage (an Istio EnvoyFilter)
         reads_body = (
             decision.variant == "canary"
@@ -209,8 +222,11 @@ class GenerationProcessor(BaseProcessor):
                 snapshot.config.telemetry.sample, canary.percent if canary else None))
             # Without rate limits no usage is settled: only sampling decides.
             or (snapshot.config.rate_limits is not None and plan == "extproc"))
+        headers = route_headers(self.ctx, model, decision)
+        lease = new_lease()
         self.phase = advance(GENERATION, self.phase, "request_body",
-                             Routed(decision, model.name, reads_body))
+                             Routed(decision, model.name, reads_body, lease, headers,
+                                    envoy_reads and parsed.stream and parsed.include_usage))
         inject = (not reads_body and snapshot.config.rate_limits is not None
                   and plan == "envoy_injected")
         new_body = None
@@ -229,12 +245,11 @@ class GenerationProcessor(BaseProcessor):
                 options = doc.get("stream_options")
                 doc["stream_options"] = {**(options or {}), "include_usage": True}
             new_body = orjson.dumps(doc)
-        headers = route_headers(self.ctx, model, decision)
         if new_body is not None:
             headers += (("content-length", str(len(new_body))),)
         # The reservation and the lease ride on the request-body answer so the rate-limit
         # filter, which runs after ext_proc, can charge it at admission (README: Rate limits).
-        metadata = admission_metadata(decision.reservation)
+        metadata = admission_metadata(decision.reservation, lease)
         if inject:  # Envoy's Lua filter takes the chunk out
             metadata = {**metadata, STRIP_USAGE_METADATA_KEY: "1"}
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
+from extproc.actions import Headers
 from extproc.bodies import EmbeddingsBody
 from extproc.cache.keys import KeyPlan
 from extproc.cache.merge import Resolution
@@ -84,6 +85,14 @@ class Routed:
     model: str
     reads_body: bool
     """extproc reads the response (sampled, canary, or usage Envoy cannot read)."""
+    lease: str = ""
+    """The request's lease (its reservation in the ratelimit store)."""
+    route: Headers = ()
+    """The ``x-llm-*`` headers extproc routed it with (what its rate-limit descriptors hold)."""
+    envoy_reads_usage: bool = False
+    """The stream carries usage chunks (the client asked for them) that Envoy's sse_to_metadata
+    reads and settles with: extproc leaves the settlement to Envoy even when it reads the
+    stream."""
 
 
 @dataclass(frozen=True, slots=True)

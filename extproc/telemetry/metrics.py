@@ -22,6 +22,28 @@ PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 OTHER_TENANT = "other"
 
 
+def settlements_counter(registry: CollectorRegistry) -> Callable[[str, int], None]:
+    """``llm_sidecar_extproc_settlements_total{result}`` (requests) and
+    ``llm_sidecar_extproc_settlement_batches_total{result}`` (rate-limit calls), as the batcher
+    counts (:class:`extproc.settlements.SettlementBatcher`: result, requests of one batch)."""
+    requests = Counter(
+        "llm_sidecar_extproc_settlements",
+        "Token reservations extproc settled itself, by result (ok: the ratelimit service took "
+        "them; failed: their batch got no answer, the reservations stand; envoy: handed back to "
+        "Envoy's stream-done call, the batcher being off, full or draining).",
+        ["result"], registry=registry)
+    batches = Counter(
+        "llm_sidecar_extproc_settlement_batches",
+        "Rate-limit calls extproc made to settle reservations (one per batch), by result "
+        "(ok|failed).", ["result"], registry=registry)
+
+    def count(result: str, settled: int) -> None:
+        requests.labels(result).inc(settled)
+        if result != "envoy":
+            batches.labels(result).inc()
+    return count
+
+
 class ExtprocMetrics:
     """Every extproc metric on one registry; ``known_tenants`` bounds the tenant label."""
 
