@@ -36,8 +36,8 @@ from extproc.processors.phases import (
     refuse,
 )
 from extproc.records import RequestRecord, RouteChosen
+from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.settlements import settlement_for
-from extproc.telemetry.sampling import sampled, stable_share, usage_plan
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
 from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER, STRIP_USAGE_METADATA_KEY
@@ -47,7 +47,7 @@ class GenerationProcessor(BaseProcessor):
     """``/v1/chat/completions`` and ``/v1/completions``.
 
     extproc reads a response (streamed through it, never held back) when it is sampled, on the
-    canary, or when Envoy cannot read its usage (:mod:`extproc.telemetry.sampling`): then the tokens it
+    canary, or when Envoy cannot read its usage (:mod:`extproc.sampling`): then the tokens it
     used go to the rate limiter as dynamic metadata at its end. Every other response (a stream)
     is read by Envoy alone: extproc sees its headers (status, for the request count and the
     settlement of an error) and asks for no body.

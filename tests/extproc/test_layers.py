@@ -8,7 +8,8 @@ top of extproc is core unless it is added to :data:`ADAPTERS`.
 
 The core and the processors report nothing either: they return what happened as values
 (:mod:`extproc.records`) and the service hands them to telemetry, so they reach no module of
-``extproc.telemetry`` (nor the canary guard, a telemetry decorator) but the sampling decision.
+``extproc.telemetry`` (nor the canary guard, a telemetry decorator). Which responses are read
+(:mod:`extproc.sampling`) is a decision of the core, not telemetry.
 """
 
 from __future__ import annotations
@@ -33,12 +34,8 @@ PURE = [
     *PROCESSORS,
     *(f"extproc.picker.{name}" for name in ("state", "prefix", "scoring", "pick")),
     *(f"extproc.cache.{name}" for name in ("keys", "codec", "merge", "store")),
-    *(f"extproc.telemetry.{name}" for name in ("events", "sampling")),
+    "extproc.telemetry.events",
 ]
-
-SAMPLING = "extproc.telemetry.sampling"
-"""Which responses extproc reads: a pure decision on the request, which the chat processor
-makes; it reports nothing."""
 
 
 def source_of(module: str) -> pathlib.Path | None:
@@ -71,8 +68,8 @@ def is_forbidden(name: str) -> bool:
 
 def reports(name: str) -> bool:
     """Is ``name`` a module that reports to telemetry (or is telemetry)?"""
-    return ((name == "extproc.telemetry" or name.startswith("extproc.telemetry."))
-            and name != SAMPLING) or name == "extproc.canary.guard"
+    return (name == "extproc.telemetry" or name.startswith("extproc.telemetry.")
+            or name == "extproc.canary.guard")
 
 
 def io_reached(module: str, bad: Callable[[str], bool] = is_forbidden) -> list[str]:
@@ -111,14 +108,15 @@ def test_the_walk_follows_the_projects_modules() -> None:
     assert io_reached("extproc.cache.guard") != []
     assert io_reached("extproc.service", reports) != []
     assert io_reached("extproc.canary.report", reports) == []  # reads metrics text only
-    assert reports("extproc.telemetry.events") and not reports(SAMPLING)
+    assert reports("extproc.telemetry.events") and not reports("extproc.sampling")
 
 
 def test_the_lists_name_real_modules() -> None:
     # A misspelt or moved module would otherwise never be checked.
     assert {"extproc.stream", "extproc.bodies", "extproc.decide", "extproc.identity"} <= set(CORE)
     assert "extproc.processors.generation" in PURE and "extproc.records" in CORE
-    assert all(source_of(module) is not None for module in [*PURE, SAMPLING])
+    assert "extproc.sampling" in CORE
+    assert all(source_of(module) is not None for module in PURE)
     assert all(source_of(f"extproc.{name}") is not None for name in ADAPTERS)
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from extproc.actions import Continue, ModeOverride
 from extproc.bodies import parse_generation
+from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.stream import StreamState
-from extproc.telemetry.sampling import sampled, stable_share, usage_plan
 from sidecar_runtime.wire_names import DONE_METADATA_KEY, ENVOY_USAGE_HEADER, TOKENS_METADATA_KEY
 from tests.extproc.helpers import snapshot
 from tests.extproc.served import Recorder, Served
