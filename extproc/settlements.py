@@ -3,9 +3,10 @@
 Envoy settles a reservation with a second rate-limit call per request (``apply_on_stream_done``,
 :mod:`routing.ratelimits`): one gRPC round trip, and about half the ratelimit service's CPU per
 non-streamed request (bench/README.md, issue 16). When extproc read the response to its end and
-knows its usage (every non-streamed answer, a sampled stream, an upstream error), it builds the
-very token descriptors Envoy's stream-done call would carry (:func:`settlement_for`, read off
-the same route rate limits, so the two cannot drift) and hands them to a
+knows its usage (every non-streamed answer, embeddings too, a sampled stream, an upstream
+error), it builds the very token descriptors Envoy's stream-done call would carry
+(:func:`settlement_for`, read off the same route rate limits, so the two cannot drift) and
+hands them to a
 :class:`SettlementBatcher`, which sends what gathered every few milliseconds (or once
 ``max_descriptors`` are queued) in one ``ShouldRateLimit`` call (below ``min_batch`` settlements
 per interval it leaves them to Envoy: a batch of one costs more than Envoy's call); the

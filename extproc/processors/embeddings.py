@@ -42,10 +42,11 @@ from extproc.actions import (
     Lookup,
     ModeOverride,
     Reply,
+    Settlement,
     Step,
     Verdict,
 )
-from extproc.admission import admission_metadata, usage_metadata
+from extproc.admission import admission_metadata, new_lease, usage_metadata
 from extproc.bodies import parse_embeddings
 from extproc.cache.keys import namespace_for, plan_keys, request_salt
 from extproc.cache.merge import (
@@ -89,6 +90,7 @@ from extproc.processors.phases import (
     refuse,
 )
 from extproc.records import RequestRecord, RouteChosen
+from extproc.settlements import settlement_for
 from extproc.tokens import counter_for
 from sidecar_runtime.logs import get_logger
 
@@ -187,18 +189,20 @@ class EmbeddingsProcessor(BaseProcessor):
 
     def _forward(self, event: Event, forwarded: Forwarded, body: bytes | None) -> Action:
         """Route the request upstream, its body replaced by ``body`` (else by a canary rename)."""
-        self._go(event, forwarded)
         request = forwarded.parsed
         decision = request.decision
+        route = route_headers(self.ctx, request.model, decision)
+        forwarded = replace(forwarded, lease=new_lease(), route=route)
+        self._go(event, forwarded)
         if body is None and decision.upstream_model != request.body.model:
             body = orjson.dumps(_upstream_doc(request))
-        headers: Headers = route_headers(self.ctx, request.model, decision)
+        headers: Headers = route
         if body is not None:
             headers += (("content-length", str(len(body))),)
         # The answer is read (usage, vectors, merge): ask for it uncompressed.
         return Continue(set_headers=headers, remove_headers=("accept-encoding",), body=body,
                         clear_route_cache=True,
-                        metadata=admission_metadata(forwarded.reserved),
+                        metadata=admission_metadata(forwarded.reserved, forwarded.lease),
                         route=RouteChosen(request.model.name, decision.cluster, decision.variant))
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
@@ -265,6 +269,7 @@ class EmbeddingsProcessor(BaseProcessor):
                              record=self._record(request, outcome, 502, charged=None,
                                                  prompt_tokens=reserved))
             return Continue(metadata=usage_metadata(reserved),
+                            settle=self._settlement(forwarded, reserved),
                             record=self._record(request, outcome, 200, charged=reserved,
                                                 prompt_tokens=reserved))
         used = usage_tokens(doc)
@@ -273,8 +278,14 @@ class EmbeddingsProcessor(BaseProcessor):
         if forwarded.policy is not None and fresh:
             store = CacheWrite(entries_to_store(fresh), forwarded.policy.ttl_s)
         return Continue(body=merged, store=store, metadata=usage_metadata(tokens),
+                        settle=self._settlement(forwarded, tokens),
                         record=self._record(request, outcome, 200, charged=tokens,
                                             prompt_tokens=tokens))
+
+    def _settlement(self, forwarded: Forwarded, used: int) -> Settlement | None:
+        """What extproc may settle itself, batched (the service decides, :mod:`extproc.settlements`);
+        None when the route has no token limit."""
+        return settlement_for(self.ctx.snapshot.config, forwarded.route, forwarded.lease, used)
 
     def on_close(self) -> RequestRecord | None:
         """A request sent upstream whose answer never ended (client gone, upstream reset):

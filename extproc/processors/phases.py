@@ -170,6 +170,10 @@ class Forwarded:
     resolution: Resolution | None = None
     """A partial hit's cached and missing inputs (the merge needs them)."""
     policy: CachePolicy | None = None
+    lease: str = ""
+    """The request's lease (its reservation in the ratelimit store); set when it is sent."""
+    route: Headers = ()
+    """The ``x-llm-*`` headers extproc routed it with (what its rate-limit descriptors hold)."""
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 
 MESSAGES = user("hi")
 DAY_CAP = 100_000
-TENANTS = ("json", "sse", "sse-usage", "calls", "spoof", "victim", "error")
+TENANTS = ("json", "sse", "sse-usage", "calls", "embed", "spoof", "victim", "error")
 
 
 @pytest.fixture(scope="module", params=["batched", "envoy"])
@@ -152,6 +152,27 @@ def test_envoy_makes_one_rate_limit_call_per_request_extproc_settles(gw: Gateway
     else:
         assert made_by_extproc == 0
         assert made_by_envoy == 2 * k
+    assert settled(gw) == settles + k
+
+
+def test_embeddings_are_settled_in_the_batches_too(gw: Gateway) -> None:
+    """Embeddings answers are always read by extproc (usage, cache): K of them (inputs never
+    seen, so none is a cache hit extproc answers itself) settle in extproc's batches, each
+    once, and Envoy makes its K admission calls only; with the batcher off, 2K."""
+    k = 8
+    calls, batches, settles = rls_calls(gw), extproc_batches(gw), settled(gw)
+    taken = extproc_settled(gw)
+    embed = client(gw, "embed").embeddings.create
+    for i in range(k):
+        answer = embed(model="bge-m3", input=[f"settle me {i} {time.monotonic_ns()}"])
+        assert answer.usage.total_tokens > 0
+    wait_until(lambda: settled(gw) >= settles + k, 10, 0.05)
+    wait_until(lambda: extproc_settled(gw) >= taken + (k if batched(gw) else 0), 10, 0.05)
+    wait_until(lambda: rls_calls(gw) >= calls + (k if batched(gw) else 2 * k), 10, 0.05)
+    made_by_extproc = extproc_batches(gw) - batches
+    made_by_envoy = rls_calls(gw) - calls - made_by_extproc
+    assert made_by_envoy == (k if batched(gw) else 2 * k)
+    assert (made_by_extproc >= 1) == batched(gw)
     assert settled(gw) == settles + k
 
 
