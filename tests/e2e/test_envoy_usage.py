@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,8 +19,9 @@ import openai
 import pytest
 
 from tests.chaos.support import metric, wait_until
+from tests.harness import charges
 from tests.harness.gateway import Gateway, default_doc, running_gateway
-from tests.harness.openai_types import error_body, usage_of, user
+from tests.harness.openai_types import error_body, user
 
 pytestmark = pytest.mark.e2e
 
@@ -58,27 +58,11 @@ def ext_proc_messages(gw: Gateway) -> float:
                    if line.strip())
 
 
-def remaining(response: Any) -> int:
-    return int(response.headers["x-ratelimit-remaining-tokens"])
-
 
 def charged_by(gw: Gateway, tenant: str, send: Callable[[], int]) -> tuple[int, int, int]:
-    """(tokens the bucket lost to ``send``'s request once settled, the usage ``send`` returned,
-    the tokens that may have refilled meanwhile).
-
-    A probe before and after reads the bucket (``x-ratelimit-remaining-tokens``, after each
-    probe's own equal reservation); the first probe's settle is waited for and taken out."""
-    probe = client(gw, tenant).chat.completions.with_raw_response.create
-    started = time.monotonic()
-    settles = settled(gw)
-    first = probe(model="llama-2-13b", messages=MESSAGES, max_tokens=1)
-    probe_usage = usage_of(first.parse()).total_tokens
-    wait_until(lambda: settled(gw) >= settles + 1, 10, 0.05)
-    total = send()
-    wait_until(lambda: settled(gw) >= settles + 2, 10, 0.05)
-    second = probe(model="llama-2-13b", messages=MESSAGES, max_tokens=1)
-    refill = int((time.monotonic() - started) * DAY_CAP / 86400) + 1
-    return remaining(first) - remaining(second) - probe_usage, total, refill
+    """:func:`tests.harness.charges.charged_by` for ``tenant``."""
+    return charges.charged_by(client(gw, tenant).chat.completions.with_raw_response.create,
+                              lambda: settled(gw), send, DAY_CAP)
 
 
 def test_a_non_streamed_answer_is_still_read_by_extproc(gw: Gateway) -> None:

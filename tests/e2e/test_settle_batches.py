@@ -18,8 +18,10 @@ import openai
 import pytest
 
 from tests.chaos.support import metric, wait_until
+from tests.harness import charges
+from tests.harness.charges import remaining
 from tests.harness.gateway import Gateway, default_doc, running_gateway
-from tests.harness.openai_types import usage_of, user
+from tests.harness.openai_types import user
 
 pytestmark = pytest.mark.e2e
 
@@ -72,25 +74,15 @@ def extproc_settled(gw: Gateway) -> float:
     return metric(gw.extproc_metrics, "llm_sidecar_extproc_settlements_total", result="ok")
 
 
-def remaining(response: Any) -> int:
-    return int(response.headers["x-ratelimit-remaining-tokens"])
-
 
 def charged_by(gw: Gateway, tenant: str, send: Callable[[], int]) -> tuple[int, int, int]:
-    """(tokens the bucket lost to ``send``'s request once settled, its usage, the tokens that
-    may have refilled meanwhile): probes before and after read the bucket."""
-    probe = client(gw, tenant).chat.completions.with_raw_response.create
-    started = time.monotonic()
+    """:func:`tests.harness.charges.charged_by` for ``tenant``; then waits for the second
+    probe's settle too, so the next test starts quiet."""
     settles = settled(gw)
-    first = probe(model="llama-2-13b", messages=MESSAGES, max_tokens=1)
-    probe_usage = usage_of(first.parse()).total_tokens
-    wait_until(lambda: settled(gw) >= settles + 1, 10, 0.05)
-    total = send()
-    wait_until(lambda: settled(gw) >= settles + 2, 10, 0.05)
-    second = probe(model="llama-2-13b", messages=MESSAGES, max_tokens=1)
-    refill = int((time.monotonic() - started) * DAY_CAP / 86400) + 1
-    wait_until(lambda: settled(gw) >= settles + 3, 10, 0.05)  # the next test starts quiet
-    return remaining(first) - remaining(second) - probe_usage, total, refill
+    charged = charges.charged_by(client(gw, tenant).chat.completions.with_raw_response.create,
+                                 lambda: settled(gw), send, DAY_CAP)
+    wait_until(lambda: settled(gw) >= settles + 3, 10, 0.05)
+    return charged
 
 
 def test_a_non_streamed_answer_is_charged_its_usage(gw: Gateway) -> None:
