@@ -218,11 +218,14 @@ class EmbeddingsProcessor(BaseProcessor):
         cache: Headers = ((CACHE_HEADER, outcome),) if outcome is not None else ()
         if status != "200" or end_of_stream:
             # An error (or nothing) from upstream is passed on as it is: nothing to store,
-            # nothing to merge, and no tokens computed to charge.
+            # nothing to merge, and no tokens computed: the reservation settles to 0, as a
+            # chat error's does (it used to stand, charged, while the record said 0).
             self._go("response_headers", DONE)
             record = self._record(forwarded.parsed, outcome, code, charged=0,
                                   prompt_tokens=forwarded.reserved)
-            return Continue(set_headers=cache, mode=_SKIP_RESPONSE_BODY, record=record)
+            return Continue(set_headers=cache, mode=_SKIP_RESPONSE_BODY,
+                            metadata=usage_metadata(0), settle=self._settlement(forwarded, 0),
+                            record=record)
         self._go("response_headers", Buffering(forwarded))
         return Continue(set_headers=cache)
 

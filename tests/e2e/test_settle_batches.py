@@ -27,7 +27,8 @@ pytestmark = pytest.mark.e2e
 
 MESSAGES = user("hi")
 DAY_CAP = 100_000
-TENANTS = ("json", "sse", "sse-usage", "calls", "embed", "spoof", "victim", "error")
+TENANTS = ("json", "sse", "sse-usage", "calls", "embed", "spoof", "victim", "error",
+           "embed-error")
 
 
 @pytest.fixture(scope="module", params=["batched", "envoy"])
@@ -166,6 +167,20 @@ def test_embeddings_are_settled_in_the_batches_too(gw: Gateway) -> None:
     assert made_by_envoy == (k if batched(gw) else 2 * k)
     assert (made_by_extproc >= 1) == batched(gw)
     assert settled(gw) == settles + k
+
+
+def test_an_embeddings_error_is_settled_to_zero(gw: Gateway) -> None:
+    """vLLM refuses the request (``dimensions`` above the model's): its reservation of a few
+    thousand tokens is given back, by extproc's batch or by Envoy, not kept."""
+    embed = client(gw, "embed-error").embeddings.create
+    chat = client(gw, "embed-error").chat.completions.with_raw_response.create
+    settles = settled(gw)
+    start = remaining(chat(model="llama-2-13b", messages=MESSAGES, max_tokens=1))
+    with pytest.raises(openai.BadRequestError):
+        embed(model="bge-m3", input=["word " * 2000], dimensions=100_000)
+    wait_until(lambda: settled(gw) >= settles + 2, 10, 0.05)
+    after = remaining(chat(model="llama-2-13b", messages=MESSAGES, max_tokens=1))
+    assert after >= start - 40  # the ~2,000-token reservation is not kept
 
 
 def test_spoofed_levels_settle_nobody_elses_bucket(gw: Gateway) -> None:

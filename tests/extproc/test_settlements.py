@@ -87,10 +87,11 @@ def test_no_lease_no_settlement() -> None:
 
 def run(snapshot_: Any, body: dict[str, Any], response: bytes, status: str = "200",
         content_type: str = "application/json",
-        client_headers: dict[str, str] | None = None) -> tuple[Continue, Continue]:
+        client_headers: dict[str, str] | None = None,
+        path: str = "/v1/chat/completions") -> tuple[Continue, Continue]:
     """(the request-body answer, the answer that ends the response)."""
     state = StreamState(snapshot_, SECRET)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+    state.handle("request_headers", {":path": path, ":method": "POST",
                                      "authorization": f"Bearer {KEY}", "x-request-id": "r1",
                                      **(client_headers or {})}, b"", False)
     routed = state.handle("request_body", None, orjson.dumps(body), True)
@@ -119,6 +120,29 @@ def test_a_non_streamed_answer_carries_its_settlement_under_its_own_lease() -> N
                           (USED_ENTRY, "12"), (DONE_ENTRY, "1"))
     # Envoy's keys are still there: the service removes llm_done only if its batcher takes it.
     assert end.metadata[TOKENS_METADATA_KEY] == "12" and end.metadata[DONE_METADATA_KEY] == "1"
+
+
+EMBED = {"model": "bge-m3", "input": ["a b c", "d e"]}
+VECTORS = orjson.dumps({"object": "list", "model": "bge-m3",
+                        "data": [{"object": "embedding", "index": i, "embedding": [0.5, 0.25]}
+                                 for i in range(2)],
+                        "usage": {"prompt_tokens": 7, "total_tokens": 7}})
+
+
+@pytest.mark.parametrize(("status", "body", "used"), [
+    ("200", VECTORS, "7"),                                 # vLLM's usage
+    ("400", b'{"error": {"message": "too many dimensions"}}', "0"),  # refused: nothing kept
+    ("503", b"upstream connect error", "0"),
+])
+def test_an_embeddings_answer_carries_its_settlement(status: str, body: bytes, used: str) -> None:
+    snap = limits(tenant={"default": {"tokens": "1k/min"}})
+    routed, end = run(snap, EMBED, body, status=status, path="/v1/embeddings")
+    lease = routed.metadata[LEASE_METADATA_KEY]
+    assert end.settle is not None
+    (descriptor,) = end.settle.descriptors
+    assert descriptor == (("kind", "tokens"), ("tenant", "acme"), (LEASE_ENTRY, lease),
+                          (USED_ENTRY, used), (DONE_ENTRY, "1"))
+    assert end.metadata[TOKENS_METADATA_KEY] == used
 
 
 def test_a_client_cannot_name_the_levels_or_lease_it_is_settled_under() -> None:
