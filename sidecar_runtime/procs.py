@@ -21,10 +21,22 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1
 
 
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # not glibc: children are stopped by ``stop`` only
+        return None
+
+
+_prctl = _load_prctl()
+"""Resolved once, in the parent: the child must not ``dlopen`` between fork and exec (the
+loader's and allocator's locks may be held by a thread the fork did not copy)."""
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     # If the parent is killed outright, the kernel sends SIGTERM to us: no orphans.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def envoy_binary() -> str:
