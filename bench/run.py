@@ -103,7 +103,8 @@ def run_stack(name: StackName, rows: list[Scenario], loads: dict[str, Workload],
                 rates.append(None)
             warm = loadgen.Load(url + work.path, body_path, headers, work.rates[0],
                                 min(2.0, args.duration),
-                                loadgen.connections_for(work.rates[0], 0, work.latency_s))
+                                loadgen.connections_for(work.rates[0], 0, work.latency_s),
+                                drain_s=work.latency_s * 2)
             try:
                 loadgen.run(tool, warm, env.workdir, "warmup")
             except loadgen.LoadError as exc:
@@ -111,7 +112,8 @@ def run_stack(name: StackName, rows: list[Scenario], loads: dict[str, Workload],
             for rate in rates:
                 load = loadgen.Load(url + work.path, body_path, headers, rate, args.duration,
                                     loadgen.connections_for(rate, args.saturation_connections,
-                                                            work.latency_s))
+                                                            work.latency_s),
+                                    drain_s=work.latency_s * 2)
                 try:
                     point = measure(tool, load, scenario=row.key, repeat=repeat,
                                     gateway_pids=pids, other_pids=others, workdir=env.workdir,
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     probes: dict[str, Any] = {}
     failures: list[dict[str, Any]] = []
     order: list[StackName] = list(dict.fromkeys(r.stack for r in rows))
-    with stack.shared(str(workdir), paced_tokens=16, paced_interval_ms=5.0) as env:
+    with stack.shared(str(workdir)) as env:
         for repeat in range(args.repeats):
             for name in order:
                 points += run_stack(name, [r for r in rows if r.stack == name], loads, env,
