@@ -36,10 +36,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="repeats; medians are reported")
     p.add_argument("--rates", default="50,200,500,1000",
                    help="fixed offered loads for chat, req/s (default 50,200,500,1000)")
+    p.add_argument("--paced256-rate", type=int, default=12,
+                   help="offered req/s of the 256-token paced streams (default 12: ~90 open, "
+                        "~3,000 tokens/s)")
     p.add_argument("--saturation-connections", type=int, default=32)
     p.add_argument("--only", default="", help="comma-separated scenario keys (e.g. bare/chat)")
     p.add_argument("--no-saturation", action="store_true")
-    p.add_argument("--loadgen", choices=["auto", "h2load", "python"], default="auto")
+    p.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto")
     p.add_argument("--envoy-concurrency", type=int, default=2)
     p.add_argument("--quiet-wait", type=float, default=20.0,
                    help="before each point, wait up to this many seconds for the machine to be "
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tool = loadgen.pick_tool(args.loadgen)
     rates = tuple(int(r) for r in args.rates.split(",") if r.strip())
-    loads = workloads(rates)
+    loads = workloads(rates, args.paced256_rate)
     rows = scenarios(args.with_litellm)
     if args.only:
         wanted = {k.strip() for k in args.only.split(",")}
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = out_dir / "work"
     workdir.mkdir(parents=True, exist_ok=True)
     about = machine.describe(tool, litellm_version)
-    settings = {k: getattr(args, k) for k in ("duration", "repeats", "rates",
+    settings = {k: getattr(args, k) for k in ("duration", "repeats", "rates", "paced256_rate",
                                              "saturation_connections", "envoy_concurrency",
                                              "quiet_wait")}
     print(f"bench: {len(rows)} scenarios, {args.repeats} repeats, load from {tool}; "

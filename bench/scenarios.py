@@ -55,7 +55,7 @@ class Workload:
     """Tokens streamed one event at a time (paced): the report adds CPU per token."""
 
 
-def workloads(rates: tuple[int, ...]) -> dict[str, Workload]:
+def workloads(rates: tuple[int, ...], paced256_rate: int = 12) -> dict[str, Workload]:
     slow = tuple(r for r in rates if r <= 200) or rates[:1]
     return {w.name: w for w in (
         Workload("chat", "chat, 64 tokens out", "/v1/chat/completions", bodies.chat_request(),
@@ -73,7 +73,7 @@ def workloads(rates: tuple[int, ...]) -> dict[str, Workload]:
         # 12 req/s x ~7.7 s: ~92 streams open, ~3,100 tokens/s, as a few busy vLLM pods send.
         Workload("paced256", "chat stream, 256 tokens 30 ms apart", "/v1/chat/completions",
                  bodies.chat_request(stream=True, model=bodies.PACED256_MODEL, max_tokens=256),
-                 "paced256", (12,), False, stream=True, latency_s=8.0, tokens=256),
+                 "paced256", (paced256_rate,), False, stream=True, latency_s=8.0, tokens=256),
     )}
 
 
