@@ -10,6 +10,7 @@ import json
 
 MODEL = "bench-model"
 PACED_MODEL = "bench-paced"
+PACED256_MODEL = "bench-paced256"
 EMBED_MODEL = "bench-embed"
 CREATED = 1_700_000_000
 OUTPUT_TOKENS = 64
@@ -21,7 +22,8 @@ def _dumps(doc: object) -> str:
     return json.dumps(doc, separators=(",", ":"))
 
 
-def chat_request(prompt_bytes: int = 0, *, stream: bool = False, model: str = MODEL) -> bytes:
+def chat_request(prompt_bytes: int = 0, *, stream: bool = False, model: str = MODEL,
+                 max_tokens: int = OUTPUT_TOKENS) -> bytes:
     """A chat request; ``prompt_bytes`` > 0 pads the user message to about that size."""
     content = "Summarise the attached contract in three bullet points, plain English please."
     if prompt_bytes > len(content):
@@ -33,7 +35,7 @@ def chat_request(prompt_bytes: int = 0, *, stream: bool = False, model: str = MO
             {"role": "system", "content": "You are a careful assistant."},
             {"role": "user", "content": content},
         ],
-        "max_tokens": OUTPUT_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0.2,
     }
     if stream:

@@ -18,6 +18,7 @@ import copy
 from typing import Any, Literal
 
 from bench import bodies
+from bench.paced import POOLS
 from routing.render_envoy import bootstrap
 from routing.schema import RoutingConfig
 
@@ -30,9 +31,9 @@ HUGE = "1000M/min"
 
 
 def routing_doc(*, listen: int, admin: int, extproc: int, ratelimit: int,
-                upstream: tuple[int, int, int], paced: int) -> dict[str, Any]:
+                upstream: tuple[int, int, int], paced: dict[str, int]) -> dict[str, Any]:
     """The bench routing YAML: the short, long and embeddings pools on the stand-in upstream's
-    three listeners, the paced pool on the paced SSE server."""
+    three listeners, each paced pool (``paced``: port by cluster) on its paced SSE server."""
     def at(port: int) -> list[str]:
         return [f"127.0.0.1:{port}"]
 
@@ -46,11 +47,13 @@ def routing_doc(*, listen: int, admin: int, extproc: int, ratelimit: int,
             # 131072: a 220 KB prompt (~75K tokens by the estimate) fits a Llama-3.1-class pool.
             "pool-long": {"endpoints": at(upstream[1]), "max_context": 131072},
             "embed": {"endpoints": at(upstream[2]), "max_context": 8192},
-            "paced": {"endpoints": at(paced), "max_context": 4096},
+            **{pool.cluster: {"endpoints": at(paced[pool.cluster]), "max_context": 4096}
+               for pool in POOLS},
         },
         "models": {
             bodies.MODEL: {"clusters": ["pool-short", "pool-long"], "default_max_tokens": 64},
-            bodies.PACED_MODEL: {"clusters": ["paced"], "default_max_tokens": 64},
+            **{pool.model: {"clusters": [pool.cluster], "default_max_tokens": 64}
+               for pool in POOLS},
             bodies.EMBED_MODEL: {"kind": "embedding", "clusters": ["embed"],
                                  "cache": {"namespace": "bench-embed", "ttl": "1h"}},
         },
@@ -58,7 +61,7 @@ def routing_doc(*, listen: int, admin: int, extproc: int, ratelimit: int,
             # The example config's three levels, with limits no run reaches.
             "api_key": {"default": limit},
             "tenant": {"default": limit},
-            "model": {"overrides": {bodies.MODEL: limit, bodies.PACED_MODEL: limit}},
+            "model": {"overrides": {bodies.MODEL: limit, **{p.model: limit for p in POOLS}}},
             "on_backend_error": "allow",
         },
     }

@@ -1,6 +1,7 @@
 """LiteLLM's proxy (``litellm[proxy]`` from PyPI) as the comparison gateway.
 
-It gets its own virtualenv, ``bench/.venv-litellm`` (gitignored), created on the first
+Streamed workloads reach LiteLLM's model for each paced pool, pointed at the same paced server
+the gateway routes to. It gets its own virtualenv, ``bench/.venv-litellm`` (gitignored), created on the first
 ``--with-litellm`` run, so its many pinned dependencies never touch the project's venv. It is
 pointed at the same stand-in upstream, with the deployment's ``rpm``/``tpm`` limits tracked in
 Redis (``router_settings.redis_*``: LiteLLM's way to share rate limits across instances) and
@@ -19,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from bench import bodies
+from bench.paced import POOLS
 from bench.stack import START_TIMEOUT_S, Shared, spawn
 from sidecar_runtime.procs import Child, free_port, wait_http_ok
 
@@ -45,18 +47,28 @@ def ensure_installed(log: bool = True) -> str:
     return done.stdout.strip()
 
 
-def config(upstream_port: int, redis_port: int) -> dict[str, object]:
+def _deployment(model: str, port: int) -> dict[str, object]:
     return {
-        "model_list": [{
-            "model_name": bodies.MODEL,
-            "litellm_params": {
-                "model": f"openai/{bodies.MODEL}",
-                "api_base": f"http://127.0.0.1:{upstream_port}/v1",
-                "api_key": "none",
-                "rpm": 100_000_000,
-                "tpm": 100_000_000_000,
-            },
-        }],
+        "model_name": model,
+        "litellm_params": {
+            "model": f"openai/{model}",
+            "api_base": f"http://127.0.0.1:{port}/v1",
+            "api_key": "none",
+            "rpm": 100_000_000,
+            "tpm": 100_000_000_000,
+        },
+    }
+
+
+def config(upstream_port: int, redis_port: int,
+           paced_ports: dict[str, int] | None = None) -> dict[str, object]:
+    """The chat model on the stand-in upstream and, as the gateway routes them, each paced
+    pool's model on its paced server (``paced_ports``: port by cluster)."""
+    ports = paced_ports or {}
+    return {
+        "model_list": [_deployment(bodies.MODEL, upstream_port),
+                       *[_deployment(pool.model, ports[pool.cluster])
+                         for pool in POOLS if pool.cluster in ports]],
         "router_settings": {
             "routing_strategy": "usage-based-routing-v2",
             "redis_host": "127.0.0.1",
@@ -73,7 +85,8 @@ def proxy(env: Shared) -> Iterator[tuple[str, list[Child]]]:
     port = free_port()
     path = os.path.join(env.workdir, "litellm.yaml")
     with open(path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(config(env.upstream_port, env.redis_port), handle, sort_keys=False)
+        yaml.safe_dump(config(env.upstream_port, env.redis_port, env.paced_ports), handle,
+                       sort_keys=False)
     child = spawn("litellm", [str(executable()), "--config", path, "--host", "127.0.0.1",
                               "--port", str(port), "--num_workers", "1"], env.workdir,
                   env={"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"})

@@ -11,8 +11,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+from dataclasses import dataclass
 
 from bench import bodies
+
+
+@dataclass(frozen=True)
+class PacedPool:
+    """One paced server of a run: its cluster in the routing YAML, the model routed to it and
+    what it streams (``tokens`` events ``interval_ms`` apart)."""
+
+    cluster: str
+    model: str
+    tokens: int
+    interval_ms: float
+
+
+POOLS = (
+    PacedPool("paced", bodies.PACED_MODEL, 16, 5.0),
+    # As a decoding vLLM pod streams a long answer: ~33 tokens/s per stream, ~7.7 s each.
+    PacedPool("paced256", bodies.PACED256_MODEL, 256, 30.0),
+)
 
 _HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
          b"transfer-encoding: chunked\r\n\r\n")

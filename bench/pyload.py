@@ -35,7 +35,9 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, headers: d
 
 
 async def _fixed(session: aiohttp.ClientSession, args: argparse.Namespace, body: bytes,
-                 headers: dict[str, str], out: list[tuple[int, float]]) -> None:
+                 headers: dict[str, str], out: list[tuple[int, float]]) -> float:
+    """Send on schedule, then wait for every answer; the sending window in seconds (longer
+    than ``--duration`` when this process fell behind its schedule)."""
     total = max(1, round(args.rate * args.duration))
     start = time.perf_counter()
     tasks: set[asyncio.Task[None]] = set()
@@ -46,8 +48,10 @@ async def _fixed(session: aiohttp.ClientSession, args: argparse.Namespace, body:
         task = asyncio.create_task(_one(session, args.url, body, headers, out))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+    sent_s = max(float(args.duration), time.perf_counter() - start)
     if tasks:
         await asyncio.gather(*tasks)
+    return sent_s
 
 
 async def _saturate(session: aiohttp.ClientSession, args: argparse.Namespace, body: bytes,
@@ -61,7 +65,8 @@ async def _saturate(session: aiohttp.ClientSession, args: argparse.Namespace, bo
     await asyncio.gather(*(worker() for _ in range(args.connections)))
 
 
-def summary(out: list[tuple[int, float]], elapsed: float) -> dict[str, float | int | None]:
+def summary(out: list[tuple[int, float]], elapsed: float,
+            sent_s: float | None = None) -> dict[str, float | int | None]:
     latencies = sorted(ms for _, ms in out)
 
     def pct(p: float) -> float | None:
@@ -69,9 +74,13 @@ def summary(out: list[tuple[int, float]], elapsed: float) -> dict[str, float | i
             return None
         return round(latencies[max(0, math.ceil(p / 100 * len(latencies)) - 1)], 3)
 
-    return {"requests": len(out), "errors": sum(1 for status, _ in out if status >= 400),
-            "elapsed_s": round(elapsed, 6), "p50": pct(50), "p90": pct(90), "p99": pct(99),
-            "p999": pct(99.9), "max": pct(100)}
+    doc: dict[str, float | int | None] = {
+        "requests": len(out), "errors": sum(1 for status, _ in out if status >= 400),
+        "elapsed_s": round(elapsed, 6), "p50": pct(50), "p90": pct(90), "p99": pct(99),
+        "p999": pct(99.9), "max": pct(100)}
+    if sent_s is not None:
+        doc["sent_s"] = round(sent_s, 6)
+    return doc
 
 
 async def main_async(args: argparse.Namespace, body: bytes) -> dict[str, float | int | None]:
@@ -82,13 +91,14 @@ async def main_async(args: argparse.Namespace, body: bytes) -> dict[str, float |
     out: list[tuple[int, float]] = []
     connector = aiohttp.TCPConnector(limit=args.connections)
     started = time.perf_counter()
+    sent_s = None
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=30)) as session:
         if args.rate:
-            await _fixed(session, args, body, headers, out)
+            sent_s = await _fixed(session, args, body, headers, out)
         else:
             await _saturate(session, args, body, headers, out)
-    return summary(out, time.perf_counter() - started)
+    return summary(out, time.perf_counter() - started, sent_s)
 
 
 def main() -> None:

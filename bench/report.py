@@ -44,6 +44,21 @@ def _cell(points: list[Point]) -> dict[str, Any]:
     }
 
 
+def _per_token(entry: dict[str, Any], bare: dict[str, Any] | None) -> None:
+    """For a streamed workload: each cell's total CPU per request, per process and in total
+    per streamed token, and the total as a multiple of bare Envoy's at the same rate."""
+    tokens = entry["tokens"]
+    if not tokens:
+        return
+    for key, cell in entry["rates"].items():
+        cpu = {k: v for k, v in cell["cpu_us_per_request"].items() if v is not None}
+        cell["cpu_us_total"] = round(sum(cpu.values()), 1)
+        cell["cpu_us_per_token"] = {k: round(v / tokens, 3) for k, v in cpu.items()}
+        other = bare["rates"].get(key) if bare else None
+        base = other.get("cpu_us_total") if other else None
+        cell["cpu_vs_bare_envoy"] = round(cell["cpu_us_total"] / base, 2) if base else None
+
+
 def _sub(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 3)
 
@@ -60,7 +75,10 @@ def summarize(rows: list[Scenario], loads: dict[str, Workload], points: list[Poi
             cell["overloaded"] = rate is not None and (cell["achieved_rps"] or 0) < OVERLOADED * rate
             cells[_rate_key(rate)] = cell
         table[row.key] = {"stack": STACKS[row.stack].title, "workload": loads[row.workload].title,
-                          "baseline": row.baseline, "rates": cells}
+                          "baseline": row.baseline, "rates": cells,
+                          "tokens": loads[row.workload].tokens}
+    for row in rows:
+        _per_token(table[row.key], table.get(f"bare/{row.workload}"))
     for entry in table.values():
         base = table.get(entry["baseline"] or "")
         for key, cell in entry["rates"].items():
@@ -119,8 +137,8 @@ def _litellm_targets(table: dict[str, Any]) -> list[dict[str, Any]]:
     name_lat = "added P50/P99 ≤ 1/5 of LiteLLM proxy's (same traffic)"
     name_tp = "throughput per core ≥ 3x LiteLLM's (saturation, req/s per busy gateway core)"
     if lite is None or ours is None:
-        return [_target(name_lat, "LiteLLM not run (--with-litellm)", None),
-                _target(name_tp, "LiteLLM not run (--with-litellm)", None)]
+        why = "litellm/chat or full-redis/chat not run (LiteLLM needs --with-litellm)"
+        return [_target(name_lat, why, None), _target(name_tp, why, None)]
     fixed = [k for k in lite["rates"] if k != "sat" and k in ours["rates"]]
     fitting = [k for k in fixed if not lite["rates"][k]["overloaded"]]
     rate = max(fitting, key=int) if fitting else min(fixed, key=int)
@@ -229,6 +247,7 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{_fmt(c['p99_ms'])} | {_fmt(c['gateway_cores'])} | "
                      f"{_fmt(c.get('rps_per_core'), 0)} | {cpu or '-'} | {c['errors']} | "
                      f"{_fmt(c['foreign_cores'])} |")
+    lines += _streamed(doc["scenarios"])
     failed = doc.get("failed_points") or []
     if failed:
         lines += ["", f"**Failed points** (left out of the medians): {len(failed)}: "
@@ -240,3 +259,40 @@ def markdown(doc: dict[str, Any]) -> str:
         cache = f", x-llm-cache: {probe['x-llm-cache']}" if probe.get("x-llm-cache") else ""
         lines.append(f"- `{key}`: {entry['stack']}; {entry['workload']}{cache}")
     return "\n".join(lines) + "\n"
+
+
+def _streamed(scenarios: dict[str, Any]) -> list[str]:
+    """The CPU per request and per token of streamed workloads, bare Envoy's row first."""
+    rows = [(key, entry) for key, entry in scenarios.items() if entry.get("tokens")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Streamed answers: CPU per request and per token",
+        "",
+        "Tokens arrive one SSE event at a time from the paced server. Each process cell is µs "
+        "of CPU per request / per streamed token (per request divided by the tokens of one "
+        "answer); *streams* is achieved req/s times P50 latency (streams open at once); "
+        "*x bare* is the total over bare Envoy's total at the same rate.",
+        "",
+        "| scenario | req/s | streams | tokens/s | envoy | extproc | ratelimit | litellm | "
+        "redis | total µs/req | µs/token | x bare | errors | other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, entry in rows:
+        tokens = entry["tokens"]
+        for rate, c in entry["rates"].items():
+            if rate == "sat":
+                continue
+            cpu, per = c["cpu_us_per_request"], c["cpu_us_per_token"]
+            rps = c["achieved_rps"] or 0.0
+            streams = rps * (c["p50_ms"] or 0.0) / 1000
+            cells = " | ".join("-" if cpu.get(name) is None
+                               else f"{cpu[name]:.0f} / {per[name]:.2f}"
+                               for name in ("envoy", "extproc", "ratelimit", "litellm", "redis"))
+            lines.append(
+                f"| {key} | {_fmt(rps, 1)} | {streams:.0f} | {rps * tokens:,.0f} | "
+                f"{cells} | {_fmt(c['cpu_us_total'], 0)} | "
+                f"{c['cpu_us_total'] / tokens:.2f} | {_fmt(c['cpu_vs_bare_envoy'])} | "
+                f"{c['errors']} | {_fmt(c['foreign_cores'])} |")
+    return lines

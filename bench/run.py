@@ -36,10 +36,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="repeats; medians are reported")
     p.add_argument("--rates", default="50,200,500,1000",
                    help="fixed offered loads for chat, req/s (default 50,200,500,1000)")
+    p.add_argument("--paced256-rate", type=int, default=12,
+                   help="offered req/s of the 256-token paced streams (default 12: ~90 open, "
+                        "~3,000 tokens/s)")
     p.add_argument("--saturation-connections", type=int, default=32)
     p.add_argument("--only", default="", help="comma-separated scenario keys (e.g. bare/chat)")
     p.add_argument("--no-saturation", action="store_true")
-    p.add_argument("--loadgen", choices=["auto", "h2load", "python"], default="auto")
+    p.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto")
     p.add_argument("--envoy-concurrency", type=int, default=2)
     p.add_argument("--quiet-wait", type=float, default=20.0,
                    help="before each point, wait up to this many seconds for the machine to be "
@@ -103,7 +106,8 @@ def run_stack(name: StackName, rows: list[Scenario], loads: dict[str, Workload],
                 rates.append(None)
             warm = loadgen.Load(url + work.path, body_path, headers, work.rates[0],
                                 min(2.0, args.duration),
-                                loadgen.connections_for(work.rates[0], 0, work.latency_s))
+                                loadgen.connections_for(work.rates[0], 0, work.latency_s),
+                                drain_s=work.latency_s * 2)
             try:
                 loadgen.run(tool, warm, env.workdir, "warmup")
             except loadgen.LoadError as exc:
@@ -111,7 +115,8 @@ def run_stack(name: StackName, rows: list[Scenario], loads: dict[str, Workload],
             for rate in rates:
                 load = loadgen.Load(url + work.path, body_path, headers, rate, args.duration,
                                     loadgen.connections_for(rate, args.saturation_connections,
-                                                            work.latency_s))
+                                                            work.latency_s),
+                                    drain_s=work.latency_s * 2)
                 try:
                     point = measure(tool, load, scenario=row.key, repeat=repeat,
                                     gateway_pids=pids, other_pids=others, workdir=env.workdir,
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tool = loadgen.pick_tool(args.loadgen)
     rates = tuple(int(r) for r in args.rates.split(",") if r.strip())
-    loads = workloads(rates)
+    loads = workloads(rates, args.paced256_rate)
     rows = scenarios(args.with_litellm)
     if args.only:
         wanted = {k.strip() for k in args.only.split(",")}
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = out_dir / "work"
     workdir.mkdir(parents=True, exist_ok=True)
     about = machine.describe(tool, litellm_version)
-    settings = {k: getattr(args, k) for k in ("duration", "repeats", "rates",
+    settings = {k: getattr(args, k) for k in ("duration", "repeats", "rates", "paced256_rate",
                                              "saturation_connections", "envoy_concurrency",
                                              "quiet_wait")}
     print(f"bench: {len(rows)} scenarios, {args.repeats} repeats, load from {tool}; "
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     probes: dict[str, Any] = {}
     failures: list[dict[str, Any]] = []
     order: list[StackName] = list(dict.fromkeys(r.stack for r in rows))
-    with stack.shared(str(workdir), paced_tokens=16, paced_interval_ms=5.0) as env:
+    with stack.shared(str(workdir)) as env:
         for repeat in range(args.repeats):
             for name in order:
                 points += run_stack(name, [r for r in rows if r.stack == name], loads, env,

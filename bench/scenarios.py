@@ -49,10 +49,13 @@ class Workload:
     saturate: bool
     stream: bool = False
     latency_s: float = 0.01
-    """Expected time per request, to size the connection pool of a fixed load."""
+    """Expected time per request, to size the connection pool of a fixed load (and how long
+    the load generator waits for the last answers after its sending window)."""
+    tokens: int | None = None
+    """Tokens streamed one event at a time (paced): the report adds CPU per token."""
 
 
-def workloads(rates: tuple[int, ...]) -> dict[str, Workload]:
+def workloads(rates: tuple[int, ...], paced256_rate: int = 12) -> dict[str, Workload]:
     slow = tuple(r for r in rates if r <= 200) or rates[:1]
     return {w.name: w for w in (
         Workload("chat", "chat, 64 tokens out", "/v1/chat/completions", bodies.chat_request(),
@@ -66,7 +69,11 @@ def workloads(rates: tuple[int, ...]) -> dict[str, Workload]:
                  slow + tuple(r for r in rates if r == 500), False, stream=True),
         Workload("paced", "chat stream, 16 tokens 5 ms apart", "/v1/chat/completions",
                  bodies.chat_request(stream=True, model=bodies.PACED_MODEL), "paced",
-                 (50, 100), False, stream=True, latency_s=0.15),
+                 (50, 100), False, stream=True, latency_s=0.15, tokens=16),
+        # 12 req/s x ~7.7 s: ~92 streams open, ~3,100 tokens/s, as a few busy vLLM pods send.
+        Workload("paced256", "chat stream, 256 tokens 30 ms apart", "/v1/chat/completions",
+                 bodies.chat_request(stream=True, model=bodies.PACED256_MODEL, max_tokens=256),
+                 "paced256", (paced256_rate,), False, stream=True, latency_s=8.0, tokens=256),
     )}
 
 
@@ -88,11 +95,13 @@ def scenarios(with_litellm: bool) -> list[Scenario]:
         Scenario("full-memory/chat", "full-memory", "chat", "bare/chat"),
         Scenario("full-redis/chat", "full-redis", "chat", "bare/chat"),
     ]
-    for name in ("embed", "p220", "sse", "paced"):
+    for name in ("embed", "p220", "sse", "paced", "paced256"):
         rows += [Scenario(f"bare/{name}", "bare", name, None),
                  Scenario(f"full-redis/{name}", "full-redis", name, f"bare/{name}")]
     if with_litellm:
-        rows.append(Scenario("litellm/chat", "litellm", "chat", "direct/chat"))
+        rows += [Scenario("litellm/chat", "litellm", "chat", "direct/chat"),
+                 # No direct/paced256 row: the paced server is the same behind every stack.
+                 Scenario("litellm/paced256", "litellm", "paced256", "bare/paced256")]
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Processes of a benchmark run: the shared stand-ins (upstream Envoy, paced SSE server, Redis)
+"""Processes of a benchmark run: the shared stand-ins (upstream Envoy, paced SSE servers, Redis)
 and one gateway stack at a time (front Envoy, extproc, ratelimit), each on free ports.
 """
 
@@ -20,7 +20,7 @@ from typing import Literal
 
 import yaml
 
-from bench import front, upstream
+from bench import front, paced, upstream
 from routing.loader import load_config
 from routing.units import parse_hostport
 from sidecar_runtime.procs import Child, envoy_binary, free_port, sidecar_command, wait_http_ok, wait_tcp
@@ -80,7 +80,8 @@ class Shared:
     upstream_ports: tuple[int, int, int]
     """The stand-in upstream's listeners: short pool (also what LiteLLM and ``direct`` use),
     long pool, embeddings pool."""
-    paced_port: int
+    paced_ports: dict[str, int]
+    """Each paced server's port, by its pool's cluster name (:data:`bench.paced.POOLS`)."""
     redis_port: int
     children: list[Child] = field(default_factory=list)
 
@@ -97,18 +98,20 @@ class Shared:
 
 
 @contextlib.contextmanager
-def shared(workdir: str, *, paced_tokens: int, paced_interval_ms: float) -> Iterator[Shared]:
-    env = Shared(workdir, (free_port(), free_port(), free_port()), free_port(), free_port())
+def shared(workdir: str, pools: tuple[paced.PacedPool, ...] = paced.POOLS) -> Iterator[Shared]:
+    env = Shared(workdir, (free_port(), free_port(), free_port()),
+                 {pool.cluster: free_port() for pool in pools}, free_port())
     try:
         path = os.path.join(workdir, "upstream.yaml")
         with open(path, "w", encoding="utf-8") as handle:
             yaml.safe_dump(upstream.bootstrap(list(env.upstream_ports), free_port()), handle)
         up = spawn("upstream", envoy_command(path, 1), workdir)
         env.children.append(up)
-        paced = spawn("paced", [sys.executable, "-m", "bench.paced", "--port", str(env.paced_port),
-                                "--tokens", str(paced_tokens),
-                                "--interval-ms", str(paced_interval_ms)], workdir)
-        env.children.append(paced)
+        servers = [spawn(pool.cluster, [
+            sys.executable, "-m", "bench.paced", "--port", str(env.paced_ports[pool.cluster]),
+            "--tokens", str(pool.tokens), "--interval-ms", str(pool.interval_ms)], workdir)
+            for pool in pools]
+        env.children += servers
         binary = redis_binary()
         if binary is None:
             raise RuntimeError("no redis-server: apt-get install redis-server, or pip install "
@@ -117,7 +120,8 @@ def shared(workdir: str, *, paced_tokens: int, paced_interval_ms: float) -> Iter
             binary, "--port", str(env.redis_port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--protected-mode", "no"], workdir))
         wait_http_ok(f"http://127.0.0.1:{env.upstream_port}/health", START_TIMEOUT_S, up)
-        wait_tcp("127.0.0.1", env.paced_port, START_TIMEOUT_S, paced)
+        for pool, server in zip(pools, servers, strict=True):
+            wait_tcp("127.0.0.1", env.paced_ports[pool.cluster], START_TIMEOUT_S, server)
         wait_tcp("127.0.0.1", env.redis_port, START_TIMEOUT_S, env.children[-1])
         yield env
     finally:
@@ -146,7 +150,7 @@ def gateway(env: Shared, variant: front.Variant, store: Store | None, *,
     listen, admin = free_port(), free_port()
     doc = front.routing_doc(listen=listen, admin=admin, extproc=free_port(),
                             ratelimit=free_port(), upstream=env.upstream_ports,
-                            paced=env.paced_port)
+                            paced=env.paced_ports)
     config_path = os.path.join(env.workdir, f"routing-{tag}.yaml")
     with open(config_path, "w", encoding="utf-8") as handle:
         yaml.safe_dump(doc, handle, sort_keys=False)
@@ -183,7 +187,8 @@ def probe(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str
     """One request: status, response headers (lower-case) and body; raises on no answer."""
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
+        # 30 s: a paced 256-token stream takes ~8 s, more behind a slow proxy.
+        with urllib.request.urlopen(request, timeout=30) as resp:
             return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
     except urllib.error.HTTPError as err:
         return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
