@@ -173,8 +173,10 @@ def test_an_upstream_error_passes_through_untouched(status: str) -> None:
     state = start()
     state.resume(first_lookup(state, ["a", "b"]), (None, encode_vector(vec("b"))))
     headers = state.handle("response_headers", {":status": status}, b"", False)
+    # Passed on as it is, and nothing is kept of the reservation: settled to 0.
     assert headers == Continue(set_headers=(("x-llm-cache", "partial"),),
-                               mode=ModeOverride(response_headers=False, response_body="none"))
+                               mode=ModeOverride(response_headers=False, response_body="none"),
+                               metadata={TOKENS_METADATA_KEY: "0", DONE_METADATA_KEY: "1"})
     assert state.handle("response_body", None, b'{"error": {}}', True) == Continue()
 
 
