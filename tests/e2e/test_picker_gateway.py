@@ -62,6 +62,11 @@ def client(gateway: Gateway) -> openai.OpenAI:
 def clean_pods(gateway: Gateway) -> Iterator[None]:
     for port in PODS:
         sim_state(port, {})
+    # extproc must have scraped the clean pods before a test starts: otherwise a test that waits
+    # for "A reported busy" can pass on the previous test's stale view, with B and C still busy
+    # in it too, and its first picks fall anywhere.
+    for port in PODS:
+        wait_for(cleaned(gateway, port), timeout=10, what=f"extproc to see pod {port} clean")
     clear_journals()
     yield
     for port in PODS:
@@ -99,6 +104,14 @@ def extproc_metric(gateway: Gateway, name: str, port: int) -> float | None:
     pattern = rf'^{name}\{{[^}}]*endpoint="{re.escape(ip(port))}"[^}}]*\}} (\S+)$'
     match = re.search(pattern, text, re.MULTILINE)
     return float(match.group(1)) if match else None
+
+
+def cleaned(gateway: Gateway, port: int) -> Callable[[], bool]:
+    """extproc's last scrape of ``port`` shows no queue, a cool KV cache and no throttling."""
+    return lambda: (
+        extproc_metric(gateway, "llm_sidecar_endpoint_queue", port) == 0
+        and (extproc_metric(gateway, "llm_sidecar_endpoint_kv_cache_usage", port) or 0) < 0.5
+        and not extproc_metric(gateway, "llm_sidecar_endpoint_throttled", port))
 
 
 def reported(gateway: Gateway, port: int, waiting: float) -> Callable[[], bool]:
