@@ -24,6 +24,19 @@ BACKEND_DENY_HEADER = "x-llm-ratelimit-backend"
 Envoy's local-reply mapper turns such a 429 into a 503, and so does :func:`answer`."""
 
 
+_limits_of: tuple[RoutingConfig, tuple[dict[str, Any], ...]] | None = None
+
+
+def route_limits(config: RoutingConfig) -> tuple[dict[str, Any], ...]:
+    """:func:`routing.ratelimits.route_rate_limits` of ``config``, built once per config (a
+    reload brings a new one): every cache hit and every settlement extproc makes reads them."""
+    global _limits_of
+    cached = _limits_of
+    if cached is None or cached[0] is not config:
+        cached = _limits_of = (config, tuple(route_rate_limits(config)))
+    return cached[1]
+
+
 def request_descriptors(config: RoutingConfig, headers: Mapping[str, str]) -> tuple[Descriptor, ...]:
     """The descriptors Envoy sends for the ``kind=requests`` limits of a request whose headers
     (after extproc's mutations) are ``headers``.
@@ -32,7 +45,7 @@ def request_descriptors(config: RoutingConfig, headers: Mapping[str, str]) -> tu
     a descriptor whose header is absent is not sent.
     """
     out: list[Descriptor] = []
-    for rate_limit in route_rate_limits(config):
+    for rate_limit in route_limits(config):
         if rate_limit.get("apply_on_stream_done") or not _requests_kind(rate_limit["actions"]):
             continue
         entries = descriptor_entries(rate_limit["actions"], headers)

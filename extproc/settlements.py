@@ -31,8 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from extproc.actions import Descriptor, Headers, Settlement
-from extproc.hit_limits import descriptor_entries
-from routing.ratelimits import route_rate_limits
+from extproc.hit_limits import descriptor_entries, route_limits
 from routing.schema import RoutingConfig
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.wire_names import DONE_METADATA_KEY, LEASE_METADATA_KEY, TOKENS_METADATA_KEY
@@ -51,22 +50,13 @@ Send = Callable[[tuple[Descriptor, ...]], Awaitable[bool]]
 Count = Callable[[str, int], None]
 """Counts settlements by result (``ok``, ``failed``, ``envoy``): result, requests."""
 
-_actions_of: tuple[RoutingConfig, tuple[list[dict[str, Any]], ...]] | None = None
+_TOKENS_KIND = {"generic_key": {"descriptor_key": "kind", "descriptor_value": "tokens"}}
 
 
-def _settle_actions(config: RoutingConfig) -> tuple[list[dict[str, Any]], ...]:
-    """The actions of the route's stream-done token rate limits (computed once per config)."""
-    global _actions_of
-    cached = _actions_of
-    if cached is not None and cached[0] is config:
-        return cached[1]
-    actions = tuple(
-        limit["actions"] for limit in route_rate_limits(config)
-        if limit.get("apply_on_stream_done")
-        and {"generic_key": {"descriptor_key": "kind", "descriptor_value": "tokens"}}
-        in limit["actions"])
-    _actions_of = (config, actions)
-    return actions
+def _settle_actions(config: RoutingConfig) -> list[list[dict[str, Any]]]:
+    """The actions of the route's stream-done token rate limits."""
+    return [limit["actions"] for limit in route_limits(config)
+            if limit.get("apply_on_stream_done") and _TOKENS_KIND in limit["actions"]]
 
 
 def settlement_for(config: RoutingConfig, headers: Headers, lease: str,
