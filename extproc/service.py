@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry, generate_latest
@@ -34,6 +33,7 @@ from extproc.telemetry.metrics import ExtprocMetrics, settlements_counter
 from extproc.telemetry.request_log import LoggedTelemetry
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
+from sidecar_runtime.h2grpc import Context, Server
 from sidecar_runtime.key_audit import audit_key_id_secret
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.redis_audit import audit_redis
@@ -72,7 +72,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self._limits = limits if limits is not None else RateLimitClient(CollectorRegistry())
 
     async def Process(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Context
     ) -> AsyncIterator[pb.ProcessingResponse]:
         telemetry = self._telemetry
         clock = time.perf_counter
@@ -177,8 +177,7 @@ class ExtprocService:
 
     name = "extproc"
     health_name = SERVICE_NAME
-    grpc_options = (("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                    ("grpc.max_send_message_length", 64 * 1024 * 1024))
+    max_message_bytes = 64 * 1024 * 1024  # a body message: up to Envoy's buffer limit
 
     def __init__(self, config_path: str, settings: Settings) -> None:
         self.registry = CollectorRegistry()
@@ -204,7 +203,7 @@ class ExtprocService:
         self.ops_pages: Mapping[str, Callable[[Mapping[str, str]], str]] = {
             "/canary": lambda query: canary_page(self.registry, query)}
 
-    async def open(self, server: grpc.aio.Server) -> None:
+    async def open(self, server: Server) -> None:
         await self._cache.connect()
         await self._picker.start()
         servicer = ExternalProcessor(self.reloader.current, self._settings, self._telemetry,

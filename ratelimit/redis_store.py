@@ -28,7 +28,7 @@ from ratelimit.bucket import BucketResult, Hit, Settle
 from ratelimit.errors import BackendError, NodeDown
 from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA, SETTLE, SETTLE_SHA
 from ratelimit.store import LEASE_TTL_S, StoreResult
-from sidecar_runtime.redis_client import CLUSTER_MAX_CONNECTIONS, Client
+from sidecar_runtime.redis_client import MAX_CONNECTIONS, Client
 from sidecar_runtime.redis_cluster import ClusterRouter, NodeDownError
 
 _DEBT, _SHADOW, _CONCURRENT = 1, 2, 4
@@ -62,7 +62,7 @@ class RedisStore:
         self._client = client
         self._margin_ms = str(max(1, round(margin_s * 1000)))
         self._lease_ttl_ms = str(max(1, round(lease_ttl_s * 1000)))
-        self._slots = asyncio.Semaphore(CLUSTER_MAX_CONNECTIONS)
+        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._router = ClusterRouter(client) if isinstance(client, RedisCluster) else None
 
     @property
@@ -168,10 +168,12 @@ class RedisStore:
         await self._eval(REFUND_SHA, REFUND, group.keys, args)
 
     async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
-        if self._router is not None:
-            async with self._slots:
+        # At most MAX_CONNECTIONS commands in flight: redis-py refuses a command when its pool
+        # is exhausted rather than waiting (a burst of 150 calls turned into backend errors).
+        async with self._slots:
+            if self._router is not None:
                 return await self._evalsha(sha, script, keys, args)
-        return await self._eval_once(sha, script, keys, args)
+            return await self._eval_once(sha, script, keys, args)
 
     async def _eval_once(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
         try:

@@ -22,6 +22,7 @@ from ratelimit.metrics import RateLimitMetrics
 from ratelimit.redis_store import RedisStore
 from ratelimit.store import BucketStore
 from ratelimit.wire import MAX_DESCRIPTORS, request_from_proto, response_to_proto
+from sidecar_runtime.h2grpc import Context, Server
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.redis_audit import audit_redis
 from sidecar_runtime.redis_client import make_client
@@ -43,7 +44,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):  # type: ignore[
         self._limiter = limiter
 
     async def ShouldRateLimit(
-        self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
+        self, request: rls_pb2.RateLimitRequest, context: Context
     ) -> rls_pb2.RateLimitResponse:
         if len(request.descriptors) > MAX_DESCRIPTORS:
             # Envoy sends a handful per call and extproc's settlement batches at most 256: a
@@ -84,7 +85,7 @@ class RateLimitService:
 
     name = "ratelimit"
     health_name = SERVICE_NAME
-    grpc_options: tuple[tuple[str, Any], ...] = ()
+    max_message_bytes = 4 * 1024 * 1024  # 1,024 descriptors are far below it
 
     def __init__(self, config_path: str, settings: Settings,
                  store: BucketStore | None = None) -> None:
@@ -111,7 +112,7 @@ class RateLimitService:
         self._warned.add(domain)
         log.warning("ratelimit_unknown_domain", domain=domain, detail="answered OK, not limited")
 
-    async def open(self, server: grpc.aio.Server) -> None:
+    async def open(self, server: Server) -> None:
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitServicer(self.limiter), server)
 
     async def close(self) -> None:

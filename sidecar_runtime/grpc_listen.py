@@ -4,12 +4,10 @@ TLS). The one place the two services' gRPC listeners are set up."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-from pathlib import Path
+import ssl
 
-import grpc
-
+from sidecar_runtime.h2grpc import Server, tls_context
 from sidecar_runtime.settings import Settings
 from sidecar_runtime.wire_names import UNIX_PREFIX
 
@@ -25,16 +23,9 @@ def metrics_host(host: str) -> str:
     return "0.0.0.0" if host.startswith(UNIX_PREFIX) else host
 
 
-def reuse_port_option(shared: bool) -> tuple[str, int]:
-    """gRPC's SO_REUSEPORT switch. On only for ``--workers N`` (every worker binds the same
-    port); off otherwise, so a second copy started by mistake fails with "address in use"
-    instead of silently taking half of the connections."""
-    return ("grpc.so_reuseport", 1 if shared else 0)
-
-
-def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
-    """TLS credentials from the settings, or None for plain text. Raises ``ValueError`` (no
-    secret in it) when the files are incomplete or unreadable."""
+def server_tls(settings: Settings) -> ssl.SSLContext | None:
+    """The TLS context from the settings, or None for plain text. Raises ``ValueError`` (no
+    secret in it) when the files are incomplete, unreadable or not a certificate and its key."""
     cert, key, client_ca = (settings.grpc_tls_cert_file, settings.grpc_tls_key_file,
                             settings.grpc_tls_client_ca_file)
     if cert is None and key is None:
@@ -45,28 +36,23 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     if cert is None or key is None:
         raise ValueError("LLM_SIDECAR_GRPC_TLS_CERT_FILE and LLM_SIDECAR_GRPC_TLS_KEY_FILE go "
                          "together")
+    for path in (cert, key, client_ca):
+        if path is not None and not os.access(path, os.R_OK):
+            raise ValueError(f"cannot read a gRPC TLS file: {path}")
     try:
-        chain, private = Path(cert).read_bytes(), Path(key).read_bytes()
-        roots = Path(client_ca).read_bytes() if client_ca else None
-    except OSError as exc:
-        raise ValueError(f"cannot read a gRPC TLS file: {exc.filename}: {exc.strerror}") from None
-    return grpc.ssl_server_credentials([(private, chain)], root_certificates=roots,
-                                       require_client_auth=roots is not None)
+        return tls_context(cert, key, client_ca)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"the gRPC TLS files {cert}, {key}"
+                         f"{', ' + client_ca if client_ca else ''} are not a PEM certificate "
+                         f"chain, its key and CA certificates ({type(exc).__name__})") from None
 
 
-def add_port(server: grpc.aio.Server, host: str, port: int, settings: Settings) -> int:
+async def add_port(server: Server, host: str, port: int, settings: Settings, *,
+                   shared: bool = False) -> int:
     """Listen on ``host:port`` or ``unix:/path``; the port bound (1 for a Unix socket).
-    A stale socket file left by a killed process is removed first."""
-    address = listen_address(host, port)
-    if address.startswith(UNIX_PREFIX):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(address[len(UNIX_PREFIX):])
-    credentials = server_credentials(settings)
-    bound: int
-    if credentials is None:
-        bound = server.add_insecure_port(address)
-    else:
-        bound = server.add_secure_port(address, credentials)
-    if bound == 0:
-        raise OSError(f"cannot listen on {address}")
-    return bound
+    A stale socket file left by a killed process is removed first. ``shared``: SO_REUSEPORT,
+    on only for ``--workers N`` (every worker binds the same port); off otherwise, so a second
+    copy started by mistake fails with "address in use" instead of silently taking half of the
+    connections."""
+    return await server.add_port(listen_address(host, port), tls=server_tls(settings),
+                                 reuse_port=shared)

@@ -23,9 +23,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 Client = Redis | RedisCluster
-CLUSTER_MAX_CONNECTIONS = 128
-"""Per cluster node. redis-py's cluster client raises instead of waiting when a node's pool
-is exhausted, so a store never has more commands in flight than this (see its semaphore)."""
+MAX_CONNECTIONS = 128
+"""Per server (per node of a Cluster). redis-py raises instead of waiting when a pool is
+exhausted (8.x: a standalone pool holds 100 by default), so a store never has more commands
+in flight than this (see its semaphore)."""
 SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 TLS_FILE_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
@@ -98,7 +99,7 @@ def make_client(url: str, timeout_s: float) -> Client:
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_timeout,
             retry=Retry(NoBackoff(), 0),
-            max_connections=CLUSTER_MAX_CONNECTIONS,
+            max_connections=MAX_CONNECTIONS,
         )
     else:
         client = Redis.from_url(
@@ -106,6 +107,7 @@ def make_client(url: str, timeout_s: float) -> Client:
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_timeout,
             retry=Retry(NoBackoff(), 0),
+            max_connections=MAX_CONNECTIONS,
         )
     _share_tls_context(client)
     return client

@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
 from extproc.errors import BackendError, NodeDown
-from sidecar_runtime.redis_client import CLUSTER_MAX_CONNECTIONS, Client
+from sidecar_runtime.redis_client import MAX_CONNECTIONS, Client
 from sidecar_runtime.redis_cluster import ClusterRouter, NodeDownError
 
 T = TypeVar("T")
@@ -28,7 +28,7 @@ class RedisVectorStore:
         self._client = client
         # redis-py's cluster client raises when a node's pool is exhausted instead of waiting;
         # waiting here counts against the caller's deadline, which is what we want.
-        self._slots = asyncio.Semaphore(CLUSTER_MAX_CONNECTIONS)
+        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._router = ClusterRouter(client) if isinstance(client, RedisCluster) else None
 
     @property

@@ -69,7 +69,7 @@ async def process(telemetry: Timed, requests: Sequence[pb.ProcessingRequest]
     snap = snapshot()
     service = ExternalProcessor(lambda: snap, Settings(), telemetry)
     answers = cast(AsyncGenerator[pb.ProcessingResponse, None],
-                   service.Process(feed(requests), None))
+                   service.Process(feed(requests), None))  # type: ignore[arg-type]
     received = [await answers.__anext__() for _ in requests]
     await answers.aclose()
     return received

@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from sidecar_runtime.h2grpc import Context, Server
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.service_process import Listen, ServiceCommand, ServiceProcess, run_service
 from sidecar_runtime.settings import Settings
@@ -42,7 +43,7 @@ class FakeService:
 
     name = "fake"
     health_name = SERVICE
-    grpc_options = (("grpc.max_receive_message_length", 1024),)
+    max_message_bytes = 1024
 
     def __init__(self, config_path: str, settings: Settings) -> None:
         self.registry = CollectorRegistry()
@@ -53,13 +54,13 @@ class FakeService:
         self.in_flight = 0
         self.release = asyncio.Event()
 
-    async def open(self, server: grpc.aio.Server) -> None:
+    async def open(self, server: Server) -> None:
         self.events.append("open")
         handler = grpc.unary_unary_rpc_method_handler(self._call)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Call": handler}),))
 
-    async def _call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _call(self, request: bytes, context: Context) -> bytes:
         self.in_flight += 1
         await self.release.wait()
         self.events.append("call answered")

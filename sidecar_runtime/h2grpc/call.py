@@ -1,0 +1,390 @@
+"""One gRPC call on one HTTP/2 stream: its messages in, its handler, its answer out.
+
+The handler is grpc's own ``RpcMethodHandler`` (what ``add_*Servicer_to_server`` registers), run
+on the event loop as one task per call, with :class:`Context` standing in for grpc.aio's
+``ServicerContext`` (the part of it servicers use: ``abort``, ``read``/``write``,
+``invocation_metadata``, ``peer``, ``time_remaining``, ``cancelled``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+
+from sidecar_runtime.h2grpc import frames
+from sidecar_runtime.logs import get_logger
+
+if TYPE_CHECKING:
+    from sidecar_runtime.h2grpc.connection import Connection
+
+log = get_logger("sidecar_runtime.h2grpc")
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+_COMPRESSED = (grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported")
+
+
+class Aborted(Exception):
+    """Raised by :meth:`Context.abort`: the call ends with the status set on its context."""
+
+
+class _Expired(Exception):
+    """The call's ``grpc-timeout`` passed."""
+
+
+class Context:
+    """What a servicer sees of its call (grpc.aio ``ServicerContext``, the part used here)."""
+
+    def __init__(self, call: Call) -> None:
+        self._call = call
+        self._code = grpc.StatusCode.OK
+        self._details = ""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: Metadata = ()) -> NoReturn:
+        if code is grpc.StatusCode.OK:
+            raise ValueError("abort() needs an error status")
+        self._code, self._details = code, details
+        raise Aborted(details)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def invocation_metadata(self) -> Metadata:
+        return self._call.metadata
+
+    def peer(self) -> str:
+        return self._call.connection.peer
+
+    def time_remaining(self) -> float | None:
+        deadline = self._call.deadline
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def cancelled(self) -> bool:
+        return self._call.cancelled
+
+    def done(self) -> bool:
+        return self._call.finished
+
+    async def read(self) -> Any:
+        """The next request message, or ``grpc.aio.EOF`` once the client half-closed."""
+        try:
+            return await self._call.__anext__()
+        except StopAsyncIteration:
+            return grpc.aio.EOF
+
+    async def write(self, message: Any) -> None:
+        await self._call.send(message)
+
+
+class Call:
+    """A call from its HEADERS frame to its end. The connection feeds it (``receive``,
+    ``end_input``, ``reset``); its task runs the handler and answers through the connection."""
+
+    __slots__ = (
+        "_buffer",
+        "_drained",
+        "_expired",
+        "_max_receive",
+        "_messages",
+        "_need",
+        "_timer",
+        "_waiter",
+        "cancelled",
+        "connection",
+        "deadline",
+        "finished",
+        "handler",
+        "headers_sent",
+        "id",
+        "input_ended",
+        "metadata",
+        "out",
+        "path",
+        "recv_unacked",
+        "send_window",
+        "task",
+        "trailers_out",
+    )
+
+    def __init__(self, stream_id: int, path: str, connection: Connection,
+                 handler: grpc.RpcMethodHandler, metadata: Metadata, timeout_s: float | None,
+                 send_window: int, max_receive: int) -> None:
+        self.id = stream_id
+        self.path = path
+        self.connection = connection
+        self.handler = handler
+        self.metadata = metadata
+        self.cancelled = False
+        self.finished = False  # the answer's END_STREAM went out, or the stream was reset
+        self.headers_sent = False
+        self.out = bytearray()  # DATA bytes waiting for flow-control window
+        self.trailers_out: bytes | None = None  # trailers waiting behind them
+        self.send_window = send_window
+        self.recv_unacked = 0
+        self.input_ended = False
+        self._buffer = bytearray()
+        self._need = 5  # bytes the message being read still needs (its 5-byte prefix first)
+        self._messages: deque[bytes] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._drained: asyncio.Future[None] | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._max_receive = max_receive
+        self._expired = False
+        self._timer: asyncio.TimerHandle | None = None
+        self.deadline: float | None = None
+        if timeout_s is not None:
+            self.deadline = time.monotonic() + timeout_s
+            self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
+
+    # -- fed by the connection ------------------------------------------------------------
+
+    def receive(self, data: bytes) -> tuple[grpc.StatusCode, str] | None:
+        """DATA bytes of the request; a problem (a status and its message) ends the call."""
+        if self.input_ended:
+            return grpc.StatusCode.INTERNAL, "data after the end of the request"
+        buffer = self._buffer
+        if not buffer and len(data) >= 5 and data[0] == 0:
+            # The common case: whole messages in one frame, no copy through the buffer.
+            position, size = 0, len(data)
+            while size - position >= 5:
+                length = int.from_bytes(data[position + 1:position + 5], "big")
+                if data[position] != 0:
+                    return _COMPRESSED
+                if length > self._max_receive:
+                    return self._too_large(length)
+                if size - position - 5 < length:
+                    break
+                self._messages.append(data[position + 5:position + 5 + length])
+                position += 5 + length
+            if position < size:
+                buffer += data[position:]
+        else:
+            buffer += data
+        while len(buffer) >= 5:
+            if buffer[0] != 0:
+                return _COMPRESSED
+            length = int.from_bytes(buffer[1:5], "big")
+            if length > self._max_receive:
+                return self._too_large(length)
+            if len(buffer) < 5 + length:
+                break
+            self._messages.append(bytes(buffer[5:5 + length]))
+            del buffer[:5 + length]
+        self._wake()
+        return None
+
+    def _too_large(self, length: int) -> tuple[grpc.StatusCode, str]:
+        return (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a message of {length} bytes is above the limit ({self._max_receive})")
+
+    def end_input(self) -> tuple[grpc.StatusCode, str] | None:
+        self.input_ended = True
+        self._wake()
+        if self._buffer:
+            return grpc.StatusCode.INTERNAL, "the request ended inside a message"
+        return None
+
+    @property
+    def has_message(self) -> bool:
+        return bool(self._messages)
+
+    def reset(self) -> None:
+        """The client reset the stream (or the connection went): stop the handler."""
+        self.cancelled = True
+        self.finished = True
+        self._stop_timer()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        self._wake()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def flushed(self) -> None:
+        """The connection sent what waited in ``out``."""
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self.task is not None and not self.task.done():
+            self._expired = True
+            self.task.cancel()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # -- the request stream, as the handler reads it --------------------------------------
+
+    def __aiter__(self) -> Call:
+        return self
+
+    async def __anext__(self) -> Any:
+        raw = await self._next_raw()
+        if raw is None:
+            raise StopAsyncIteration
+        return self._parse(raw)
+
+    async def _next_raw(self) -> bytes | None:
+        messages = self._messages
+        while not messages:
+            if self.input_ended or self.cancelled:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return messages.popleft()
+
+    def _parse(self, raw: bytes) -> Any:
+        deserialize = self.handler.request_deserializer
+        if deserialize is None:
+            return raw
+        try:
+            return deserialize(raw)
+        except Exception:
+            raise _BadRequest("could not parse the request message") from None
+
+    # -- the answer ------------------------------------------------------------------------
+
+    def _encode(self, message: Any) -> bytes:
+        serialize = self.handler.response_serializer
+        raw: bytes = message if serialize is None else serialize(message)
+        return b"\0" + len(raw).to_bytes(4, "big") + raw
+
+    async def send(self, message: Any) -> None:
+        """Send one answer message; waits while flow control holds it back."""
+        if self.finished:
+            raise asyncio.CancelledError
+        if not self.connection.send(self, self._encode(message), None):
+            self._drained = asyncio.get_running_loop().create_future()
+            try:
+                await self._drained
+            finally:
+                self._drained = None
+            if self.cancelled:
+                raise asyncio.CancelledError
+
+    def fail(self, code: grpc.StatusCode, details: str) -> None:
+        """End the call now with an error status (bad input), whatever its handler does."""
+        self._finish(code.value[0], details)
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    def _finish(self, code: int, details: str = "", message: Any = None) -> None:
+        self._stop_timer()
+        if self.finished:
+            return
+        data = b"" if message is None else self._encode(message)
+        block = frames.TRAILERS_OK if code == 0 and not details else \
+            frames.trailers(code, details)
+        self.connection.send(self, data, block)
+
+    async def run(self) -> None:
+        """Run the handler to its end and send the status."""
+        context = Context(self)
+        handler = self.handler
+        try:
+            try:
+                if handler.request_streaming:
+                    requests: Any = self
+                else:
+                    raw = await self._next_raw()
+                    if raw is None:
+                        raise _BadRequest("the request has no message")
+                    requests = self._parse(raw)
+                if handler.response_streaming:
+                    method = handler.stream_stream if handler.request_streaming \
+                        else handler.unary_stream
+                    assert method is not None
+                    result = method(requests, context)
+                    if inspect.isasyncgen(result):
+                        async for message in result:
+                            await self.send(message)
+                    elif inspect.isawaitable(result):
+                        await result  # writes through context.write
+                    self._finish(context.code().value[0], context.details())
+                else:
+                    method = handler.stream_unary if handler.request_streaming \
+                        else handler.unary_unary
+                    assert method is not None
+                    answer = await method(requests, context)
+                    code = context.code()
+                    if code is grpc.StatusCode.OK and answer is not None:
+                        self._finish(0, context.details(), answer)
+                    else:
+                        self._finish(code.value[0] if code is not grpc.StatusCode.OK else 2,
+                                     context.details() or "the handler returned no answer")
+            except Aborted:
+                self._finish(context.code().value[0], context.details())
+            except _BadRequest as exc:
+                self._finish(grpc.StatusCode.INTERNAL.value[0], str(exc))
+            except asyncio.CancelledError:
+                if self._expired:
+                    self._finish(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
+                    self.connection.reset_stream(self, frames.CANCEL)
+                elif not self.cancelled:  # the server is stopping
+                    self.connection.reset_stream(self, frames.CANCEL)
+            except Exception:
+                log.exception("grpc_handler_error", method=self.path)
+                self._finish(grpc.StatusCode.UNKNOWN.value[0], "Unexpected error")
+        finally:
+            self._stop_timer()
+            self.connection.call_done(self)
+
+
+class _BadRequest(Exception):
+    """The request cannot be handed to the handler: INTERNAL, with this message."""
+
+
+def parse_timeout(value: str) -> float | None:
+    """``grpc-timeout`` (``50m``, ``1S``, ...) in seconds; None when malformed."""
+    units = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+    if len(value) < 2 or len(value) > 9 or value[-1] not in units or not value[:-1].isdigit():
+        return None
+    return int(value[:-1]) * units[value[-1]]
+
+
+MethodLookup = Callable[[str, Metadata], "grpc.RpcMethodHandler | None"]
+
+
+def first_handler(generic: Sequence[grpc.GenericRpcHandler], method: str,
+                  metadata: Metadata) -> grpc.RpcMethodHandler | None:
+    """Ask each generic handler for ``method`` (grpc's ``HandlerCallDetails`` protocol)."""
+    details = _CallDetails(method, metadata)
+    for candidate in generic:
+        found = candidate.service(details)
+        if found is not None:
+            return found
+    return None
+
+
+class _CallDetails(grpc.HandlerCallDetails):  # type: ignore[misc]
+    def __init__(self, method: str, metadata: Metadata) -> None:
+        self.method = method
+        self.invocation_metadata = metadata
+

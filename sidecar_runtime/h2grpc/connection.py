@@ -1,0 +1,489 @@
+"""One HTTP/2 connection of the gRPC server (RFC 9113, the server side, as gRPC uses it).
+
+Frames are parsed straight off ``data_received``; each stream is a :class:`~.call.Call`. Flow
+control both ways: the server grants a large window and tops it up as data arrives (a
+message above the service's limit is refused by the call, so one stream cannot hold more than
+that); what it sends waits for the client's windows and frame size. Anything the protocol
+forbids ends the connection with GOAWAY and the error's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+import hpack
+
+from sidecar_runtime.h2grpc import frames as f
+from sidecar_runtime.h2grpc.call import Call, parse_timeout
+
+if TYPE_CHECKING:
+    from sidecar_runtime.h2grpc.server import Server
+
+RECEIVE_WINDOW = 4 * 1024 * 1024
+"""Each stream's window, granted in SETTINGS and topped up when half is used."""
+CONNECTION_WINDOW = 16 * 1024 * 1024
+MAX_HEADER_LIST = 64 * 1024
+_NOT_METADATA = frozenset(("te", "content-type", "grpc-timeout", "grpc-encoding",
+                           "grpc-accept-encoding"))
+
+
+class ConnectionError_(Exception):
+    """A connection error (RFC 9113 §5.4.1): GOAWAY with ``code``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Connection(asyncio.Protocol):
+    """The server side of one HTTP/2 connection."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self._pending = bytearray()  # bytes of a frame (or the preface) not yet whole
+        self._need = len(f.PREFACE)
+        self._preface = False
+        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
+        self._headers_open: tuple[int, int, bytearray] | None = None  # CONTINUATION pending
+        self._calls: dict[int, Call] = {}
+        self._blocked: dict[int, Call] = {}  # calls whose data waits for window
+        self._tasks = 0
+        self._last_stream = 0
+        self._send_window = f.DEFAULT_WINDOW
+        self._peer_window = f.DEFAULT_WINDOW  # the client's SETTINGS_INITIAL_WINDOW_SIZE
+        self._peer_max_frame = f.DEFAULT_MAX_FRAME
+        self._received = 0  # connection-level bytes since the last WINDOW_UPDATE
+        self._batch: list[bytes] | None = None  # writes gathered while a read is handled
+        self._draining = False
+        self._closed = False
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+        self.peer = _peer_name(transport)
+        self._server.connection_opened(self)
+        self.transport.write(f.settings({f.SETTINGS_ENABLE_PUSH: 0,
+                                    f.SETTINGS_INITIAL_WINDOW_SIZE: RECEIVE_WINDOW})
+                        + f.window_update(0, CONNECTION_WINDOW - f.DEFAULT_WINDOW))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        calls = list(self._calls.values())
+        self._calls.clear()
+        self._blocked.clear()
+        for call in calls:
+            call.reset()
+        self._server.connection_closed(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        if self._pending:
+            self._pending += data
+            if len(self._pending) < self._need:
+                return
+            data = bytes(self._pending)
+            self._pending = bytearray()
+        batch: list[bytes] = []
+        self._batch = batch
+        try:
+            self._frames(data)
+        except ConnectionError_ as exc:
+            self._fail(exc.code, str(exc))
+        except hpack.HPACKError as exc:
+            self._fail(f.COMPRESSION_ERROR, f"bad header block: {type(exc).__name__}")
+        finally:
+            self._batch = None
+            if batch and self.transport is not None and not self.transport.is_closing():
+                self.transport.write(b"".join(batch))
+
+    def _frames(self, data: bytes) -> None:
+        offset, size = 0, len(data)
+        if not self._preface:
+            if size < len(f.PREFACE):
+                self._keep(data, len(f.PREFACE))
+                return
+            if data[:len(f.PREFACE)] != f.PREFACE:
+                raise ConnectionError_(f.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+            self._preface = True
+            offset = len(f.PREFACE)
+        while size - offset >= 9:
+            length = int.from_bytes(data[offset:offset + 3], "big")
+            if length > f.DEFAULT_MAX_FRAME:
+                raise ConnectionError_(f.FRAME_SIZE_ERROR, "frame above SETTINGS_MAX_FRAME_SIZE")
+            end = offset + 9 + length
+            if end > size:
+                self._keep(data[offset:], 9 + length)
+                return
+            kind, flags = data[offset + 3], data[offset + 4]
+            stream = int.from_bytes(data[offset + 5:offset + 9], "big") & f.MAX_WINDOW
+            payload = data[offset + 9:end]
+            offset = end
+            if self._headers_open is not None and kind != f.CONTINUATION:
+                raise ConnectionError_(f.PROTOCOL_ERROR, "a header block was not continued")
+            if kind == f.DATA:
+                self._on_data(stream, flags, payload)
+            elif kind == f.HEADERS:
+                self._on_headers(stream, flags, payload)
+            elif kind == f.CONTINUATION:
+                self._on_continuation(stream, flags, payload)
+            elif kind == f.RST_STREAM:
+                self._on_rst(stream, payload)
+            elif kind == f.SETTINGS:
+                self._on_settings(stream, flags, payload)
+            elif kind == f.WINDOW_UPDATE:
+                self._on_window_update(stream, payload)
+            elif kind == f.PING:
+                if stream != 0 or length != 8:
+                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed PING")
+                if not flags & f.ACK:
+                    self._write(f.frame(f.PING, f.ACK, 0, payload))
+            elif kind == f.GOAWAY:
+                pass  # the client opens no new stream; the ones open finish
+            elif kind == f.PUSH_PROMISE:
+                raise ConnectionError_(f.PROTOCOL_ERROR, "a client cannot push")
+            # PRIORITY and unknown frame types are ignored (RFC 9113 §5.5).
+            if self._closed:
+                return
+        if offset < size:
+            self._keep(data[offset:], 9)
+
+    def _keep(self, rest: bytes, need: int) -> None:
+        self._pending = bytearray(rest)
+        self._need = need
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def _on_data(self, stream: int, flags: int, payload: bytes) -> None:
+        if stream == 0:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "DATA on stream 0")
+        counted = len(payload)
+        if flags & f.PADDED:
+            payload = _unpad(payload)
+        self._received += counted
+        if self._received >= CONNECTION_WINDOW // 2:
+            self._write(f.window_update(0, self._received))
+            self._received = 0
+        call = self._calls.get(stream)
+        if call is None or call.input_ended:
+            if stream > self._last_stream:
+                raise ConnectionError_(f.PROTOCOL_ERROR, "DATA on an idle stream")
+            return  # a stream already answered or reset: its data is dropped
+        if payload:
+            problem = call.receive(payload)
+            if problem is not None:
+                call.fail(*problem)
+                return
+        if flags & f.END_STREAM:
+            problem = call.end_input()
+            if problem is not None:
+                call.fail(*problem)
+                return
+        else:
+            call.recv_unacked += counted
+            if call.recv_unacked >= RECEIVE_WINDOW // 2:
+                self._write(f.window_update(stream, call.recv_unacked))
+                call.recv_unacked = 0
+        if call.task is None and (call.has_message or call.input_ended):
+            self._start(call)
+
+    def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
+        if stream == 0 or stream % 2 == 0:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "HEADERS on a server stream id")
+        if flags & f.PADDED:
+            payload = _unpad(payload)
+        if flags & f.PRIORITY_FLAG:
+            payload = payload[5:]
+        if flags & f.END_HEADERS:
+            self._on_header_block(stream, flags, payload)
+        else:
+            self._headers_open = (stream, flags, bytearray(payload))
+
+    def _on_continuation(self, stream: int, flags: int, payload: bytes) -> None:
+        opened = self._headers_open
+        if opened is None or opened[0] != stream:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+        opened[2].extend(payload)
+        if len(opened[2]) > MAX_HEADER_LIST:
+            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "header block too large")
+        if flags & f.END_HEADERS:
+            self._headers_open = None
+            self._on_header_block(stream, opened[1], bytes(opened[2]))
+
+    def _on_header_block(self, stream: int, flags: int, block: bytes) -> None:
+        # Always decoded, even for a stream refused below: decoding updates the HPACK table.
+        headers = cast(list[tuple[str, str]], self._decoder.decode(block))
+        call = self._calls.get(stream)
+        if call is not None:  # trailers of the request
+            if not flags & f.END_STREAM:
+                raise ConnectionError_(f.PROTOCOL_ERROR, "trailers without END_STREAM")
+            problem = call.end_input()
+            if problem is not None:
+                call.fail(*problem)
+            elif call.task is None:
+                self._start(call)
+            return
+        if stream <= self._last_stream:
+            self._write(f.rst_stream(stream, f.STREAM_CLOSED))
+            return
+        self._last_stream = stream
+        if self._draining:
+            self._write(f.rst_stream(stream, f.REFUSED_STREAM))
+            return
+        method = path = content_type = timeout = ""
+        metadata: list[tuple[str, str]] = []
+        for name, value in headers:
+            if name[0] == ":":
+                if name == ":path":
+                    path = value
+                elif name == ":method":
+                    method = value
+            elif name == "content-type":
+                content_type = value
+            elif name == "grpc-timeout":
+                timeout = value
+            elif name not in _NOT_METADATA:
+                metadata.append((name, value))
+        ended = bool(flags & f.END_STREAM)
+        if method != "POST" or not content_type.startswith("application/grpc"):
+            status = "405" if method != "POST" else "415"
+            self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
+                                f.literal(":status", status)))
+            if not ended:
+                self._write(f.rst_stream(stream, f.NO_ERROR))
+            return
+        handler = self._server.handler(path, tuple(metadata))
+        if handler is None:
+            self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
+                                f.RESPONSE_HEADERS + f.trailers(
+                                    grpc.StatusCode.UNIMPLEMENTED.value[0],
+                                    f"Method not found: {path}")))
+            if not ended:
+                self._write(f.rst_stream(stream, f.NO_ERROR))
+            return
+        call = Call(stream, path, self, handler, tuple(metadata),
+                    parse_timeout(timeout) if timeout else None, self._peer_window,
+                    self._server.max_receive_message_length)
+        self._calls[stream] = call
+        if ended:
+            call.end_input()
+        if handler.request_streaming or ended:
+            self._start(call)
+
+    def _on_rst(self, stream: int, payload: bytes) -> None:
+        if stream == 0 or len(payload) != 4:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed RST_STREAM")
+        call = self._calls.pop(stream, None)
+        self._blocked.pop(stream, None)
+        if call is not None:
+            call.reset()
+
+    def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
+        if stream != 0 or len(payload) % 6:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed SETTINGS")
+        if flags & f.ACK:
+            return
+        for at in range(0, len(payload), 6):
+            key = int.from_bytes(payload[at:at + 2], "big")
+            value = int.from_bytes(payload[at + 2:at + 6], "big")
+            if key == f.SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > f.MAX_WINDOW:
+                    raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
+                delta, self._peer_window = value - self._peer_window, value
+                for call in self._calls.values():
+                    call.send_window += delta
+            elif key == f.SETTINGS_MAX_FRAME_SIZE:
+                if not f.DEFAULT_MAX_FRAME <= value <= 0xFFFFFF:
+                    raise ConnectionError_(f.PROTOCOL_ERROR, "a bad SETTINGS_MAX_FRAME_SIZE")
+                self._peer_max_frame = value
+        self._write(f.frame(f.SETTINGS, f.ACK, 0))
+        self._flush_blocked()
+
+    def _on_window_update(self, stream: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionError_(f.FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
+        increment = int.from_bytes(payload, "big") & f.MAX_WINDOW
+        if stream == 0:
+            if increment == 0:
+                raise ConnectionError_(f.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+            self._send_window += increment
+            if self._send_window > f.MAX_WINDOW:
+                raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
+            self._flush_blocked()
+            return
+        call = self._calls.get(stream)
+        if call is None:
+            return
+        if increment == 0 or call.send_window + increment > f.MAX_WINDOW:
+            self.reset_stream(call, f.PROTOCOL_ERROR if increment == 0
+                              else f.FLOW_CONTROL_ERROR)
+            call.reset()
+            return
+        call.send_window += increment
+        if stream in self._blocked:
+            self._flush(call)
+
+    # -- answers ---------------------------------------------------------------------------
+
+    def send(self, call: Call, data: bytes, trailers: bytes | None) -> bool:
+        """Send ``data`` (whole gRPC messages) on ``call``'s stream, then ``trailers`` (a header
+        block) if given; False while some of it waits for the client's window."""
+        if call.finished:
+            return True
+        stream = call.id
+        head = b""
+        if not call.headers_sent:
+            call.headers_sent = True
+            if not data and trailers is not None:  # trailers-only
+                self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
+                                    f.RESPONSE_HEADERS + trailers))
+                self._ended(call)
+                return True
+            head = f.frame(f.HEADERS, f.END_HEADERS, stream, f.RESPONSE_HEADERS)
+        size = len(data)
+        if not call.out and size <= call.send_window and size <= self._send_window \
+                and size <= self._peer_max_frame:
+            out = head
+            if size:
+                out += f.frame(f.DATA, 0, stream, data)
+                call.send_window -= size
+                self._send_window -= size
+            if trailers is not None:
+                out += f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream, trailers)
+            self._write(out)
+            if trailers is not None:
+                self._ended(call)
+            return True
+        if head:
+            self._write(head)
+        call.out += data
+        if trailers is not None:
+            call.trailers_out = trailers
+        return self._flush(call)
+
+    def _flush(self, call: Call) -> bool:
+        out, stream, chunks = call.out, call.id, []
+        while out:
+            size = min(len(out), call.send_window, self._send_window, self._peer_max_frame)
+            if size <= 0:
+                break
+            chunks.append(f.frame(f.DATA, 0, stream, bytes(out[:size])))
+            del out[:size]
+            call.send_window -= size
+            self._send_window -= size
+        ended = False
+        if not out and call.trailers_out is not None:
+            chunks.append(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
+                                  call.trailers_out))
+            call.trailers_out = None
+            ended = True
+        if chunks:
+            self._write(b"".join(chunks))
+        if out:
+            self._blocked[stream] = call
+            return False
+        self._blocked.pop(stream, None)
+        if ended:
+            self._ended(call)
+        call.flushed()
+        return True
+
+    def _flush_blocked(self) -> None:
+        for call in list(self._blocked.values()):
+            if self._send_window <= 0:
+                return
+            self._flush(call)
+
+    def _ended(self, call: Call) -> None:
+        """The answer's END_STREAM went out: the stream is done on our side."""
+        call.finished = True
+        if not call.input_ended:
+            # The client has not half-closed: tell it to stop sending (what gRPC servers do).
+            self._write(f.rst_stream(call.id, f.NO_ERROR))
+        self._calls.pop(call.id, None)
+        self._blocked.pop(call.id, None)
+        self._close_if_drained()
+
+    def reset_stream(self, call: Call, code: int) -> None:
+        """Reset ``call``'s stream from our side (a call cut short)."""
+        if call.finished:
+            return
+        call.finished = True
+        self._write(f.rst_stream(call.id, code))
+        self._calls.pop(call.id, None)
+        self._blocked.pop(call.id, None)
+
+    # -- calls and the server --------------------------------------------------------------
+
+    def _start(self, call: Call) -> None:
+        self._tasks += 1
+        self._server.call_started()
+        call.task = asyncio.get_running_loop().create_task(call.run())
+
+    def call_done(self, call: Call) -> None:
+        self._tasks -= 1
+        self._server.call_ended()
+        self._close_if_drained()
+
+    def _close_if_drained(self) -> None:
+        if self._draining and self._tasks == 0 and not self._blocked:
+            self._close()
+
+    def drain(self) -> None:
+        """GOAWAY: no new stream; the connection closes once its calls are done."""
+        if self._draining or self._closed:
+            return
+        self._draining = True
+        self._write(f.goaway(self._last_stream, f.NO_ERROR))
+        self._close_if_drained()
+
+    def cancel_calls(self) -> None:
+        """The grace period is over: cut every call still running."""
+        for call in list(self._calls.values()):
+            if call.task is not None and not call.task.done():
+                call.task.cancel()
+        self._close()
+
+    def _fail(self, code: int, message: str) -> None:
+        self._write(f.goaway(self._last_stream, code, message.encode()[:200]))
+        self._close()
+
+    def _close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            if self._batch:
+                self.transport.write(b"".join(self._batch))
+                self._batch.clear()
+            self.transport.close()
+        self._closed = True
+
+    def _write(self, data: bytes) -> None:
+        if self._batch is not None:
+            self._batch.append(data)
+        elif self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    @property
+    def active_calls(self) -> int:
+        return self._tasks
+
+
+def _unpad(payload: bytes) -> bytes:
+    if not payload or payload[0] >= len(payload):
+        raise ConnectionError_(f.PROTOCOL_ERROR, "bad padding")
+    return payload[1:len(payload) - payload[0]]
+
+
+def _peer_name(transport: asyncio.BaseTransport) -> str:
+    """grpc's peer string: ``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5`` or ``unix:/path``."""
+    address: Any = transport.get_extra_info("peername")
+    if isinstance(address, tuple) and len(address) >= 2:
+        host = str(address[0])
+        return f"ipv6:[{host}]:{address[1]}" if ":" in host else f"ipv4:{host}:{address[1]}"
+    sockname = transport.get_extra_info("sockname")
+    return f"unix:{sockname}" if isinstance(sockname, str) else "unix:"
