@@ -44,6 +44,8 @@ class Server:
         self._active = 0
         self._idle: asyncio.Event | None = None
         self._stopped = False
+        self.header_blocks: dict[bytes, list[tuple[str, str]]] = {}
+        """Header blocks decoded without the HPACK dynamic table, by their bytes."""
 
     # -- handlers (grpc.aio.Server's registration API) -------------------------------------
 
