@@ -228,7 +228,11 @@ class Call:
 
     def _expire(self) -> None:
         self._timer = None
-        if self.task is not None and not self.task.done():
+        if self.task is None:
+            # Still waiting for its request message: end it now, or it would hold its stream
+            # until the connection closes and run its handler past the deadline.
+            self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        elif not self.task.done():
             self._expired = True
             self.task.cancel()
 
