@@ -17,9 +17,12 @@ import hpack
 
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.call import Call, parse_timeout
+from sidecar_runtime.logs import get_logger
 
 if TYPE_CHECKING:
     from sidecar_runtime.h2grpc.server import Server
+
+log = get_logger("sidecar_runtime.h2grpc")
 
 RECEIVE_WINDOW = 4 * 1024 * 1024
 """Each stream's window, granted in SETTINGS and topped up when half is used."""
@@ -98,6 +101,12 @@ class Connection(asyncio.Protocol):
             self._fail(exc.code, str(exc))
         except hpack.HPACKError as exc:
             self._fail(f.COMPRESSION_ERROR, f"bad header block: {type(exc).__name__}")
+        except Exception:
+            # A bug of ours (or of a generic handler's lookup): this connection ends with
+            # GOAWAY, as a protocol error would; escaping, it would make asyncio drop the
+            # connection without one.
+            log.exception("h2_connection_error", peer=self.peer)
+            self._fail(f.INTERNAL_ERROR, "internal error")
         finally:
             self._batch = None
             if batch and self.transport is not None and not self.transport.is_closing():
@@ -239,6 +248,9 @@ class Connection(asyncio.Protocol):
         method = path = content_type = timeout = ""
         metadata: list[tuple[str, str]] = []
         for name, value in headers:
+            if not name:  # a malformed request (RFC 9113 §8.2.1): a stream error, this one only
+                self._write(f.rst_stream(stream, f.PROTOCOL_ERROR))
+                return
             if name[0] == ":":
                 if name == ":path":
                     path = value
