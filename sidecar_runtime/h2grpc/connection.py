@@ -265,17 +265,15 @@ class Connection(asyncio.Protocol):
         ended = bool(flags & f.END_STREAM)
         if method != "POST" or not content_type.startswith("application/grpc"):
             status = "405" if method != "POST" else "415"
-            self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
-                                f.literal(":status", status)))
+            self._write(f.headers(stream, f.literal(":status", status), end_stream=True))
             if not ended:
                 self._write(f.rst_stream(stream, f.NO_ERROR))
             return
         handler = self._server.handler(path, tuple(metadata))
         if handler is None:
-            self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
-                                f.RESPONSE_HEADERS + f.trailers(
-                                    grpc.StatusCode.UNIMPLEMENTED.value[0],
-                                    f"Method not found: {path}")))
+            self._write(f.headers(stream, f.RESPONSE_HEADERS + f.trailers(
+                grpc.StatusCode.UNIMPLEMENTED.value[0], f"Method not found: {path}"),
+                end_stream=True))
             if not ended:
                 self._write(f.rst_stream(stream, f.NO_ERROR))
             return
@@ -353,8 +351,7 @@ class Connection(asyncio.Protocol):
         if not call.headers_sent:
             call.headers_sent = True
             if not data and trailers is not None:  # trailers-only
-                self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
-                                    f.RESPONSE_HEADERS + trailers))
+                self._write(f.headers(stream, f.RESPONSE_HEADERS + trailers, end_stream=True))
                 self._ended(call)
                 return True
             head = f.frame(f.HEADERS, f.END_HEADERS, stream, f.RESPONSE_HEADERS)
@@ -367,7 +364,7 @@ class Connection(asyncio.Protocol):
                 call.send_window -= size
                 self._send_window -= size
             if trailers is not None:
-                out += f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream, trailers)
+                out += f.headers(stream, trailers, end_stream=True)
             self._write(out)
             if trailers is not None:
                 self._ended(call)
@@ -391,8 +388,7 @@ class Connection(asyncio.Protocol):
             self._send_window -= size
         ended = False
         if not out and call.trailers_out is not None:
-            chunks.append(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
-                                  call.trailers_out))
+            chunks.append(f.headers(stream, call.trailers_out, end_stream=True))
             call.trailers_out = None
             ended = True
         if chunks:
