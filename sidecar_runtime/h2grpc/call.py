@@ -262,7 +262,10 @@ class Call:
                 await self._waiter
             finally:
                 self._waiter = None
-        return messages.popleft()
+        raw = messages.popleft()
+        if not messages and self.recv_unacked:
+            self.connection.consumed(self)
+        return raw
 
     def _parse(self, raw: bytes) -> Any:
         deserialize = self.handler.request_deserializer

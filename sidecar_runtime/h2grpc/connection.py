@@ -1,10 +1,10 @@
 """One HTTP/2 connection of the gRPC server (RFC 9113, the server side, as gRPC uses it).
 
 Frames are parsed straight off ``data_received``; each stream is a :class:`~.call.Call`. Flow
-control both ways: the server grants a large window and tops it up as data arrives (a
-message above the service's limit is refused by the call, so one stream cannot hold more than
-that); what it sends waits for the client's windows and frame size. Anything the protocol
-forbids ends the connection with GOAWAY and the error's code.
+control both ways: the server grants a large window and tops a stream's up as its handler
+takes the messages (a message above the service's limit is refused by the call, so one stream
+holds at most its window and one message); what it sends waits for the client's windows and
+frame size. Anything the protocol forbids ends the connection with GOAWAY and the error's code.
 """
 
 from __future__ import annotations
@@ -196,11 +196,19 @@ class Connection(asyncio.Protocol):
                 return
         else:
             call.recv_unacked += counted
-            if call.recv_unacked >= RECEIVE_WINDOW // 2:
-                self._write(f.window_update(stream, call.recv_unacked))
-                call.recv_unacked = 0
+            if not call.has_message:  # else granted as the handler takes them (consumed)
+                self.consumed(call)
         if call.task is None and (call.has_message or call.input_ended):
             self._start(call)
+
+    def consumed(self, call: Call) -> None:
+        """No whole message of ``call`` waits for its handler: give the client back the window
+        its data used. Granted as the handler reads, not as data arrives, a stream holds at
+        most its window (and one message) of data its handler has not taken."""
+        if call.recv_unacked >= RECEIVE_WINDOW // 2 and not call.finished \
+                and not call.input_ended:
+            self._write(f.window_update(call.id, call.recv_unacked))
+            call.recv_unacked = 0
 
     def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
         if stream == 0 or stream % 2 == 0:
