@@ -228,7 +228,11 @@ class Call:
 
     def _expire(self) -> None:
         self._timer = None
-        if self.task is not None and not self.task.done():
+        if self.task is None:
+            # Still waiting for its request message: end it now, or it would hold its stream
+            # until the connection closes and run its handler past the deadline.
+            self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        elif not self.task.done():
             self._expired = True
             self.task.cancel()
 
@@ -258,7 +262,10 @@ class Call:
                 await self._waiter
             finally:
                 self._waiter = None
-        return messages.popleft()
+        raw = messages.popleft()
+        if not messages and self.recv_unacked:
+            self.connection.consumed(self)
+        return raw
 
     def _parse(self, raw: bytes) -> Any:
         deserialize = self.handler.request_deserializer
@@ -364,7 +371,10 @@ class _BadRequest(Exception):
 def parse_timeout(value: str) -> float | None:
     """``grpc-timeout`` (``50m``, ``1S``, ...) in seconds; None when malformed."""
     units = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
-    if len(value) < 2 or len(value) > 9 or value[-1] not in units or not value[:-1].isdigit():
+    digits = value[:-1]
+    # isascii too: str.isdigit() takes '²' (which int() refuses), int() fullwidth digits.
+    if not 1 <= len(digits) <= 8 or value[-1] not in units or not digits.isascii() \
+            or not digits.isdigit():
         return None
     return int(value[:-1]) * units[value[-1]]
 

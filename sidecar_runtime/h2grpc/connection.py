@@ -1,10 +1,10 @@
 """One HTTP/2 connection of the gRPC server (RFC 9113, the server side, as gRPC uses it).
 
 Frames are parsed straight off ``data_received``; each stream is a :class:`~.call.Call`. Flow
-control both ways: the server grants a large window and tops it up as data arrives (a
-message above the service's limit is refused by the call, so one stream cannot hold more than
-that); what it sends waits for the client's windows and frame size. Anything the protocol
-forbids ends the connection with GOAWAY and the error's code.
+control both ways: the server grants a large window and tops a stream's up as its handler
+takes the messages (a message above the service's limit is refused by the call, so one stream
+holds at most its window and one message); what it sends waits for the client's windows and
+frame size. Anything the protocol forbids ends the connection with GOAWAY and the error's code.
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import hpack
 
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.call import Call, parse_timeout
+from sidecar_runtime.logs import get_logger
 
 if TYPE_CHECKING:
     from sidecar_runtime.h2grpc.server import Server
+
+log = get_logger("sidecar_runtime.h2grpc")
 
 RECEIVE_WINDOW = 4 * 1024 * 1024
 """Each stream's window, granted in SETTINGS and topped up when half is used."""
@@ -100,6 +103,12 @@ class Connection(asyncio.Protocol):
             self._fail(exc.code, str(exc))
         except hpack.HPACKError as exc:
             self._fail(f.COMPRESSION_ERROR, f"bad header block: {type(exc).__name__}")
+        except Exception:
+            # A bug of ours (or of a generic handler's lookup): this connection ends with
+            # GOAWAY, as a protocol error would; escaping, it would make asyncio drop the
+            # connection without one.
+            log.exception("h2_connection_error", peer=self.peer)
+            self._fail(f.INTERNAL_ERROR, "internal error")
         finally:
             self._batch = None
             if batch and self.transport is not None and not self.transport.is_closing():
@@ -189,11 +198,19 @@ class Connection(asyncio.Protocol):
                 return
         else:
             call.recv_unacked += counted
-            if call.recv_unacked >= RECEIVE_WINDOW // 2:
-                self._write(f.window_update(stream, call.recv_unacked))
-                call.recv_unacked = 0
+            if not call.has_message:  # else granted as the handler takes them (consumed)
+                self.consumed(call)
         if call.task is None and (call.has_message or call.input_ended):
             self._start(call)
+
+    def consumed(self, call: Call) -> None:
+        """No whole message of ``call`` waits for its handler: give the client back the window
+        its data used. Granted as the handler reads, not as data arrives, a stream holds at
+        most its window (and one message) of data its handler has not taken."""
+        if call.recv_unacked >= RECEIVE_WINDOW // 2 and not call.finished \
+                and not call.input_ended:
+            self._write(f.window_update(call.id, call.recv_unacked))
+            call.recv_unacked = 0
 
     def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
         if stream == 0 or stream % 2 == 0:
@@ -240,6 +257,9 @@ class Connection(asyncio.Protocol):
         method = path = content_type = timeout = ""
         metadata: list[tuple[str, str]] = []
         for name, value in headers:
+            if not name:  # a malformed request (RFC 9113 §8.2.1): a stream error, this one only
+                self._write(f.rst_stream(stream, f.PROTOCOL_ERROR))
+                return
             if name[0] == ":":
                 if name == ":path":
                     path = value
@@ -254,17 +274,15 @@ class Connection(asyncio.Protocol):
         ended = bool(flags & f.END_STREAM)
         if method != "POST" or not content_type.startswith("application/grpc"):
             status = "405" if method != "POST" else "415"
-            self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
-                                f.literal(":status", status)))
+            self._write(f.headers(stream, f.literal(":status", status), end_stream=True))
             if not ended:
                 self._write(f.rst_stream(stream, f.NO_ERROR))
             return
         handler = self._server.handler(path, tuple(metadata))
         if handler is None:
-            self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
-                                f.RESPONSE_HEADERS + f.trailers(
-                                    grpc.StatusCode.UNIMPLEMENTED.value[0],
-                                    f"Method not found: {path}")))
+            self._write(f.headers(stream, f.RESPONSE_HEADERS + f.trailers(
+                grpc.StatusCode.UNIMPLEMENTED.value[0], f"Method not found: {path}"),
+                end_stream=True))
             if not ended:
                 self._write(f.rst_stream(stream, f.NO_ERROR))
             return
@@ -361,8 +379,7 @@ class Connection(asyncio.Protocol):
         if not call.headers_sent:
             call.headers_sent = True
             if not data and trailers is not None:  # trailers-only
-                self._write(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
-                                    f.RESPONSE_HEADERS + trailers))
+                self._write(f.headers(stream, f.RESPONSE_HEADERS + trailers, end_stream=True))
                 self._ended(call)
                 return True
             head = f.frame(f.HEADERS, f.END_HEADERS, stream, f.RESPONSE_HEADERS)
@@ -375,7 +392,7 @@ class Connection(asyncio.Protocol):
                 call.send_window -= size
                 self._send_window -= size
             if trailers is not None:
-                out += f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream, trailers)
+                out += f.headers(stream, trailers, end_stream=True)
             self._write(out)
             if trailers is not None:
                 self._ended(call)
@@ -399,8 +416,7 @@ class Connection(asyncio.Protocol):
             self._send_window -= size
         ended = False
         if not out and call.trailers_out is not None:
-            chunks.append(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, stream,
-                                  call.trailers_out))
+            chunks.append(f.headers(stream, call.trailers_out, end_stream=True))
             call.trailers_out = None
             ended = True
         if chunks:

@@ -58,6 +58,18 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
             + stream.to_bytes(4, "big") + payload)
 
 
+def headers(stream: int, block: bytes, end_stream: bool) -> bytes:
+    """A header block as one HEADERS frame, or HEADERS then CONTINUATION frames when it is
+    above 16 KiB, the frame size every peer accepts (a long ``grpc-message`` can be)."""
+    flags = END_STREAM if end_stream else 0
+    if len(block) <= DEFAULT_MAX_FRAME:
+        return frame(HEADERS, flags | END_HEADERS, stream, block)
+    parts = [block[at:at + DEFAULT_MAX_FRAME] for at in range(0, len(block), DEFAULT_MAX_FRAME)]
+    return (frame(HEADERS, flags, stream, parts[0])
+            + b"".join(frame(CONTINUATION, 0, stream, part) for part in parts[1:-1])
+            + frame(CONTINUATION, END_HEADERS, stream, parts[-1]))
+
+
 def settings(pairs: dict[int, int]) -> bytes:
     """A SETTINGS frame (not an ACK) carrying ``pairs``."""
     return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in pairs.items()))
