@@ -61,7 +61,8 @@ class Connection(asyncio.Protocol):
         self._peer_window = f.DEFAULT_WINDOW  # the client's SETTINGS_INITIAL_WINDOW_SIZE
         self._peer_max_frame = f.DEFAULT_MAX_FRAME
         self._received = 0  # connection-level bytes since the last WINDOW_UPDATE
-        self._batch: list[bytes] | None = None  # writes gathered while a read is handled
+        self._out: list[bytes] = []  # frames to send at the end of this loop iteration
+        self._reading = False
         self._draining = False
         self._closed = False
 
@@ -95,8 +96,7 @@ class Connection(asyncio.Protocol):
                 return
             data = bytes(self._pending)
             self._pending = bytearray()
-        batch: list[bytes] = []
-        self._batch = batch
+        self._reading = True
         try:
             self._frames(data)
         except ConnectionError_ as exc:
@@ -110,9 +110,8 @@ class Connection(asyncio.Protocol):
             log.exception("h2_connection_error", peer=self.peer)
             self._fail(f.INTERNAL_ERROR, "internal error")
         finally:
-            self._batch = None
-            if batch and self.transport is not None and not self.transport.is_closing():
-                self.transport.write(b"".join(batch))
+            self._reading = False
+            self._uncork()
 
     def _frames(self, data: bytes) -> None:
         offset, size = 0, len(data)
@@ -491,17 +490,28 @@ class Connection(asyncio.Protocol):
         self._close()
 
     def _close(self) -> None:
+        self._uncork()
         if self.transport is not None and not self.transport.is_closing():
-            if self._batch:
-                self.transport.write(b"".join(self._batch))
-                self._batch.clear()
             self.transport.close()
         self._closed = True
 
     def _write(self, data: bytes) -> None:
-        if self._batch is not None:
-            self._batch.append(data)
-        elif self.transport is not None and not self.transport.is_closing():
+        """Queue ``data`` for one write at the end of this loop iteration: the answers of the
+        calls that woke in the same iteration (several streams' messages arrive in one read
+        under load) leave in one ``send`` instead of one each, the syscall being a fifth of a
+        message's CPU. Within a read, at the end of the read."""
+        out = self._out
+        out.append(data)
+        if len(out) == 1 and not self._reading:
+            asyncio.get_running_loop().call_soon(self._uncork)
+
+    def _uncork(self) -> None:
+        out = self._out
+        if not out:
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
     @property
