@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
@@ -28,6 +29,7 @@ from ratelimit.bucket import BucketResult, Hit, Settle
 from ratelimit.errors import BackendError, NodeDown
 from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA, SETTLE, SETTLE_SHA
 from ratelimit.store import LEASE_TTL_S, StoreResult
+from sidecar_runtime.redis_batch import CommandBatcher
 from sidecar_runtime.redis_client import MAX_CONNECTIONS, Client
 from sidecar_runtime.redis_cluster import ClusterRouter, NodeDownError
 
@@ -64,6 +66,7 @@ class RedisStore:
         self._lease_ttl_ms = str(max(1, round(lease_ttl_s * 1000)))
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._router = ClusterRouter(client) if isinstance(client, RedisCluster) else None
+        self._batcher = CommandBatcher(client) if isinstance(client, Redis) else None
 
     @property
     def client(self) -> Client:
@@ -100,6 +103,8 @@ class RedisStore:
     async def aclose(self) -> None:
         if self._router is not None:
             await self._router.aclose()
+        if self._batcher is not None:
+            await self._batcher.aclose()
         await self._client.aclose()
 
     async def _decide(self, hits: Sequence[Hit]) -> StoreResult:
@@ -197,6 +202,8 @@ class RedisStore:
         master of ``key``'s slot (the router also retries a connection found dead)."""
         if self._router is not None:
             return await self._router.execute(key, *command)
+        if self._batcher is not None:  # one standalone Redis: the commands of a loop iteration
+            return await self._batcher.execute(*command)  # go as one pipeline
         return await self._client.execute_command(*command)
 
 
