@@ -29,29 +29,44 @@ _Pending = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
 
 
 class CommandBatcher:
-    """Gathers the commands of one loop iteration into a pipeline on ``client``."""
+    """Gathers the commands of one loop iteration into a pipeline on ``client``.
+
+    The first command of an iteration leads: it yields once (``sleep(0)``) so that the
+    commands issued meanwhile can join, then sends alone (a plain command: a lone command costs
+    one loop iteration and nothing more) or, with company, sends them all as one pipeline in a
+    task of its own, so that a leader whose caller gives up does not strand the others."""
 
     def __init__(self, client: Redis) -> None:
         self._client = client
-        self._queue: list[_Pending] = []
+        self._queue: list[_Pending] | None = None  # the batch forming in this iteration
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         self._running: set[asyncio.Task[None]] = set()
 
     async def execute(self, *command: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
         queue = self._queue
-        queue.append((command, future))
-        if len(queue) == 1:
-            loop.call_soon(self._flush)
-        elif len(queue) >= MAX_BATCH:
-            self._flush()
-        return await future
+        if queue is not None and len(queue) < MAX_BATCH - 1:  # the leader is the last one
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            queue.append((command, future))
+            return await future
+        joined: list[_Pending] = []
+        self._queue = joined
+        try:
+            await asyncio.sleep(0)
+        except BaseException:  # the leader's caller gave up: the others still go
+            if self._queue is joined:
+                self._queue = None
+            if joined:
+                self._spawn(joined)
+            raise
+        if self._queue is joined:
+            self._queue = None
+        if not joined:
+            return await self._client.execute_command(*command)
+        own: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._spawn([(command, own), *joined])
+        return await own
 
-    def _flush(self) -> None:
-        batch, self._queue = self._queue, []
-        if not batch:
-            return
+    def _spawn(self, batch: list[_Pending]) -> None:
         task = asyncio.get_running_loop().create_task(self._send(batch))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
