@@ -78,6 +78,17 @@ class Connection(asyncio.Protocol):
                                     f.SETTINGS_INITIAL_WINDOW_SIZE: RECEIVE_WINDOW})
                         + f.window_update(0, CONNECTION_WINDOW - f.DEFAULT_WINDOW))
 
+    def pause_writing(self) -> None:
+        """The client stopped reading (the transport's buffer passed its high-water mark): stop
+        reading from it too, so that what it sends (PINGs, new calls) cannot make the answers
+        pile up here without bound. Calls in flight keep their buffered answers."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self._closed:
+            self.transport.resume_reading()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         calls = list(self._calls.values())

@@ -4,6 +4,8 @@ never sends (CONTINUATION, padding, priority, unknown frames, PING) works."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import Callable
 from urllib.parse import unquote
 
@@ -16,10 +18,12 @@ from hyperframe.frame import (
     PingFrame,
     PriorityFrame,
     RstStreamFrame,
+    SettingsFrame,
 )
 
 from tests.harness.waits import until
 from tests.sidecar_runtime.h2grpc.clients import (
+    PREFACE,
     FrameClient,
     H2Client,
     goaway,
@@ -253,3 +257,33 @@ async def test_unimplemented_for_a_long_path_is_continued() -> None:
         assert long_path in unquote(answer.grpc_message or "")
         assert messages((await client.call(path("Echo"), b"next")).body) == [b"next"]
         await client.close()
+
+
+async def test_a_client_that_does_not_read_cannot_make_the_server_buffer_without_bound() -> None:
+    # A client floods PINGs and never reads the ACKs. Once the server's unsent bytes pass the
+    # transport's high-water mark it stops reading that client, so what it holds stays bounded
+    # (before: every ACK that did not fit the kernel's buffers was kept).
+    async with running_server() as running:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting
+        sock.connect(("127.0.0.1", running.port))
+        sock.setblocking(False)
+        flood = PingFrame(0, opaque_data=b"12345678").serialize() * 60_000  # ~1 MB of PINGs
+        loop = asyncio.get_running_loop()
+        sent = 0
+        try:
+            await loop.sock_sendall(sock, PREFACE + SettingsFrame(0).serialize())
+            for _ in range(8):
+                try:
+                    await asyncio.wait_for(loop.sock_sendall(sock, flood), 1.0)
+                    sent += len(flood)
+                except TimeoutError:
+                    break  # the server stopped reading: the kernel's buffers are full
+            connection = next(iter(running.server._connections))
+            assert connection.transport is not None
+            held = connection.transport.get_write_buffer_size()
+            # Held: at most the high-water mark plus the ACKs of one read (~0.3 MB measured;
+            # 2.1 MB, and growing with the flood, without the pause).
+            assert held < 1024 * 1024, (held, sent)
+        finally:
+            sock.close()
