@@ -368,17 +368,6 @@ class _BadRequest(Exception):
     """The request cannot be handed to the handler: INTERNAL, with this message."""
 
 
-def parse_timeout(value: str) -> float | None:
-    """``grpc-timeout`` (``50m``, ``1S``, ...) in seconds; None when malformed."""
-    units = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
-    digits = value[:-1]
-    # isascii too: str.isdigit() takes '²' (which int() refuses), int() fullwidth digits.
-    if not 1 <= len(digits) <= 8 or value[-1] not in units or not digits.isascii() \
-            or not digits.isdigit():
-        return None
-    return int(value[:-1]) * units[value[-1]]
-
-
 MethodLookup = Callable[[str, Metadata], "grpc.RpcMethodHandler | None"]
 
 

@@ -16,7 +16,8 @@ import grpc
 import hpack
 
 from sidecar_runtime.h2grpc import frames as f
-from sidecar_runtime.h2grpc.call import Call, parse_timeout
+from sidecar_runtime.h2grpc.call import Call
+from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST, HeadDecoder
 from sidecar_runtime.logs import get_logger
 
 if TYPE_CHECKING:
@@ -27,10 +28,6 @@ log = get_logger("sidecar_runtime.h2grpc")
 RECEIVE_WINDOW = 4 * 1024 * 1024
 """Each stream's window, granted in SETTINGS and topped up when half is used."""
 CONNECTION_WINDOW = 16 * 1024 * 1024
-MAX_HEADER_LIST = 64 * 1024
-HEADER_BLOCKS_CACHED = 1024
-_NOT_METADATA = frozenset(("te", "content-type", "grpc-timeout", "grpc-encoding",
-                           "grpc-accept-encoding"))
 
 
 class ConnectionError_(Exception):
@@ -51,7 +48,7 @@ class Connection(asyncio.Protocol):
         self._pending = bytearray()  # bytes of a frame (or the preface) not yet whole
         self._need = len(f.PREFACE)
         self._preface = False
-        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
+        self._heads = HeadDecoder(server.heads)
         self._headers_open: tuple[int, int, bytearray] | None = None  # CONTINUATION pending
         self._calls: dict[int, Call] = {}
         self._blocked: dict[int, Call] = {}  # calls whose data waits for window
@@ -246,7 +243,7 @@ class Connection(asyncio.Protocol):
             self._on_header_block(stream, opened[1], bytes(opened[2]))
 
     def _on_header_block(self, stream: int, flags: int, block: bytes) -> None:
-        headers = self._decode(block)
+        head = self._heads.decode(block)
         call = self._calls.get(stream)
         if call is not None:  # trailers of the request
             if not flags & f.END_STREAM:
@@ -264,31 +261,18 @@ class Connection(asyncio.Protocol):
         if self._draining:
             self._write(f.rst_stream(stream, f.REFUSED_STREAM))
             return
-        method = path = content_type = timeout = ""
-        metadata: list[tuple[str, str]] = []
-        for name, value in headers:
-            if not name:  # a malformed request (RFC 9113 §8.2.1): a stream error, this one only
-                self._write(f.rst_stream(stream, f.PROTOCOL_ERROR))
-                return
-            if name[0] == ":":
-                if name == ":path":
-                    path = value
-                elif name == ":method":
-                    method = value
-            elif name == "content-type":
-                content_type = value
-            elif name == "grpc-timeout":
-                timeout = value
-            elif name not in _NOT_METADATA:
-                metadata.append((name, value))
+        if head.malformed:  # a stream error (RFC 9113 §8.2.1): this stream only
+            self._write(f.rst_stream(stream, f.PROTOCOL_ERROR))
+            return
+        method, path, metadata = head.method, head.path, head.metadata
         ended = bool(flags & f.END_STREAM)
-        if method != "POST" or not content_type.startswith("application/grpc"):
+        if method != "POST" or not head.content_type.startswith("application/grpc"):
             status = "405" if method != "POST" else "415"
             self._write(f.headers(stream, f.literal(":status", status), end_stream=True))
             if not ended:
                 self._write(f.rst_stream(stream, f.NO_ERROR))
             return
-        handler = self._server.handler(path, tuple(metadata))
+        handler = self._server.handler(path, metadata)
         if handler is None:
             self._write(f.headers(stream, f.RESPONSE_HEADERS + f.trailers(
                 grpc.StatusCode.UNIMPLEMENTED.value[0], f"Method not found: {path}"),
@@ -296,33 +280,13 @@ class Connection(asyncio.Protocol):
             if not ended:
                 self._write(f.rst_stream(stream, f.NO_ERROR))
             return
-        call = Call(stream, path, self, handler, tuple(metadata),
-                    parse_timeout(timeout) if timeout else None, self._peer_window,
+        call = Call(stream, path, self, handler, metadata, head.timeout_s, self._peer_window,
                     self._server.max_receive_message_length)
         self._calls[stream] = call
         if ended:
             call.end_input()
         if handler.request_streaming or ended:
             self._start(call)
-
-    def _decode(self, block: bytes) -> list[tuple[str, str]]:
-        """The header list of ``block``. Always decoded while the client's encoder may use the
-        dynamic table (decoding updates it, even for a stream refused later). The server asks
-        for a table of 0 bytes, so once the client has signalled that, a block means the same
-        whenever it comes, and a repeated one (every call from Envoy carries the same headers)
-        is looked up: decoding costs ~16 µs, about what the rest of a message costs."""
-        decoder, cache = self._decoder, self._server.header_blocks
-        if decoder.header_table_size == 0:
-            found = cache.get(block)
-            if found is not None:
-                return found
-            headers = cast(list[tuple[str, str]], decoder.decode(block))
-            if decoder.header_table_size == 0:
-                if len(cache) >= HEADER_BLOCKS_CACHED:
-                    cache.clear()
-                cache[block] = headers
-            return headers
-        return cast(list[tuple[str, str]], decoder.decode(block))
 
     def _on_rst(self, stream: int, payload: bytes) -> None:
         if stream == 0 or len(payload) != 4:

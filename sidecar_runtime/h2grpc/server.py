@@ -25,6 +25,7 @@ import grpc
 
 from sidecar_runtime.h2grpc.call import Metadata, first_handler
 from sidecar_runtime.h2grpc.connection import Connection
+from sidecar_runtime.h2grpc.head import RequestHead
 from sidecar_runtime.wire_names import UNIX_PREFIX
 
 DEFAULT_MAX_RECEIVE = 4 * 1024 * 1024
@@ -44,8 +45,8 @@ class Server:
         self._active = 0
         self._idle: asyncio.Event | None = None
         self._stopped = False
-        self.header_blocks: dict[bytes, list[tuple[str, str]]] = {}
-        """Header blocks decoded without the HPACK dynamic table, by their bytes."""
+        self.heads: dict[bytes, RequestHead] = {}
+        """Request heads decoded without the HPACK dynamic table, by their blocks."""
 
     # -- handlers (grpc.aio.Server's registration API) -------------------------------------
 
