@@ -44,6 +44,7 @@ class Server:
         self._connections: set[Connection] = set()
         self._active = 0
         self._idle: asyncio.Event | None = None
+        self._all_closed: asyncio.Event | None = None
         self._stopped = False
         self.heads: dict[bytes, RequestHead] = {}
         """Request heads decoded without the HPACK dynamic table, by their blocks."""
@@ -103,10 +104,12 @@ class Server:
             listener.close()
         for connection in list(self._connections):
             connection.drain()
-        if self._active and (grace is None or grace > 0):
-            self._idle = asyncio.Event()
+        if self._connections and (grace is None or grace > 0):
+            # A draining connection closes itself once its calls are done and their answers
+            # sent (an answer may still wait for a slow client's window after its handler).
+            self._all_closed = asyncio.Event()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), grace)
+                await asyncio.wait_for(self._all_closed.wait(), grace)
         for connection in list(self._connections):
             connection.cancel_calls()
         if self._active:  # the cut calls finish their handlers' cleanup
@@ -130,6 +133,8 @@ class Server:
 
     def connection_closed(self, connection: Connection) -> None:
         self._connections.discard(connection)
+        if not self._connections and self._all_closed is not None:
+            self._all_closed.set()
 
     def call_started(self) -> None:
         self._active += 1

@@ -19,7 +19,7 @@ from tests.sidecar_runtime.h2grpc.clients import (
     message,
     messages,
 )
-from tests.sidecar_runtime.h2grpc.servicers import channel, path, running_server, unary
+from tests.sidecar_runtime.h2grpc.servicers import channel, path, pattern, running_server, unary
 
 DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 
@@ -181,3 +181,29 @@ async def test_drain_with_grpcio_call_in_flight() -> None:
         seen.release.set()
         assert await call == b"grpcio"
         await stopping
+
+
+async def test_drain_delivers_an_answer_still_waiting_for_the_clients_window() -> None:
+    # The handler is done, but its answer waits for window the client has not granted yet: the
+    # drain waits for it (within grace) instead of closing the connection on it. (Raw frames:
+    # h2's client refuses to send WINDOW_UPDATE once it has received GOAWAY.)
+    async with running_server() as running:
+        client = await FrameClient.open(running.port)  # default windows: 65,535 bytes
+        client.send(client.headers(1, grpc_headers(path("Big"))),
+                    DataFrame(1, message(b"200000"), flags=["END_STREAM"]))
+        body = bytearray()
+        while len(body) < 65_535:
+            frame = await client.until(lambda f: isinstance(f, DataFrame) and f.stream_id == 1)
+            assert isinstance(frame, DataFrame)
+            body += frame.data
+        stopping = asyncio.ensure_future(running.server.stop(10))
+        await client.until(lambda f: isinstance(f, GoAwayFrame))
+        assert not stopping.done()
+        client.send(WindowUpdateFrame(0, window_increment=1_000_000),
+                    WindowUpdateFrame(1, window_increment=1_000_000))
+        frames = await client.until_closed()
+        body += b"".join(f.data for f in frames if isinstance(f, DataFrame) and f.stream_id == 1)
+        assert messages(bytes(body)) == [pattern(200_000)]
+        assert any(_ended(frame, 1) for frame in frames)
+        await asyncio.wait_for(stopping, 5)  # and the server is done well before its grace
+        await client.close()
