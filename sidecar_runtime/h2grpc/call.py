@@ -361,7 +361,11 @@ class Call:
                 self._finish(grpc.StatusCode.UNKNOWN.value[0], "Unexpected error")
         finally:
             self._stop_timer()
-            self.connection.call_done(self)
+
+    def task_done(self, task: asyncio.Task[None]) -> None:
+        """The handler's task is over, however it ended (cancelled before it began too)."""
+        self._stop_timer()
+        self.connection.call_done(self)
 
 
 class _BadRequest(Exception):

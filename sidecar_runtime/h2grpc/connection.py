@@ -434,7 +434,12 @@ class Connection(asyncio.Protocol):
     def _start(self, call: Call) -> None:
         self._tasks += 1
         self._server.call_started()
-        call.task = asyncio.get_running_loop().create_task(call.run())
+        task = asyncio.get_running_loop().create_task(call.run())
+        call.task = task
+        # Counted done by a callback, not in run(): a task cancelled before its first step (its
+        # stream reset in the same read as its HEADERS) never runs any of run(), its finally
+        # included, and would hold the drain (and the server's count of calls) for good.
+        task.add_done_callback(call.task_done)
 
     def call_done(self, call: Call) -> None:
         self._tasks -= 1

@@ -207,3 +207,23 @@ async def test_drain_delivers_an_answer_still_waiting_for_the_clients_window() -
         assert any(_ended(frame, 1) for frame in frames)
         await asyncio.wait_for(stopping, 5)  # and the server is done well before its grace
         await client.close()
+
+
+async def test_streams_reset_in_the_read_that_opened_them_do_not_hold_the_drain() -> None:
+    # HEADERS (and the message) then RST_STREAM in one read: the handler's task is cancelled
+    # before its first step, so nothing inside it runs, its end included. The server still
+    # counts the call as done: the drain ends as soon as the connection has nothing in flight.
+    async with running_server() as running:
+        client = await FrameClient.open(running.port)
+        client.send(client.headers(1, grpc_headers(path("Hold"))),
+                    DataFrame(1, message(b"x"), flags=["END_STREAM"]), RstStreamFrame(1, 8),
+                    client.headers(3, grpc_headers(path("Chat"))), RstStreamFrame(3, 8),
+                    client.headers(5, grpc_headers(path("Echo"))),
+                    DataFrame(5, message(b"after"), flags=["END_STREAM"]))
+        await client.until(lambda frame: _ended(frame, 5))
+        stopping = asyncio.ensure_future(running.server.stop(30))
+        frames = await client.until_closed()
+        assert any(isinstance(frame, GoAwayFrame) for frame in frames)
+        await asyncio.wait_for(stopping, 5)  # well before its grace
+        assert not running.servicer.seen.started.is_set()
+        await client.close()
