@@ -295,6 +295,9 @@ class Connection(asyncio.Protocol):
         self._blocked.pop(stream, None)
         if call is not None:
             call.reset()
+            # Its handler may be done already (an answer that waited for window): no call_done
+            # is coming to close a draining connection.
+            self._close_if_drained()
 
     def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
         if stream != 0 or len(payload) % 6:
@@ -428,6 +431,7 @@ class Connection(asyncio.Protocol):
         self._write(f.rst_stream(call.id, code))
         self._calls.pop(call.id, None)
         self._blocked.pop(call.id, None)
+        self._close_if_drained()
 
     # -- calls and the server --------------------------------------------------------------
 

@@ -227,3 +227,23 @@ async def test_streams_reset_in_the_read_that_opened_them_do_not_hold_the_drain(
         await asyncio.wait_for(stopping, 5)  # well before its grace
         assert not running.servicer.seen.started.is_set()
         await client.close()
+
+
+async def test_drain_ends_when_the_client_resets_an_answer_waiting_for_its_window() -> None:
+    # The handler is done, its answer waits for window; the client resets that stream (its own
+    # timeout, say) instead of granting any: nothing is left, the connection closes at once.
+    async with running_server() as running:
+        client = await FrameClient.open(running.port)  # default windows: 65,535 bytes
+        client.send(client.headers(1, grpc_headers(path("Big"))),
+                    DataFrame(1, message(b"200000"), flags=["END_STREAM"]))
+        sent = 0
+        while sent < 65_535:
+            frame = await client.until(lambda f: isinstance(f, DataFrame) and f.stream_id == 1)
+            assert isinstance(frame, DataFrame)
+            sent += len(frame.data)
+        stopping = asyncio.ensure_future(running.server.stop(30))
+        await client.until(lambda f: isinstance(f, GoAwayFrame))
+        client.send(RstStreamFrame(1, 8))
+        assert await client.until_closed() == []
+        await asyncio.wait_for(stopping, 5)  # well before its grace
+        await client.close()
