@@ -451,7 +451,10 @@ class Connection(asyncio.Protocol):
         self._close_if_drained()
 
     def _close_if_drained(self) -> None:
-        if self._draining and self._tasks == 0 and not self._blocked:
+        # Open calls, not only tasks: a unary call whose HEADERS came without its message has
+        # no task yet, and GOAWAY told the client it was taken. (A blocked answer's call is
+        # open too, until its END_STREAM goes out.)
+        if self._draining and self._tasks == 0 and not self._calls:
             self._close()
 
     def drain(self) -> None:

@@ -9,7 +9,14 @@ import asyncio
 import grpc
 import h2.errors
 import pytest
-from hyperframe.frame import DataFrame, GoAwayFrame, HeadersFrame, RstStreamFrame, WindowUpdateFrame
+from hyperframe.frame import (
+    DataFrame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    WindowUpdateFrame,
+)
 
 from tests.harness.waits import until
 from tests.sidecar_runtime.h2grpc.clients import (
@@ -246,4 +253,24 @@ async def test_drain_ends_when_the_client_resets_an_answer_waiting_for_its_windo
         client.send(RstStreamFrame(1, 8))
         assert await client.until_closed() == []
         await asyncio.wait_for(stopping, 5)  # well before its grace
+        await client.close()
+
+
+async def test_drain_waits_for_the_message_of_a_unary_call_it_accepted() -> None:
+    # A unary call's HEADERS read, its message not yet (the next TCP segment): its handler has
+    # not started, but GOAWAY names the stream as taken, so the client will not retry it
+    # elsewhere. The drain waits for the message and answers it instead of closing on it.
+    async with running_server() as running:
+        client = await FrameClient.open(running.port)
+        client.send(client.headers(1, grpc_headers(path("Echo"))), PingFrame(0, b"headers!"))
+        await client.until(lambda frame: isinstance(frame, PingFrame))  # HEADERS were read
+        stopping = asyncio.ensure_future(running.server.stop(30))
+        goaway = await client.until(lambda frame: isinstance(frame, GoAwayFrame))
+        assert isinstance(goaway, GoAwayFrame) and goaway.last_stream_id == 1
+        client.send(DataFrame(1, message(b"second segment"), flags=["END_STREAM"]))
+        frames = await client.until_closed()
+        body = b"".join(f.data for f in frames if isinstance(f, DataFrame) and f.stream_id == 1)
+        assert messages(body) == [b"second segment"]
+        assert any(_ended(frame, 1) for frame in frames)
+        await asyncio.wait_for(stopping, 5)
         await client.close()
