@@ -334,6 +334,12 @@ class Call:
                             await self.send(message)
                     elif inspect.isawaitable(result):
                         await result  # writes through context.write
+                    else:
+                        # A plain generator (grpc.aio runs one on its thread pool), run here
+                        # on the loop; anything else not iterable is a TypeError, UNKNOWN,
+                        # rather than an OK without a message.
+                        for message in result:
+                            await self.send(message)
                     self._finish(context.code().value[0], context.details())
                 else:
                     method = handler.stream_unary if handler.request_streaming \
@@ -361,7 +367,11 @@ class Call:
                 self._finish(grpc.StatusCode.UNKNOWN.value[0], "Unexpected error")
         finally:
             self._stop_timer()
-            self.connection.call_done(self)
+
+    def task_done(self, task: asyncio.Task[None]) -> None:
+        """The handler's task is over, however it ended (cancelled before it began too)."""
+        self._stop_timer()
+        self.connection.call_done(self)
 
 
 class _BadRequest(Exception):

@@ -295,6 +295,9 @@ class Connection(asyncio.Protocol):
         self._blocked.pop(stream, None)
         if call is not None:
             call.reset()
+            # Its handler may be done already (an answer that waited for window): no call_done
+            # is coming to close a draining connection.
+            self._close_if_drained()
 
     def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
         if stream != 0 or len(payload) % 6:
@@ -428,13 +431,19 @@ class Connection(asyncio.Protocol):
         self._write(f.rst_stream(call.id, code))
         self._calls.pop(call.id, None)
         self._blocked.pop(call.id, None)
+        self._close_if_drained()
 
     # -- calls and the server --------------------------------------------------------------
 
     def _start(self, call: Call) -> None:
         self._tasks += 1
         self._server.call_started()
-        call.task = asyncio.get_running_loop().create_task(call.run())
+        task = asyncio.get_running_loop().create_task(call.run())
+        call.task = task
+        # Counted done by a callback, not in run(): a task cancelled before its first step (its
+        # stream reset in the same read as its HEADERS) never runs any of run(), its finally
+        # included, and would hold the drain (and the server's count of calls) for good.
+        task.add_done_callback(call.task_done)
 
     def call_done(self, call: Call) -> None:
         self._tasks -= 1
@@ -442,7 +451,10 @@ class Connection(asyncio.Protocol):
         self._close_if_drained()
 
     def _close_if_drained(self) -> None:
-        if self._draining and self._tasks == 0 and not self._blocked:
+        # Open calls, not only tasks: a unary call whose HEADERS came without its message has
+        # no task yet, and GOAWAY told the client it was taken. (A blocked answer's call is
+        # open too, until its END_STREAM goes out.)
+        if self._draining and self._tasks == 0 and not self._calls:
             self._close()
 
     def drain(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +137,11 @@ class Servicer:
             count += 1
         yield str(count).encode()
 
+    def count(self, request: bytes, context: Context) -> Iterator[bytes]:
+        """Server streaming as a plain generator: 0 up to the number asked (decimal)."""
+        for i in range(int(request)):
+            yield str(i).encode()
+
 
 def pattern(size: int) -> bytes:
     return bytes(i % 251 for i in range(251)) * (size // 251) + bytes(range(size % 251))
@@ -159,6 +164,7 @@ def register(server: Server, servicer: Servicer) -> None:
         "ReadWrite": bidi(servicer.read_write),
         "HoldStream": bidi(servicer.hold_stream),
         "Stall": bidi(servicer.stall),
+        "Count": grpc.unary_stream_rpc_method_handler(servicer.count),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 

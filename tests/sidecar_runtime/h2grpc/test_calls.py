@@ -65,6 +65,15 @@ async def test_bidi_many_messages_each_way() -> None:
         assert await call.code() is grpc.StatusCode.OK
 
 
+async def test_server_streaming_from_a_plain_generator() -> None:
+    # grpc.aio serves a handler written as a plain (sync) generator; this server must not end
+    # such a call with OK and no message at all.
+    async with running_server() as running, channel(running.address) as ch:
+        call = ch.unary_stream(path("Count"))(b"3")
+        assert [answer async for answer in call] == [b"0", b"1", b"2"]
+        assert await call.code() is grpc.StatusCode.OK
+
+
 async def test_bidi_interleaved_read_and_write() -> None:
     """Each answer arrives before the next request is sent: the handler's messages are not
     held back until the client half-closes."""

@@ -9,7 +9,14 @@ import asyncio
 import grpc
 import h2.errors
 import pytest
-from hyperframe.frame import DataFrame, GoAwayFrame, HeadersFrame, RstStreamFrame, WindowUpdateFrame
+from hyperframe.frame import (
+    DataFrame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    WindowUpdateFrame,
+)
 
 from tests.harness.waits import until
 from tests.sidecar_runtime.h2grpc.clients import (
@@ -206,4 +213,64 @@ async def test_drain_delivers_an_answer_still_waiting_for_the_clients_window() -
         assert messages(bytes(body)) == [pattern(200_000)]
         assert any(_ended(frame, 1) for frame in frames)
         await asyncio.wait_for(stopping, 5)  # and the server is done well before its grace
+        await client.close()
+
+
+async def test_streams_reset_in_the_read_that_opened_them_do_not_hold_the_drain() -> None:
+    # HEADERS (and the message) then RST_STREAM in one read: the handler's task is cancelled
+    # before its first step, so nothing inside it runs, its end included. The server still
+    # counts the call as done: the drain ends as soon as the connection has nothing in flight.
+    async with running_server() as running:
+        client = await FrameClient.open(running.port)
+        client.send(client.headers(1, grpc_headers(path("Hold"))),
+                    DataFrame(1, message(b"x"), flags=["END_STREAM"]), RstStreamFrame(1, 8),
+                    client.headers(3, grpc_headers(path("Chat"))), RstStreamFrame(3, 8),
+                    client.headers(5, grpc_headers(path("Echo"))),
+                    DataFrame(5, message(b"after"), flags=["END_STREAM"]))
+        await client.until(lambda frame: _ended(frame, 5))
+        stopping = asyncio.ensure_future(running.server.stop(30))
+        frames = await client.until_closed()
+        assert any(isinstance(frame, GoAwayFrame) for frame in frames)
+        await asyncio.wait_for(stopping, 5)  # well before its grace
+        assert not running.servicer.seen.started.is_set()
+        await client.close()
+
+
+async def test_drain_ends_when_the_client_resets_an_answer_waiting_for_its_window() -> None:
+    # The handler is done, its answer waits for window; the client resets that stream (its own
+    # timeout, say) instead of granting any: nothing is left, the connection closes at once.
+    async with running_server() as running:
+        client = await FrameClient.open(running.port)  # default windows: 65,535 bytes
+        client.send(client.headers(1, grpc_headers(path("Big"))),
+                    DataFrame(1, message(b"200000"), flags=["END_STREAM"]))
+        sent = 0
+        while sent < 65_535:
+            frame = await client.until(lambda f: isinstance(f, DataFrame) and f.stream_id == 1)
+            assert isinstance(frame, DataFrame)
+            sent += len(frame.data)
+        stopping = asyncio.ensure_future(running.server.stop(30))
+        await client.until(lambda f: isinstance(f, GoAwayFrame))
+        client.send(RstStreamFrame(1, 8))
+        assert await client.until_closed() == []
+        await asyncio.wait_for(stopping, 5)  # well before its grace
+        await client.close()
+
+
+async def test_drain_waits_for_the_message_of_a_unary_call_it_accepted() -> None:
+    # A unary call's HEADERS read, its message not yet (the next TCP segment): its handler has
+    # not started, but GOAWAY names the stream as taken, so the client will not retry it
+    # elsewhere. The drain waits for the message and answers it instead of closing on it.
+    async with running_server() as running:
+        client = await FrameClient.open(running.port)
+        client.send(client.headers(1, grpc_headers(path("Echo"))), PingFrame(0, b"headers!"))
+        await client.until(lambda frame: isinstance(frame, PingFrame))  # HEADERS were read
+        stopping = asyncio.ensure_future(running.server.stop(30))
+        goaway = await client.until(lambda frame: isinstance(frame, GoAwayFrame))
+        assert isinstance(goaway, GoAwayFrame) and goaway.last_stream_id == 1
+        client.send(DataFrame(1, message(b"second segment"), flags=["END_STREAM"]))
+        frames = await client.until_closed()
+        body = b"".join(f.data for f in frames if isinstance(f, DataFrame) and f.stream_id == 1)
+        assert messages(body) == [b"second segment"]
+        assert any(_ended(frame, 1) for frame in frames)
+        await asyncio.wait_for(stopping, 5)
         await client.close()
