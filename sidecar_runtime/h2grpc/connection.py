@@ -28,6 +28,8 @@ log = get_logger("sidecar_runtime.h2grpc")
 RECEIVE_WINDOW = 4 * 1024 * 1024
 """Each stream's window, granted in SETTINGS and topped up when half is used."""
 CONNECTION_WINDOW = 16 * 1024 * 1024
+DRAIN_LINGER_S = 0.2
+"""How long a drained connection is still read (new streams refused) before it closes."""
 
 
 class ConnectionError_(Exception):
@@ -61,6 +63,7 @@ class Connection(asyncio.Protocol):
         self._out: list[bytes] = []  # frames to send at the end of this loop iteration
         self._reading = False
         self._draining = False
+        self._linger: asyncio.TimerHandle | None = None  # the close after a drain
         self._closed = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
@@ -88,6 +91,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        if self._linger is not None:
+            self._linger.cancel()
         calls = list(self._calls.values())
         self._calls.clear()
         self._blocked.clear()
@@ -454,8 +459,12 @@ class Connection(asyncio.Protocol):
         # Open calls, not only tasks: a unary call whose HEADERS came without its message has
         # no task yet, and GOAWAY told the client it was taken. (A blocked answer's call is
         # open too, until its END_STREAM goes out.)
-        if self._draining and self._tasks == 0 and not self._calls:
-            self._close()
+        if self._draining and self._tasks == 0 and not self._calls and self._linger is None:
+            # Not at once: a HEADERS the client sent before it read our GOAWAY may be on its
+            # way. Closing with it unread makes the kernel reset the connection, and the
+            # client may lose the GOAWAY and fail that request; read for a moment, refusing
+            # such streams (REFUSED_STREAM: the client may retry them elsewhere), then close.
+            self._linger = asyncio.get_running_loop().call_later(DRAIN_LINGER_S, self._close)
 
     def drain(self) -> None:
         """GOAWAY: no new stream; the connection closes once its calls are done."""
@@ -477,6 +486,8 @@ class Connection(asyncio.Protocol):
         self._close()
 
     def _close(self) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
         self._uncork()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()

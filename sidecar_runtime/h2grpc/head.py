@@ -17,6 +17,7 @@ Metadata = tuple[tuple[str, str], ...]
 
 MAX_HEADER_LIST = 64 * 1024
 HEADS_CACHED = 1024
+HEAD_CACHED_MAX_BYTES = 2048  # Envoy's gRPC heads are ~100-250 bytes
 _NOT_METADATA = frozenset(("te", "content-type", "grpc-timeout", "grpc-encoding",
                            "grpc-accept-encoding"))
 _UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
@@ -82,7 +83,9 @@ class HeadDecoder:
         if found is not None:
             return found
         head = request_head(cast(list[tuple[str, str]], decoder.decode(block)))
-        if decoder.header_table_size == 0:  # still: the block did not raise the table size
+        # Only while the table is still 0 (the block did not raise it), and only blocks of a
+        # usual size: 1,024 blocks of up to 64 KiB each would be 64 MiB of keys.
+        if decoder.header_table_size == 0 and len(block) <= HEAD_CACHED_MAX_BYTES:
             if len(self._cache) >= HEADS_CACHED:
                 self._cache.clear()
             self._cache[block] = head

@@ -15,6 +15,7 @@ from hyperframe.frame import (
     HeadersFrame,
     PingFrame,
     RstStreamFrame,
+    SettingsFrame,
     WindowUpdateFrame,
 )
 
@@ -272,5 +273,24 @@ async def test_drain_waits_for_the_message_of_a_unary_call_it_accepted() -> None
         body = b"".join(f.data for f in frames if isinstance(f, DataFrame) and f.stream_id == 1)
         assert messages(body) == [b"second segment"]
         assert any(_ended(frame, 1) for frame in frames)
+        await asyncio.wait_for(stopping, 5)
+        await client.close()
+
+
+async def test_a_stream_the_client_opened_as_the_goaway_left_is_refused_not_reset() -> None:
+    # An idle connection is read for a moment after its GOAWAY: a HEADERS already on its way
+    # gets REFUSED_STREAM (retriable), rather than the kernel's reset of a connection closed
+    # with unread data, which can take the GOAWAY with it.
+    async with running_server() as running:
+        client = await FrameClient.open(running.port)
+        await client.until(lambda f: isinstance(f, SettingsFrame))  # the connection is up
+        stopping = asyncio.ensure_future(running.server.stop(5))
+        await client.until(lambda f: isinstance(f, GoAwayFrame))
+        client.send(client.headers(1, grpc_headers(path("Echo"))),
+                    DataFrame(1, message(b"late"), flags=["END_STREAM"]))
+        refused = await client.until(lambda f: isinstance(f, RstStreamFrame))
+        assert isinstance(refused, RstStreamFrame)
+        assert (refused.stream_id, refused.error_code) == (1, h2.errors.ErrorCodes.REFUSED_STREAM)
+        assert await client.until_closed() == []
         await asyncio.wait_for(stopping, 5)
         await client.close()
