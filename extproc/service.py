@@ -119,8 +119,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         finally:
             # However the stream ended: Envoy's reset after the last answer (the request was
             # recorded already, close returns nothing), or a reset before it (client gone,
-            # upstream reset: grpcio cancels this generator, at an await with CancelledError or
-            # at the yield with GeneratorExit): close returns the request's aborted record.
+            # upstream reset: the server cancels the call, at an await here with CancelledError
+            # or, while an answer is being sent, at the yield with GeneratorExit): close returns
+            # the request's aborted record.
             _record_aborted(telemetry, state)
 
     def _settled(self, step: Continue) -> Continue:

@@ -1,4 +1,5 @@
-"""The gRPC side: ``envoy.service.ratelimit.v3.RateLimitService`` on grpc.aio, and what the
+"""The gRPC side: ``envoy.service.ratelimit.v3.RateLimitService`` (served by
+:mod:`sidecar_runtime.h2grpc`), and what the
 service brings to the process skeleton (store, limiter, config reloader); the skeleton
 (:mod:`sidecar_runtime.service_process`) adds health, ops HTTP, reload polling and the drain.
 The only module of the package that imports ``grpc``.

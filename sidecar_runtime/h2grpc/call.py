@@ -330,8 +330,15 @@ class Call:
                     assert method is not None
                     result = method(requests, context)
                     if inspect.isasyncgen(result):
-                        async for message in result:
-                            await self.send(message)
+                        try:
+                            async for message in result:
+                                await self.send(message)
+                        finally:
+                            # Cut while its answer was being sent (a reset, the drain), the
+                            # generator waits at its yield: close it now, so its cleanup
+                            # (extproc records an aborted request there) runs before the call
+                            # counts as done, not whenever the loop finalizes it.
+                            await result.aclose()
                     elif inspect.isawaitable(result):
                         await result  # writes through context.write
                     else:
