@@ -12,7 +12,7 @@ import asyncio
 import inspect
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
@@ -33,10 +33,6 @@ _COMPRESSED = (grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not suppo
 
 class Aborted(Exception):
     """Raised by :meth:`Context.abort`: the call ends with the status set on its context."""
-
-
-class _Expired(Exception):
-    """The call's ``grpc-timeout`` passed."""
 
 
 class Context:
@@ -103,7 +99,6 @@ class Call:
         "_expired",
         "_max_receive",
         "_messages",
-        "_need",
         "_timer",
         "_waiter",
         "cancelled",
@@ -139,8 +134,7 @@ class Call:
         self.send_window = send_window
         self.recv_unacked = 0
         self.input_ended = False
-        self._buffer = bytearray()
-        self._need = 5  # bytes the message being read still needs (its 5-byte prefix first)
+        self._buffer = bytearray()  # the start of a message whose rest has not come yet
         self._messages: deque[bytes] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._drained: asyncio.Future[None] | None = None
@@ -160,33 +154,28 @@ class Call:
         if self.input_ended:
             return grpc.StatusCode.INTERNAL, "data after the end of the request"
         buffer = self._buffer
-        if not buffer and len(data) >= 5 and data[0] == 0:
-            # The common case: whole messages in one frame, no copy through the buffer.
-            position, size = 0, len(data)
-            while size - position >= 5:
-                length = int.from_bytes(data[position + 1:position + 5], "big")
-                if data[position] != 0:
-                    return _COMPRESSED
-                if length > self._max_receive:
-                    return self._too_large(length)
-                if size - position - 5 < length:
-                    break
-                self._messages.append(data[position + 5:position + 5 + length])
-                position += 5 + length
-            if position < size:
-                buffer += data[position:]
-        else:
+        # Read from the frame itself when nothing is left over (the common case: whole
+        # messages in one frame, no copy); else from the leftover with the frame appended, so a
+        # large message arriving over many frames is copied once, not once per frame.
+        source: bytes | bytearray = data
+        if buffer:
             buffer += data
-        while len(buffer) >= 5:
-            if buffer[0] != 0:
+            source = buffer
+        position, size = 0, len(source)
+        while size - position >= 5:
+            if source[position] != 0:
                 return _COMPRESSED
-            length = int.from_bytes(buffer[1:5], "big")
+            length = int.from_bytes(source[position + 1:position + 5], "big")
             if length > self._max_receive:
                 return self._too_large(length)
-            if len(buffer) < 5 + length:
+            if size - position - 5 < length:
                 break
-            self._messages.append(bytes(buffer[5:5 + length]))
-            del buffer[:5 + length]
+            self._messages.append(bytes(source[position + 5:position + 5 + length]))
+            position += 5 + length
+        if source is buffer:
+            del buffer[:position]
+        elif position < size:
+            buffer += data[position:]
         self._wake()
         return None
 
@@ -316,64 +305,61 @@ class Call:
         context = Context(self)
         handler = self.handler
         try:
-            try:
-                if handler.request_streaming:
-                    requests: Any = self
-                else:
-                    raw = await self._next_raw()
-                    if raw is None:
-                        raise _BadRequest("the request has no message")
-                    requests = self._parse(raw)
-                if handler.response_streaming:
-                    method = handler.stream_stream if handler.request_streaming \
-                        else handler.unary_stream
-                    assert method is not None
-                    result = method(requests, context)
-                    if inspect.isasyncgen(result):
-                        try:
-                            async for message in result:
-                                await self.send(message)
-                        finally:
-                            # Cut while its answer was being sent (a reset, the drain), the
-                            # generator waits at its yield: close it now, so its cleanup
-                            # (extproc records an aborted request there) runs before the call
-                            # counts as done, not whenever the loop finalizes it.
-                            await result.aclose()
-                    elif inspect.isawaitable(result):
-                        await result  # writes through context.write
-                    else:
-                        # A plain generator (grpc.aio runs one on its thread pool), run here
-                        # on the loop; anything else not iterable is a TypeError, UNKNOWN,
-                        # rather than an OK without a message.
-                        for message in result:
+            if handler.request_streaming:
+                requests: Any = self
+            else:
+                raw = await self._next_raw()
+                if raw is None:
+                    raise _BadRequest("the request has no message")
+                requests = self._parse(raw)
+            if handler.response_streaming:
+                method = handler.stream_stream if handler.request_streaming \
+                    else handler.unary_stream
+                assert method is not None
+                result = method(requests, context)
+                if inspect.isasyncgen(result):
+                    try:
+                        async for message in result:
                             await self.send(message)
-                    self._finish(context.code().value[0], context.details())
+                    finally:
+                        # Cut while its answer was being sent (a reset, the drain), the
+                        # generator waits at its yield: close it now, so its cleanup
+                        # (extproc records an aborted request there) runs before the call
+                        # counts as done, not whenever the loop finalizes it.
+                        await result.aclose()
+                elif inspect.isawaitable(result):
+                    await result  # writes through context.write
                 else:
-                    method = handler.stream_unary if handler.request_streaming \
-                        else handler.unary_unary
-                    assert method is not None
-                    answer = await method(requests, context)
-                    code = context.code()
-                    if code is grpc.StatusCode.OK and answer is not None:
-                        self._finish(0, context.details(), answer)
-                    else:
-                        self._finish(code.value[0] if code is not grpc.StatusCode.OK else 2,
-                                     context.details() or "the handler returned no answer")
-            except Aborted:
+                    # A plain generator (grpc.aio runs one on its thread pool), run here
+                    # on the loop; anything else not iterable is a TypeError, UNKNOWN,
+                    # rather than an OK without a message.
+                    for message in result:
+                        await self.send(message)
                 self._finish(context.code().value[0], context.details())
-            except _BadRequest as exc:
-                self._finish(grpc.StatusCode.INTERNAL.value[0], str(exc))
-            except asyncio.CancelledError:
-                if self._expired:
-                    self._finish(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
-                    self.connection.reset_stream(self, frames.CANCEL)
-                elif not self.cancelled:  # the server is stopping
-                    self.connection.reset_stream(self, frames.CANCEL)
-            except Exception:
-                log.exception("grpc_handler_error", method=self.path)
-                self._finish(grpc.StatusCode.UNKNOWN.value[0], "Unexpected error")
-        finally:
-            self._stop_timer()
+            else:
+                method = handler.stream_unary if handler.request_streaming \
+                    else handler.unary_unary
+                assert method is not None
+                answer = await method(requests, context)
+                code = context.code()
+                if code is grpc.StatusCode.OK and answer is not None:
+                    self._finish(0, context.details(), answer)
+                else:
+                    self._finish(code.value[0] if code is not grpc.StatusCode.OK else 2,
+                                 context.details() or "the handler returned no answer")
+        except Aborted:
+            self._finish(context.code().value[0], context.details())
+        except _BadRequest as exc:
+            self._finish(grpc.StatusCode.INTERNAL.value[0], str(exc))
+        except asyncio.CancelledError:
+            if self._expired:
+                self._finish(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
+                self.connection.reset_stream(self, frames.CANCEL)
+            elif not self.cancelled:  # the server is stopping
+                self.connection.reset_stream(self, frames.CANCEL)
+        except Exception:
+            log.exception("grpc_handler_error", method=self.path)
+            self._finish(grpc.StatusCode.UNKNOWN.value[0], "Unexpected error")
 
     def task_done(self, task: asyncio.Task[None]) -> None:
         """The handler's task is over, however it ended (cancelled before it began too)."""
@@ -383,9 +369,6 @@ class Call:
 
 class _BadRequest(Exception):
     """The request cannot be handed to the handler: INTERNAL, with this message."""
-
-
-MethodLookup = Callable[[str, Metadata], "grpc.RpcMethodHandler | None"]
 
 
 def first_handler(generic: Sequence[grpc.GenericRpcHandler], method: str,

@@ -75,8 +75,8 @@ class Connection(asyncio.Protocol):
         self._server.connection_opened(self)
         self.transport.write(f.settings({f.SETTINGS_HEADER_TABLE_SIZE: 0,
                                          f.SETTINGS_ENABLE_PUSH: 0,
-                                    f.SETTINGS_INITIAL_WINDOW_SIZE: RECEIVE_WINDOW})
-                        + f.window_update(0, CONNECTION_WINDOW - f.DEFAULT_WINDOW))
+                                         f.SETTINGS_INITIAL_WINDOW_SIZE: RECEIVE_WINDOW})
+                             + f.window_update(0, CONNECTION_WINDOW - f.DEFAULT_WINDOW))
 
     def pause_writing(self) -> None:
         """The client stopped reading (the transport's buffer passed its high-water mark): stop
@@ -511,10 +511,6 @@ class Connection(asyncio.Protocol):
         out.clear()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
-
-    @property
-    def active_calls(self) -> int:
-        return self._tasks
 
 
 def _unpad(payload: bytes) -> bytes:
