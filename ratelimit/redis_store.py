@@ -202,9 +202,9 @@ class RedisStore:
         master of ``key``'s slot (the router also retries a connection found dead)."""
         if self._router is not None:
             return await self._router.execute(key, *command)
-        if self._batcher is not None:  # one standalone Redis: the commands of a loop iteration
-            return await self._batcher.execute(*command)  # go as one pipeline
-        return await self._client.execute_command(*command)
+        # One standalone Redis: the commands of a loop iteration go as one pipeline.
+        assert self._batcher is not None
+        return await self._batcher.execute(*command)
 
 
 @contextmanager

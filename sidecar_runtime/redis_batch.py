@@ -5,7 +5,7 @@ pooled connection: one ``send``, one wake-up and one ``recv`` per command, on ev
 On this project's machines a loopback syscall costs as much as the script itself, so the
 commands that callers issue while the loop runs one batch of callbacks are gathered and sent on
 one connection as a non-transactional pipeline (one write, the replies read back in order).
-A lone command costs one extra loop iteration (a ``call_soon``), nothing more.
+A lone command waits one loop iteration (a ``sleep(0)``) and goes as a plain command.
 
 Nothing else changes for a caller: :meth:`CommandBatcher.execute` returns the reply or raises
 what redis-py would (a reply error such as ``NoScriptError`` only for its own command; a
