@@ -99,3 +99,10 @@ def embeddings_response() -> str:
         "usage": {"prompt_tokens": 20, "total_tokens": 20, "completion_tokens": 0,
                   "prompt_tokens_details": None},
     })
+
+
+def write_extproc_load(path: str) -> None:
+    """The file the ext_proc load clients (``bench.h2_extproc_load``, extproc_workers' grpc
+    client) read: a chat request and its answer, split by a NUL byte."""
+    with open(path, "wb") as handle:
+        handle.write(chat_request() + b"\0" + chat_response().encode())

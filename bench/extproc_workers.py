@@ -137,8 +137,7 @@ def measure(config: str, workers: int, args: argparse.Namespace, workdir: str) -
     try:
         wait_http_ok(f"http://127.0.0.1:{metrics}/healthz", 120, server)
         payload = os.path.join(workdir, "bodies")
-        with open(payload, "wb") as handle:
-            handle.write(bodies.chat_request() + b"\0" + bodies.chat_response().encode())
+        bodies.write_extproc_load(payload)
         command = ([sys.executable, "-m", "bench.h2_extproc_load", str(port),
                     str(args.duration), str(args.connections), str(args.concurrency), payload]
                    if args.client == "raw" else

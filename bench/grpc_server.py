@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -88,15 +89,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    with tempfile.NamedTemporaryFile(suffix=".bodies", delete=False) as handle:
-        handle.write(bodies.chat_request() + b"\0" + bodies.chat_response().encode())
     print("| server | messages/s | server cores | µs CPU per message | load client cores |")
     print("|---|---|---|---|---|")
-    for _ in range(args.repeats):
-        for kind in KINDS:
-            row = one(kind, args.seconds, handle.name)
-            print(f"| {kind} | {row['messages/s']:,.0f} | {row['cores']:.2f} | "
-                  f"{row['us/message']:.1f} | {row['client cores']:.2f} |", flush=True)
+    with tempfile.TemporaryDirectory() as workdir:
+        path = os.path.join(workdir, "bodies")
+        bodies.write_extproc_load(path)
+        for _ in range(args.repeats):
+            for kind in KINDS:
+                row = one(kind, args.seconds, path)
+                print(f"| {kind} | {row['messages/s']:,.0f} | {row['cores']:.2f} | "
+                      f"{row['us/message']:.1f} | {row['client cores']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,16 +22,27 @@ import time
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hpack import Encoder, NeverIndexedHeaderTuple
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
-END_HEADERS, ACK, END_STREAM = 0x4, 0x1, 0x1
-BIG_WINDOW = 0x7FFFFFFF
+from sidecar_runtime.h2grpc.frames import (
+    ACK,
+    CANCEL,
+    DATA,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    MAX_WINDOW,
+    PING,
+    PREFACE,
+    SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    frame,
+    rst_stream,
+    settings,
+    window_update,
+)
+
 MESSAGES_PER_STREAM = 4
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + \
-        struct.pack(">I", stream) + payload
 
 
 def headers(phase: str, pairs: list[tuple[str, str]]) -> pb.ProcessingRequest:
@@ -85,9 +96,8 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        settings = struct.pack(">HI", 0x4, BIG_WINDOW)  # INITIAL_WINDOW_SIZE
-        transport.write(PREFACE + frame(SETTINGS, 0, 0, settings)
-                        + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", BIG_WINDOW - 65535)))
+        transport.write(PREFACE + settings({SETTINGS_INITIAL_WINDOW_SIZE: MAX_WINDOW})
+                        + window_update(0, MAX_WINDOW - DEFAULT_WINDOW))
 
     def start_streams(self) -> None:
         for _ in range(self._streams):
@@ -110,7 +120,7 @@ class Connection(asyncio.Protocol):
             if len(buffer) - offset < 9 + length:
                 break
             kind, flags = buffer[offset + 3], buffer[offset + 4]
-            stream = int.from_bytes(buffer[offset + 5:offset + 9], "big") & BIG_WINDOW
+            stream = int.from_bytes(buffer[offset + 5:offset + 9], "big") & MAX_WINDOW
             payload = buffer[offset + 9:offset + 9 + length]
             offset += 9 + length
             if kind == SETTINGS and not flags & ACK:
@@ -143,7 +153,7 @@ class Connection(asyncio.Protocol):
                 state[0] += 1
         if state[0] >= MESSAGES_PER_STREAM:
             self._finish(stream)
-            return frame(RST_STREAM, 0, stream, struct.pack(">I", 0x8))  # CANCEL
+            return rst_stream(stream, CANCEL)
         return b""
 
     def _finish(self, stream: int) -> None:
