@@ -16,6 +16,7 @@ from routing.units import parse_hostport
 from sidecar_runtime.wire_names import (
     DESTINATION_ENDPOINT,
     DESTINATION_ENDPOINT_SERVED,
+    GRPC_MAX_CONCURRENT_STREAMS,
     LB_METADATA_NAMESPACE,
     UNIX_PREFIX,
 )
@@ -188,6 +189,9 @@ def grpc_cluster(name: str, address: str, tls: ServicesTls | None = None) -> dic
             TYPE: API + "extensions.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {
                 "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                # The services' limit, kept from Envoy's side too (it opens another connection
+                # rather than send a stream the server would refuse before its SETTINGS came).
+                "max_concurrent_streams": GRPC_MAX_CONCURRENT_STREAMS,
             }},
         }},
     })

@@ -50,6 +50,11 @@ its Envoy carries the usage filters (``telemetry.envoy_usage``): only then does 
 an unsampled stream's usage to Envoy. An Envoy without them (Istio's EnvoyFilter) sends no
 marker, so extproc reads those streams itself, whatever the YAML says."""
 
+GRPC_MAX_CONCURRENT_STREAMS = 100
+"""Streams one HTTP/2 connection to extproc or ratelimit carries at once: the services' gRPC
+server advertises it (and refuses a stream beyond it), and the rendered Envoy clusters keep to
+it, so Envoy opens another connection instead. ext_proc holds a stream per request in flight,
+so under load Envoy's connections multiply and the kernel spreads them over ``--workers``."""
 UNIX_PREFIX = "unix:"
 """A service address that names a Unix socket: ``unix:/absolute/path`` (gRPC's scheme, and what
 the rendered Envoy config turns into a ``pipe`` address)."""

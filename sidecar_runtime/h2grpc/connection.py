@@ -75,6 +75,8 @@ class Connection(asyncio.Protocol):
         self._server.connection_opened(self)
         self.transport.write(f.settings({f.SETTINGS_HEADER_TABLE_SIZE: 0,
                                          f.SETTINGS_ENABLE_PUSH: 0,
+                                         f.SETTINGS_MAX_CONCURRENT_STREAMS:
+                                             self._server.max_concurrent_streams,
                                          f.SETTINGS_INITIAL_WINDOW_SIZE: RECEIVE_WINDOW})
                              + f.window_update(0, CONNECTION_WINDOW - f.DEFAULT_WINDOW))
 
@@ -263,7 +265,10 @@ class Connection(asyncio.Protocol):
             self._write(f.rst_stream(stream, f.STREAM_CLOSED))
             return
         self._last_stream = stream
-        if self._draining:
+        if self._draining or len(self._calls) >= self._server.max_concurrent_streams:
+            # Past the advertised limit (RFC 9113 §5.1.2), e.g. sent before the client read
+            # our SETTINGS: refused, which a client may retry (Envoy does, on another
+            # connection). Each open call holds a task and up to a window of input.
             self._write(f.rst_stream(stream, f.REFUSED_STREAM))
             return
         if head.malformed:  # a stream error (RFC 9113 §8.2.1): this stream only

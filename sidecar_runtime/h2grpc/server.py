@@ -26,7 +26,7 @@ import grpc
 from sidecar_runtime.h2grpc.call import Metadata, first_handler
 from sidecar_runtime.h2grpc.connection import Connection
 from sidecar_runtime.h2grpc.head import RequestHead
-from sidecar_runtime.wire_names import UNIX_PREFIX
+from sidecar_runtime.wire_names import GRPC_MAX_CONCURRENT_STREAMS, UNIX_PREFIX
 
 DEFAULT_MAX_RECEIVE = 4 * 1024 * 1024
 """grpc's default limit on one request message."""
@@ -36,8 +36,11 @@ class Server:
     """gRPC over HTTP/2 on the running event loop. Lifecycle as grpc.aio's: add handlers,
     :meth:`add_port`, :meth:`start`, :meth:`stop` with a grace period."""
 
-    def __init__(self, *, max_receive_message_length: int = DEFAULT_MAX_RECEIVE) -> None:
+    def __init__(self, *, max_receive_message_length: int = DEFAULT_MAX_RECEIVE,
+                 max_concurrent_streams: int = GRPC_MAX_CONCURRENT_STREAMS) -> None:
         self.max_receive_message_length = max_receive_message_length
+        self.max_concurrent_streams = max_concurrent_streams
+        """Open streams per connection (advertised in SETTINGS); a stream beyond is refused."""
         self._registered: dict[str, grpc.RpcMethodHandler] = {}
         self._generic: list[grpc.GenericRpcHandler] = []
         self._listeners: list[asyncio.Server] = []

@@ -183,10 +183,12 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def running_server(*, max_receive: int = MAX_RECEIVE,
-                         address: str = "127.0.0.1:0", **port_options: Any,
-                         ) -> AsyncIterator[Running]:
-    """A started server with the test methods and grpc.health.v1, stopped on the way out."""
-    server = Server(max_receive_message_length=max_receive)
+                         address: str = "127.0.0.1:0", max_streams: int | None = None,
+                         **port_options: Any) -> AsyncIterator[Running]:
+    """A started server with the test methods and grpc.health.v1, stopped on the way out
+    (``max_streams``: its streams per connection, else the server's default)."""
+    server = Server(max_receive_message_length=max_receive) if max_streams is None else \
+        Server(max_receive_message_length=max_receive, max_concurrent_streams=max_streams)
     servicer, health = Servicer(), HealthServicer()
     register(server, servicer)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

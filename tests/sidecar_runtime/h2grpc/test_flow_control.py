@@ -7,10 +7,18 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import h2.errors
 import h2.settings
+from hyperframe.frame import DataFrame, HeadersFrame, RstStreamFrame, SettingsFrame
 
 from tests.harness.waits import until
-from tests.sidecar_runtime.h2grpc.clients import H2Client, message, messages
+from tests.sidecar_runtime.h2grpc.clients import (
+    FrameClient,
+    H2Client,
+    grpc_headers,
+    message,
+    messages,
+)
 from tests.sidecar_runtime.h2grpc.servicers import channel, path, pattern, running_server, unary
 
 TEN_MB = 10 * 1024 * 1024
@@ -106,7 +114,7 @@ async def test_hundreds_of_concurrent_calls_on_one_connection() -> None:
     """300 unary calls in flight at once on one channel (the handler answers only once all
     300 wait in it), every one answered."""
     count = 300
-    async with running_server() as running, channel(running.address) as ch:
+    async with running_server(max_streams=count) as running, channel(running.address) as ch:
         running.servicer.gate_at = count
         answers = await asyncio.gather(
             *(unary(ch, "Gate", str(i).encode()) for i in range(count)))
@@ -117,7 +125,7 @@ async def test_hundreds_of_concurrent_calls_on_one_connection() -> None:
 async def test_many_streams_in_one_read_are_all_answered() -> None:
     """Hundreds of HEADERS+DATA in one write (one read on the server) and a bidi stream
     among them: every stream gets its own answer."""
-    async with running_server() as running:
+    async with running_server(max_streams=301) as running:
         client = await H2Client.open(running.port)
         streams = [client.request(path("Echo"), message(str(i).encode())) for i in range(300)]
         chat = client.request(path("Chat"), message(b"a") + message(b"b"))
@@ -153,3 +161,50 @@ async def test_a_handler_that_does_not_read_holds_the_client_back() -> None:
         answer = await client.answer(stream)
         assert messages(answer.body) == [str(count).encode()]
         await client.close()
+
+
+async def test_streams_beyond_the_advertised_limit_are_refused_and_the_rest_served() -> None:
+    """The server advertises its limit of streams per connection in SETTINGS; a client that
+    opens more anyway (here before reading the SETTINGS) has the extra ones refused with
+    REFUSED_STREAM, which it may retry, while the others are answered, and a stream opened
+    once they are done is served."""
+    limit = 3
+    async with running_server(max_streams=limit) as running:
+        client = await FrameClient.open(running.port)
+        for stream in (1, 3, 5, 7, 9):  # Hold: each waits until the test releases them
+            client.send(client.headers(stream, grpc_headers(path("Hold"))),
+                        DataFrame(stream, message(b"x"), flags=["END_STREAM"]))
+        settings = await client.until(lambda f: isinstance(f, SettingsFrame)
+                                      and "ACK" not in f.flags)
+        assert isinstance(settings, SettingsFrame)
+        assert settings.settings[SettingsFrame.MAX_CONCURRENT_STREAMS] == limit
+        refused: set[int] = set()
+        while len(refused) < 2:
+            frame = await client.read_frame()
+            assert frame is not None
+            if isinstance(frame, RstStreamFrame):
+                assert frame.error_code == h2.errors.ErrorCodes.REFUSED_STREAM
+                refused.add(frame.stream_id)
+        assert refused == {7, 9}
+        assert running.servicer.seen.in_flight == limit
+        running.servicer.seen.release.set()
+        ended: set[int] = set()
+        while ended != {1, 3, 5}:
+            frame = await client.read_frame()
+            assert frame is not None and not isinstance(frame, RstStreamFrame)
+            if isinstance(frame, HeadersFrame) and "END_STREAM" in frame.flags:
+                ended.add(frame.stream_id)
+        client.send(client.headers(11, grpc_headers(path("Echo"))),
+                    DataFrame(11, message(b"later"), flags=["END_STREAM"]))
+        answer = await client.until(lambda f: isinstance(f, DataFrame) and f.stream_id == 11)
+        assert isinstance(answer, DataFrame)
+        assert messages(answer.data) == [b"later"]
+        await client.close()
+
+
+async def test_a_grpcio_client_keeps_to_the_limit_and_every_call_is_answered() -> None:
+    """A real client reads the limit and queues its calls instead of opening more streams:
+    40 concurrent calls on a server allowing 4 per connection all succeed."""
+    async with running_server(max_streams=4) as running, channel(running.address) as ch:
+        answers = await asyncio.gather(*(unary(ch, "Echo", str(i).encode()) for i in range(40)))
+        assert answers == [str(i).encode() for i in range(40)]
