@@ -51,3 +51,15 @@ def test_reservation_bench_runs_and_counts_redis_work() -> None:
         "reserve, settle + concurrency caps"]
     # One EVALSHA per RLS call: admission, then the stream-done settle.
     assert [float(row[4]) for row in rows] == [1.0, 2.0, 2.0, 2.0]
+
+
+def test_ratelimit_python_bench_times_every_stage_of_a_six_bucket_admission() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.ratelimit_python", "--calls", "20",
+                           "--rounds", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "one admission: 6 descriptors, 6 buckets" in done.stdout
+    stages = [line.split("|")[1].strip() for line in done.stdout.splitlines()
+              if line.startswith("| ") and not line.startswith("| stage")]
+    assert stages == ["parse (upb)", "request_from_proto", "plan, matched afresh",
+                      "plan, remembered matches", "resolve", "response_to_proto + serialise"]
