@@ -147,33 +147,37 @@ _MAX_REMEMBERED_TEXT = 512
 
 
 class Matches:
-    """Remembers :func:`match` per entries for the domain config in force: a request's
-    descriptors repeat (the same key, tenant and model), and matching one costs a config walk
-    and a SHA-256 for its bucket key, about 6 µs of the decision's Python. A config reload
-    brings a new domain object, and the remembered matches go with the old one."""
+    """Remembers :func:`match` per domain and entries: a request's descriptors repeat (the same
+    key, tenant and model), and matching one costs a config walk and a SHA-256 for its bucket
+    key (bench/README.md, "The rate-limit decision's Python"). A reload brings new domain
+    objects: meeting one starts afresh."""
 
     def __init__(self, limit: int = MAX_MATCHES) -> None:
-        self._domain: DomainConfig | None = None
-        self._seen: dict[tuple[tuple[str, str], ...], Match] = {}
+        self._domains: dict[str, DomainConfig] = {}
+        self._seen: dict[tuple[str, tuple[tuple[str, str], ...]], Match] = {}
         self._limit = limit
 
     def __len__(self) -> int:
         return len(self._seen)
 
     def __contains__(self, entries: object) -> bool:
-        return entries in self._seen
+        return any(seen == entries for _, seen in self._seen)
 
     def get(self, domain: DomainConfig, entries: tuple[tuple[str, str], ...]) -> Match:
-        if domain is not self._domain:
-            self._domain, self._seen = domain, {}
-        found = self._seen.get(entries)
+        known = self._domains.get(domain.name)
+        if known is not domain:
+            if known is not None:  # a reload: every domain afresh
+                self._domains, self._seen = {}, {}
+            self._domains[domain.name] = domain
+        key = (domain.name, entries)
+        found = self._seen.get(key)
         if found is not None:
             return found
         found = match(domain, entries)
         if sum(len(k) + len(v) for k, v in entries) <= _MAX_REMEMBERED_TEXT:
             if len(self._seen) >= self._limit:
                 self._seen.clear()  # amortised: rebuilt by the next few requests
-            self._seen[entries] = found
+            self._seen[key] = found
         return found
 
 

@@ -121,3 +121,22 @@ def test_what_is_remembered_stays_bounded() -> None:
     long = (("kind", "requests"), ("tenant", "x" * 600))
     assert matches.get(domain, long).key is not None
     assert long not in matches
+
+
+def test_two_domains_are_remembered_side_by_side() -> None:
+    """A descriptor file with several domains: each keeps its own matches, and the same entries
+    in another domain are that domain's (no thrash, no mix-up)."""
+    other = CONFIG.replace("domain: d", "domain: e").replace("requests_per_unit: 10, burst: 20",
+                                                             "requests_per_unit: 1, burst: 3")
+    config = load_text(CONFIG, "d.yaml")
+    second = load_text(other, "e.yaml")
+    d, e = config.domain("d"), second.domain("e")
+    assert d is not None and e is not None
+    matches = Matches()
+    entries = (("kind", "requests"), ("tenant", "a"))
+    for _ in range(2):
+        first, then = matches.get(d, entries), matches.get(e, entries)
+        assert first.spec is not None and first.spec.capacity == 20
+        assert then.spec is not None and then.spec.capacity == 3
+        assert first.key != then.key
+    assert len(matches) == 2
