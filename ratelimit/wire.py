@@ -81,11 +81,16 @@ BACKEND_DENY_HEADER = "x-llm-ratelimit-backend"
 
 
 def _descriptor(message: ratelimit_pb2.RateLimitDescriptor) -> DescriptorRequest:
-    entries = tuple((entry.key, entry.value) for entry in message.entries)
+    entries = tuple([(entry.key, entry.value) for entry in message.entries])
     lease: str | None = None
     phase: Phase = "admit"
     used: int | None = None
-    if any(key in CONTROL_ENTRIES for key, _ in entries):
+    for key, _ in entries:  # a plain loop: this runs for every descriptor of every call
+        if key in CONTROL_ENTRIES:
+            break
+    else:
+        key = ""
+    if key:
         for key, value in entries:
             if key == LEASE_ENTRY:
                 lease = value if _LEASE.match(value) else None
@@ -121,7 +126,7 @@ def current_limit(limit: Limit) -> tuple[int, str]:
 def response_to_proto(outcome: LimitOutcome) -> rls_pb2.RateLimitResponse:
     response = _Response(overall_code=_Response.OK if outcome.ok else _Response.OVER_LIMIT)
     for status in outcome.statuses:
-        response.statuses.append(_status(status))
+        _status(status, response.statuses.add())
     for key, value in openai_headers(outcome.statuses):
         response.response_headers_to_add.append(base_pb2.HeaderValue(key=key, value=value))
     if not outcome.ok:
@@ -142,14 +147,16 @@ def response_to_proto(outcome: LimitOutcome) -> rls_pb2.RateLimitResponse:
     return response
 
 
-def _status(status: DescriptorOutcome) -> rls_pb2.RateLimitResponse.DescriptorStatus:
-    out = _Response.DescriptorStatus(code=_Response.OK if status.code == "ok" else _Response.OVER_LIMIT)
+def _status(status: DescriptorOutcome, out: rls_pb2.RateLimitResponse.DescriptorStatus) -> None:
+    """Fill ``out`` (added in place: appending a built message would copy it)."""
+    out.code = _Response.OK if status.code == "ok" else _Response.OVER_LIMIT
     ceiling = 2**32 - 1
     if status.limit is not None and not status.limit.unlimited:
         rpu, unit = current_limit(status.limit)
-        out.current_limit.requests_per_unit = rpu
-        out.current_limit.unit = _UNITS[unit]
-        out.current_limit.name = status.limit.name
+        shown = out.current_limit
+        shown.requests_per_unit = rpu
+        shown.unit = _UNITS[unit]
+        shown.name = status.limit.name
         # Envoy shows requests_per_unit as x-ratelimit-limit: a bucket whose burst is above
         # its rate must not show more remaining than that limit.
         ceiling = rpu
@@ -157,7 +164,6 @@ def _status(status: DescriptorOutcome) -> rls_pb2.RateLimitResponse.DescriptorSt
         out.limit_remaining = min(status.remaining, ceiling)
     if status.reset_s is not None:
         out.duration_until_reset.seconds = math.ceil(status.reset_s)
-    return out
 
 
 def openai_headers(statuses: tuple[DescriptorOutcome, ...]) -> list[tuple[str, str]]:
