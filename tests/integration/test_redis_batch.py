@@ -16,6 +16,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ratelimit.bucket import BucketSpec, Hit
+from ratelimit.redis_store import RedisStore
 from sidecar_runtime import redis_batch
 from sidecar_runtime.procs import free_port
 from sidecar_runtime.redis_batch import CommandBatcher
@@ -309,3 +311,21 @@ def test_the_same_on_uvloop(own_redis_server: RedisServer) -> None:
             await client.aclose()
 
     uvloop.run(scenario())
+
+
+async def test_a_decision_is_one_evalsha_and_nothing_else(client: Redis) -> None:
+    """What Redis runs per decision is unchanged (INFO commandstats): one EVALSHA (after the
+    first, which loads the script by EVAL), no per-command or per-connection extras."""
+    store = RedisStore(client)
+    hits = [Hit(key=f"rl:one:{{k{i}}}", spec=BucketSpec(capacity=1e9, rate=1e6), hits=1)
+            for i in range(3)]
+    await client.script_flush()
+    await store.decide(hits)  # NOSCRIPT, then EVAL
+    await client.config_resetstat()
+    await asyncio.gather(*(store.decide(hits) for _ in range(200)))
+    calls = {name: stat["calls"] for name, stat in (await client.info("commandstats")).items()}
+    await store.aclose()
+    ran = {name: n for name, n in calls.items()
+           if name not in ("cmdstat_info", "cmdstat_config", "cmdstat_hset", "cmdstat_hmget",
+                           "cmdstat_pexpire", "cmdstat_time")}  # the script's own calls
+    assert ran == {"cmdstat_evalsha": 200}, calls
