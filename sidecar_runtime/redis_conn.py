@@ -97,7 +97,6 @@ class Phase(Enum):
     CLOSED = "closed"  # everything sent or waiting has failed; the owner opens a new one
 
 
-
 class RespConnection(asyncio.Protocol):
     """Commands handed to :meth:`send` in one loop iteration leave in one write; each reply
     resolves the oldest command still waiting. A command whose caller gave up stays in that
