@@ -173,22 +173,23 @@ class RedisStore:
         await self._eval(REFUND_SHA, REFUND, group.keys, args)
 
     async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
+        if self._router is None:  # the batcher keeps its own bound (a burst waits there)
+            return await self._eval_once(sha, script, keys, args)
         # At most MAX_CONNECTIONS commands in flight: redis-py refuses a command when its pool
         # is exhausted rather than waiting (a burst of 150 calls turned into backend errors).
         async with self._slots:
-            if self._router is not None:
-                return await self._evalsha(sha, script, keys, args)
-            return await self._eval_once(sha, script, keys, args)
+            return await self._evalsha(sha, script, keys, args)
 
     async def _eval_once(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
         try:
             return await self._evalsha(sha, script, keys, args)
         except RedisConnectionError:
-            # A pooled connection Redis closed (it restarted): redis-py drops it, and one more
-            # try gets a fresh one, within the same deadline. Without this every stale
-            # connection cost one request a backend error after Redis came back (a 503 under
-            # on_backend_error: deny). The price: if a connection dies after Redis ran the
-            # script but before the reply arrived, that decision is charged twice.
+            # The connection dropped under the command (Redis restarted, or closed it just
+            # before the command was written): the batcher fails every command in flight on
+            # it at once, and one more try opens a fresh one, within the same deadline.
+            # Without this a restart cost each command in flight a backend error (a 503
+            # under on_backend_error: deny). The price: if a connection dies after Redis ran
+            # the script but before the reply arrived, that decision is charged twice.
             return await self._evalsha(sha, script, keys, args)
 
     async def _evalsha(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
@@ -202,7 +203,7 @@ class RedisStore:
         master of ``key``'s slot (the router also retries a connection found dead)."""
         if self._router is not None:
             return await self._router.execute(key, *command)
-        # One standalone Redis: the commands of a loop iteration go as one pipeline.
+        # One standalone Redis: our own pipelined connections, one write per loop iteration.
         assert self._batcher is not None
         return await self._batcher.execute(*command)
 

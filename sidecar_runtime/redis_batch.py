@@ -1,105 +1,122 @@
-"""Redis commands issued in the same event-loop iteration go to Redis as one pipeline.
+"""The rate limiter's commands to a standalone Redis: a few persistent pipelined connections of
+our own (:mod:`sidecar_runtime.redis_conn`), the commands of one event-loop iteration in one
+write, at most :data:`MAX_IN_FLIGHT` commands in flight.
 
-Under load, many rate-limit decisions are in flight at once, and redis-py sends each on its own
-pooled connection: one ``send``, one wake-up and one ``recv`` per command, on every connection.
-On this project's machines a loopback syscall costs as much as the script itself, so the
-commands that callers issue while the loop runs one batch of callbacks are gathered and sent on
-one connection as a non-transactional pipeline (one write, the replies read back in order).
-A lone command waits one loop iteration (a ``sleep(0)``) and goes as a plain command.
+Under load many decisions are in flight at once. redis-py sent each through its pool (one
+connection per command, with a pool get and release, a ``getpid`` check and its encoder and
+parser layers each time); even pipelined per loop iteration, that machinery was ~100 µs of
+ratelimit's CPU per request (bench/README.md, "A lean Redis connection"). Here a command is
+packed by hiredis's C encoder, appended to the iteration's write, and its reply parsed by
+hiredis and handed to the oldest waiting command.
 
 Nothing else changes for a caller: :meth:`CommandBatcher.execute` returns the reply or raises
 what redis-py would (a reply error such as ``NoScriptError`` only for its own command; a
-connection error or timeout for every command of the batch). A caller that gives up (its
-deadline cancels it) leaves the batch alone: its command may still run, as with redis-py.
+``ConnectionError`` for every command in flight on a connection that drops or refuses; a
+``TimeoutError`` when Redis stops answering for the socket timeout). After a failure the next
+command opens a new connection. A caller that gives up (its deadline cancels it) leaves the
+connection in step: its command, if already sent, still runs and its reply is read and dropped.
+A burst beyond the bound waits for a slot; it never turns into errors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import deque
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-MAX_BATCH = 128
-"""Commands per pipeline: a larger burst goes out as several."""
-MAX_IN_FLIGHT = 32
-"""Pipelines in flight at once (each holds one pooled connection while it runs)."""
+from sidecar_runtime.redis_client import MAX_CONNECTIONS
+from sidecar_runtime.redis_conn import Endpoint, Phase, RespConnection, pack
 
-_Pending = tuple[tuple[Any, ...], "asyncio.Future[Any]"]
+MAX_IN_FLIGHT = MAX_CONNECTIONS
+"""Commands sent or waiting at once (the bound redis-py's pool size used to set)."""
+CONNECTIONS = 2
+"""A batch goes on the connection with the fewest commands in flight: a second connection
+lets a batch go out while a connection is being reopened, and is opened only under load."""
 
 
 class CommandBatcher:
-    """Gathers the commands of one loop iteration into a pipeline on ``client``.
+    """Sends commands to the standalone Redis of ``client`` (a redis-py client made by
+    :func:`~sidecar_runtime.redis_client.make_client`: its URL, credentials and TLS context
+    are used, its pool is not)."""
 
-    The first command of an iteration leads: it yields once (``sleep(0)``) so that the
-    commands issued meanwhile can join, then sends alone (a plain command: a lone command costs
-    one loop iteration and nothing more) or, with company, sends them all as one pipeline in a
-    task of its own, so that a leader whose caller gives up does not strand the others."""
+    def __init__(self, client: Redis, connections: int = CONNECTIONS,
+                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        self._endpoint = Endpoint.of(client)
+        self._connections: list[RespConnection | None] = [None] * max(1, connections)
+        self._max_in_flight = max_in_flight
+        self._in_flight = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
 
-    def __init__(self, client: Redis) -> None:
-        self._client = client
-        self._queue: list[_Pending] | None = None  # the batch forming in this iteration
-        self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
-        self._running: set[asyncio.Task[None]] = set()
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
 
     async def execute(self, *command: Any) -> Any:
-        queue = self._queue
-        if queue is not None and len(queue) < MAX_BATCH - 1:  # the leader is the last one
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            queue.append((command, future))
-            return await future
-        joined: list[_Pending] = []
-        self._queue = joined
-        try:
-            await asyncio.sleep(0)
-        except BaseException:  # the leader's caller gave up: the others still go
-            if self._queue is joined:
-                self._queue = None
-            if joined:
-                self._spawn(joined)
-            raise
-        if self._queue is joined:
-            self._queue = None
-        if not joined:
-            return await self._client.execute_command(*command)
-        own: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._spawn([(command, own), *joined])
-        return await own
+        packed = pack(command)  # an argument of a type redis-py refuses fails before a slot
+        if self._in_flight < self._max_in_flight and not self._waiters:
+            self._in_flight += 1
+        else:
+            await self._wait_for_slot()
+        if self._closed:
+            self._release()
+            raise RedisConnectionError("Redis client closed")
+        return await self._connection().send(packed)
 
-    def _spawn(self, batch: list[_Pending]) -> None:
-        task = asyncio.get_running_loop().create_task(self._send(batch))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+    def _connection(self) -> RespConnection:
+        """The connection this iteration's write is forming on; else an idle one; else a new
+        one in a free place (never opened, or failed); else the least loaded."""
+        free = -1
+        best: RespConnection | None = None
+        for n, conn in enumerate(self._connections):
+            if conn is None or conn.phase is Phase.CLOSED:
+                if free < 0:
+                    free = n
+            elif conn.batching:
+                return conn
+            elif best is None or conn.load < best.load:
+                best = conn
+        if best is not None and (best.load == 0 or free < 0):
+            return best
+        return self._open(free)
 
-    async def _send(self, batch: list[_Pending]) -> None:
+    def _open(self, n: int) -> RespConnection:
+        conn = RespConnection(self._endpoint, self._release)
+        self._connections[n] = conn
+        return conn
+
+    async def _wait_for_slot(self) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
         try:
-            async with self._slots:
-                live = [(command, future) for command, future in batch if not future.done()]
-                if not live:
-                    return
-                pipe = self._client.pipeline(transaction=False)
-                for command, _ in live:
-                    pipe.execute_command(*command)
-                replies = await pipe.execute(raise_on_error=False)
-        except BaseException as exc:
-            for _, future in batch:
-                if not future.done():
-                    if isinstance(exc, asyncio.CancelledError):
-                        future.cancel()
-                    else:
-                        future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        for (_, future), reply in zip(live, replies, strict=True):
-            if future.done():
-                continue
-            if isinstance(reply, Exception):
-                future.set_exception(reply)
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._release()  # handed a slot just as its caller gave up: pass it on
             else:
-                future.set_result(reply)
+                with contextlib.suppress(ValueError):  # _release may have dropped it already
+                    self._waiters.remove(waiter)
+            raise
+
+    def _release(self) -> None:
+        """One command is done with: its slot goes to the first caller still waiting."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes on; _in_flight stays
+                return
+        self._in_flight -= 1
 
     async def aclose(self) -> None:
-        """Wait for the pipelines in flight (their callers are waiting for them)."""
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        """Wait for the replies of the commands in flight (their callers are waiting for
+        them), then close the connections."""
+        self._closed = True
+        live = [conn for conn in self._connections if conn is not None]
+        for conn in live:
+            await conn.wait_replies()
+        for conn in live:
+            conn.close()

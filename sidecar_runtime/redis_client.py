@@ -1,7 +1,9 @@
 """The one place a Redis client is made from a URL, for every service that uses Redis.
 
-Only store modules (the rate limiter's bucket store, extproc's vector store) and this module
-import ``redis``.
+Only store modules (the rate limiter's bucket store, extproc's vector store) and the runtime's
+``redis_*`` modules import ``redis``. On a standalone Redis the rate limiter sends its commands
+on connections of its own (:mod:`sidecar_runtime.redis_batch`), made from the client this module
+returns: the same URL, credentials and shared TLS context.
 
 TLS: ``rediss://`` (or ``rediss+cluster://``) verifies the server against the system CAs, or
 against ``?ssl_ca_certs=/path/ca.pem``; a client certificate is ``&ssl_certfile=...&ssl_keyfile=...``
