@@ -16,6 +16,7 @@ from sidecar_runtime.h2grpc import client_connection
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.client import Channel
 from sidecar_runtime.h2grpc.status import RpcError, StatusCode
+from tests.harness.waits import until
 from tests.sidecar_runtime.h2grpc.peers import H2Peer, read_until_closed, scripted
 
 WAIT_S = 20.0
@@ -101,6 +102,10 @@ async def test_answers_that_are_not_well_formed_grpc() -> None:
     f.settings({}) + f.frame(f.HEADERS, f.END_HEADERS, 1, b"\xff\xff\xff\xff"),  # bad HPACK
     f.settings({}) + f.frame(f.DATA, 0, 2, b"x"),  # a stream the client did not open
     f.settings({f.SETTINGS_MAX_FRAME_SIZE: 1}),
+    f.settings({}) + f.window_update(0, f.MAX_WINDOW),  # a window above 2^31-1
+    # A header block that never ends: refused past 64 KiB, not buffered without bound.
+    f.settings({}) + f.frame(f.HEADERS, 0, 1, b"\x88")
+    + f.frame(f.CONTINUATION, 0, 1, b"\0" * 16_000) * 5,
 ])
 async def test_a_protocol_error_fails_the_call_and_the_next_call_reconnects(reply: bytes) -> None:
     answered: list[int] = []
@@ -108,7 +113,9 @@ async def test_a_protocol_error_fails_the_call_and_the_next_call_reconnects(repl
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not answered:  # the first connection misbehaves
             answered.append(1)
-            await reader.read(1000)  # the client's preface and call
+            received = b""
+            while b"/t.S/M" not in received:  # the client's call is on the connection
+                received += await reader.read(1000)
             writer.write(reply)
             await read_until_closed(reader)
             return
@@ -118,7 +125,6 @@ async def test_a_protocol_error_fails_the_call_and_the_next_call_reconnects(repl
         channel = Channel(address)
         error = await fails(channel)
         assert error.code in (StatusCode.INTERNAL, StatusCode.UNAVAILABLE), error
-        await asyncio.sleep(0.15)  # past the pause after a failed attempt, if any
         assert await channel.unary("/t.S/M", b"", 10) == b"fine"
         assert accepted.connections == 2
         await channel.aclose()
@@ -199,7 +205,9 @@ async def test_waiting_for_a_free_stream_ends_at_the_deadline() -> None:
     async with scripted(script) as (address, _):
         channel = Channel(address)
         first = asyncio.ensure_future(channel.unary("/t.S/M", b"", 60))
-        await asyncio.sleep(0.2)  # the server's SETTINGS are in
+        await until(lambda: channel._connection is not None
+                    and channel._connection._max_streams == 1,
+                    timeout_s=WAIT_S, what="the server's SETTINGS")
         error = await fails(channel, timeout_s=0.3)
         assert error.code is StatusCode.DEADLINE_EXCEEDED
         assert "free stream" in error.details
