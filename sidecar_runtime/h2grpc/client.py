@@ -65,6 +65,7 @@ class Channel:
     def __init__(self, target: str, *, tls: ssl.SSLContext | None = None,
                  server_name: str | None = None, receive_window: int = RECEIVE_WINDOW,
                  max_receive_message_length: int = DEFAULT_MAX_RECEIVE) -> None:
+        target = target.strip()  # as routing's address check reads it
         self.target = target
         self._tls = tls
         if target.startswith(UNIX_PREFIX):

@@ -235,6 +235,21 @@ async def test_tls_files_that_cannot_be_used_raise_oserror(tmp_path: Path) -> No
         tls_client_context(str(tmp_path / "bad.crt"))
 
 
+@pytest.mark.parametrize(("listen", "target"), [
+    ("127.0.0.1:{port}", " 127.0.0.1:{port} "),  # routing's address check strips blanks
+    ("127.0.0.1:{port}", "localhost:{port}"),
+    ("[::1]:{port}", "[::1]:{port}"),
+])
+async def test_target_forms_services_ratelimit_accepts(listen: str, target: str) -> None:
+    port = free_port()
+    async with running_server(address=listen.format(port=port)):
+        channel = Channel(target.format(port=port))
+        assert await channel.unary(path("Echo"), target.encode(), 5) == target.encode()
+        await channel.aclose()
+    with pytest.raises(ValueError, match="host:port or unix:/path"):
+        Channel("no-port")
+
+
 async def test_unix_socket(tmp_path: Path) -> None:
     target = f"unix:{tmp_path / 'grpc.sock'}"
     async with running_server(address=target):
