@@ -17,6 +17,7 @@ import hpack
 
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.call import Call
+from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST, HeadDecoder
 from sidecar_runtime.logs import get_logger
 
@@ -30,14 +31,6 @@ RECEIVE_WINDOW = 4 * 1024 * 1024
 CONNECTION_WINDOW = 16 * 1024 * 1024
 DRAIN_LINGER_S = 0.2
 """How long a drained connection is still read (new streams refused) before it closes."""
-
-
-class ConnectionError_(Exception):
-    """A connection error (RFC 9113 §5.4.1): GOAWAY with ``code``."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Connection(asyncio.Protocol):
@@ -190,7 +183,7 @@ class Connection(asyncio.Protocol):
             raise ConnectionError_(f.PROTOCOL_ERROR, "DATA on stream 0")
         counted = len(payload)
         if flags & f.PADDED:
-            payload = _unpad(payload)
+            payload = f.unpad(payload)
         self._received += counted
         if self._received >= CONNECTION_WINDOW // 2:
             self._write(f.window_update(0, self._received))
@@ -230,7 +223,7 @@ class Connection(asyncio.Protocol):
         if stream == 0 or stream % 2 == 0:
             raise ConnectionError_(f.PROTOCOL_ERROR, "HEADERS on a server stream id")
         if flags & f.PADDED:
-            payload = _unpad(payload)
+            payload = f.unpad(payload)
         if flags & f.PRIORITY_FLAG:
             payload = payload[5:]
         if flags & f.END_HEADERS:
@@ -516,12 +509,6 @@ class Connection(asyncio.Protocol):
         out.clear()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
-
-
-def _unpad(payload: bytes) -> bytes:
-    if not payload or payload[0] >= len(payload):
-        raise ConnectionError_(f.PROTOCOL_ERROR, "bad padding")
-    return payload[1:len(payload) - payload[0]]
 
 
 def _peer_name(transport: asyncio.BaseTransport) -> str:

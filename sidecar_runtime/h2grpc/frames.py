@@ -1,4 +1,4 @@
-"""HTTP/2 frames (RFC 9113) as the gRPC server writes them: types, flags, settings, and the
+"""HTTP/2 frames (RFC 9113) as the gRPC server and client write them: types, flags, settings, and the
 header blocks of a gRPC answer.
 
 The server's header blocks use only HPACK literals "without indexing" (RFC 7541 §6.2.2) and the
@@ -50,6 +50,21 @@ ENHANCE_YOUR_CALM = 0xB
 DEFAULT_WINDOW = 65_535
 DEFAULT_MAX_FRAME = 16_384
 MAX_WINDOW = 0x7FFF_FFFF
+
+
+class ConnectionError_(Exception):
+    """A connection error (RFC 9113 §5.4.1): GOAWAY with ``code``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def unpad(payload: bytes) -> bytes:
+    """The payload of a PADDED frame without its pad length and padding."""
+    if not payload or payload[0] >= len(payload):
+        raise ConnectionError_(PROTOCOL_ERROR, "bad padding")
+    return payload[1:len(payload) - payload[0]]
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
