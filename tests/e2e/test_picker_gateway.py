@@ -255,7 +255,11 @@ def test_failing_metrics_and_a_dead_pod_cost_no_client_errors(gateway: Gateway,
     assert all(answers)  # every request answered: none failed on the dead pod
     counts = {port: len(journal(port)) for port in (A, B)}
     assert counts[A] + counts[B] == 30
-    assert counts[A] >= 25, counts  # failing metrics make A unknown, not dropped
+    # Failing metrics make A unknown, not dropped: dropped, it would get none. Not "all": on a
+    # loaded machine (CI beside other work) a scrape of B can come late enough to make B
+    # unknown too for a moment, and unknown B then outscores A once A's own sends since its
+    # last good scrape have used up its neutral queue score (seen once: 21 of 30).
+    assert counts[A] >= 15, counts
     # Envoy tries a picked pod whatever its health checks say; extproc no longer names the
     # unreachable C first, so no request paid a failed connect to it.
     assert envoy_counter(gateway.admin_url,
