@@ -25,6 +25,7 @@ from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.client_stream import BlockDecoder, ClientStream, timeout_value
 from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST
+from sidecar_runtime.h2grpc.peer import H2Peer
 from sidecar_runtime.h2grpc.status import RpcError, StatusCode, reset_error
 from sidecar_runtime.logs import get_logger
 
@@ -42,12 +43,11 @@ block: our blocks never use the table, and a server (ours) that caches decoded b
 see the table at 0 to trust a repeated block."""
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(H2Peer[ClientStream]):
     """The client side of one HTTP/2 connection; :meth:`call` runs one unary call on it."""
 
     def __init__(self, *, receive_window: int, max_receive: int) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
+        super().__init__()
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         """Resolved once the transport is closed."""
         self._loop = asyncio.get_running_loop()
@@ -73,8 +73,6 @@ class ClientConnection(asyncio.Protocol):
         self._first_block = True
         self._last_read = self._loop.time()
         self._probe: asyncio.TimerHandle | None = None
-        self._out: list[bytes] = []
-        self._reading = False
 
     @property
     def usable(self) -> bool:
@@ -207,11 +205,11 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f": {exc}" if exc else ""
-        self._closed(RpcError(StatusCode.UNAVAILABLE, f"the connection was lost{reason}"))
+        self._close_calls(RpcError(StatusCode.UNAVAILABLE, f"the connection was lost{reason}"))
         if not self.done.done():
             self.done.set_result(None)
 
-    def _closed(self, error: RpcError) -> None:
+    def _close_calls(self, error: RpcError) -> None:
         self.closed = True
         if self._probe is not None:
             self._probe.cancel()
@@ -226,7 +224,7 @@ class ClientConnection(asyncio.Protocol):
             return
         self._write(f.goaway(0, f.NO_ERROR))
         self._uncork()
-        self._closed(error or RpcError(StatusCode.UNAVAILABLE, "the connection was closed"))
+        self._close_calls(error or RpcError(StatusCode.UNAVAILABLE, "the connection was closed"))
         if self.transport is not None:
             self.transport.close()
 
@@ -237,7 +235,7 @@ class ClientConnection(asyncio.Protocol):
             return
         self._write(f.goaway(0, code, error.details.encode()[:200]))
         self._uncork()
-        self._closed(error)
+        self._close_calls(error)
         if self.transport is not None:
             if abort:
                 self.transport.abort()
@@ -448,20 +446,3 @@ class ClientConnection(asyncio.Protocol):
         self._wake(everyone=True)
         if not self._streams:
             self.close()
-
-    def _write(self, data: bytes) -> None:
-        """Queue ``data`` for one write at the end of this loop iteration (or of this read):
-        the calls started in one iteration (a batcher's flush) leave in one ``send``."""
-        out = self._out
-        out.append(data)
-        if len(out) == 1 and not self._reading:
-            self._loop.call_soon(self._uncork)
-
-    def _uncork(self) -> None:
-        out = self._out
-        if not out:
-            return
-        data = out[0] if len(out) == 1 else b"".join(out)
-        out.clear()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)

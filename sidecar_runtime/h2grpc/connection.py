@@ -19,6 +19,7 @@ from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.call import Call
 from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST, HeadDecoder
+from sidecar_runtime.h2grpc.peer import H2Peer
 from sidecar_runtime.logs import get_logger
 
 if TYPE_CHECKING:
@@ -33,12 +34,12 @@ DRAIN_LINGER_S = 0.2
 """How long a drained connection is still read (new streams refused) before it closes."""
 
 
-class Connection(asyncio.Protocol):
+class Connection(H2Peer[Call]):
     """The server side of one HTTP/2 connection."""
 
     def __init__(self, server: Server) -> None:
+        super().__init__()
         self._server = server
-        self.transport: asyncio.Transport | None = None
         self.peer = ""
         self._pending = bytearray()  # bytes of a frame (or the preface) not yet whole
         self._need = len(f.PREFACE)
@@ -53,11 +54,8 @@ class Connection(asyncio.Protocol):
         self._peer_window = f.DEFAULT_WINDOW  # the client's SETTINGS_INITIAL_WINDOW_SIZE
         self._peer_max_frame = f.DEFAULT_MAX_FRAME
         self._received = 0  # connection-level bytes since the last WINDOW_UPDATE
-        self._out: list[bytes] = []  # frames to send at the end of this loop iteration
-        self._reading = False
         self._draining = False
         self._linger: asyncio.TimerHandle | None = None  # the close after a drain
-        self._closed = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -81,11 +79,11 @@ class Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self._closed:
+        if self.transport is not None and not self.closed:
             self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
+        self.closed = True
         if self._linger is not None:
             self._linger.cancel()
         calls = list(self._calls.values())
@@ -96,7 +94,7 @@ class Connection(asyncio.Protocol):
         self._server.connection_closed(self)
 
     def data_received(self, data: bytes) -> None:
-        if self._closed:
+        if self.closed:
             return
         if self._pending:
             self._pending += data
@@ -167,7 +165,7 @@ class Connection(asyncio.Protocol):
             elif kind == f.PUSH_PROMISE:
                 raise ConnectionError_(f.PROTOCOL_ERROR, "a client cannot push")
             # PRIORITY and unknown frame types are ignored (RFC 9113 §5.5).
-            if self._closed:
+            if self.closed:
                 return
         if offset < size:
             self._keep(data[offset:], 9)
@@ -466,7 +464,7 @@ class Connection(asyncio.Protocol):
 
     def drain(self) -> None:
         """GOAWAY: no new stream; the connection closes once its calls are done."""
-        if self._draining or self._closed:
+        if self._draining or self.closed:
             return
         self._draining = True
         self._write(f.goaway(self._last_stream, f.NO_ERROR))
@@ -489,26 +487,7 @@ class Connection(asyncio.Protocol):
         self._uncork()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
-        self._closed = True
-
-    def _write(self, data: bytes) -> None:
-        """Queue ``data`` for one write at the end of this loop iteration: the answers of the
-        calls that woke in the same iteration (several streams' messages arrive in one read
-        under load) leave in one ``send`` instead of one each, the syscall being a fifth of a
-        message's CPU. Within a read, at the end of the read."""
-        out = self._out
-        out.append(data)
-        if len(out) == 1 and not self._reading:
-            asyncio.get_running_loop().call_soon(self._uncork)
-
-    def _uncork(self) -> None:
-        out = self._out
-        if not out:
-            return
-        data = out[0] if len(out) == 1 else b"".join(out)
-        out.clear()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        self.closed = True
 
 
 def _peer_name(transport: asyncio.BaseTransport) -> str:
