@@ -19,8 +19,6 @@ import struct
 from collections import deque
 from typing import cast
 
-import hpack
-
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.client_stream import BlockDecoder, ClientStream, timeout_value
 from sidecar_runtime.h2grpc.frames import ConnectionError_
@@ -46,19 +44,18 @@ see the table at 0 to trust a repeated block."""
 class ClientConnection(H2Peer[ClientStream]):
     """The client side of one HTTP/2 connection; :meth:`call` runs one unary call on it."""
 
+    _PUSH_ERROR = "a push, which the client disabled"
+    _PROTOCOL_ERROR_PREFIX = "HTTP/2 protocol error: "
+
     def __init__(self, *, receive_window: int, max_receive: int) -> None:
-        super().__init__()
+        super().__init__(read_preface=False, settings_first=True)
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         """Resolved once the transport is closed."""
         self._loop = asyncio.get_running_loop()
         self._window = receive_window
         self._connection_window = max(f.DEFAULT_WINDOW, 4 * receive_window)
         self._max_receive = max_receive
-        self._pending = bytearray()
-        self._need = 9
-        self._settings_seen = False
         self._decoder = BlockDecoder()
-        self._headers_open: tuple[int, int, bytearray] | None = None
         self._streams: dict[int, ClientStream] = {}
         self._blocked: dict[int, ClientStream] = {}
         self._waiting: deque[asyncio.Future[None]] = deque()  # calls waiting for a stream
@@ -249,88 +246,13 @@ class ClientConnection(H2Peer[ClientStream]):
         if self._probe is not None:  # it answered: alive
             self._probe.cancel()
             self._probe = None
-        if self._pending:
-            self._pending += data
-            if len(self._pending) < self._need:
-                return
-            data = bytes(self._pending)
-            self._pending = bytearray()
-        self._reading = True
-        try:
-            self._frames(data)
-        except ConnectionError_ as exc:
-            self._fail(exc.code, RpcError(StatusCode.INTERNAL, f"HTTP/2 protocol error: {exc}"))
-        except hpack.HPACKError as exc:
-            self._fail(f.COMPRESSION_ERROR,
-                       RpcError(StatusCode.INTERNAL, f"bad header block: {type(exc).__name__}"))
-        except Exception:  # a bug of ours: this connection's calls fail, the loop goes on
-            log.exception("h2_client_connection_error")
-            self._fail(f.INTERNAL_ERROR, RpcError(StatusCode.INTERNAL, "internal error"))
-        finally:
-            self._reading = False
-            self._uncork()
+        super().data_received(data)
 
-    def _frames(self, data: bytes) -> None:
-        offset, size = 0, len(data)
-        while size - offset >= 9:
-            length = int.from_bytes(data[offset:offset + 3], "big")
-            kind, flags = data[offset + 3], data[offset + 4]
-            if length > f.DEFAULT_MAX_FRAME:
-                raise ConnectionError_(f.FRAME_SIZE_ERROR, "frame above SETTINGS_MAX_FRAME_SIZE")
-            if not self._settings_seen and kind != f.SETTINGS:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "the server preface is not SETTINGS")
-            end = offset + 9 + length
-            if end > size:
-                self._keep(data[offset:], 9 + length)
-                return
-            stream = int.from_bytes(data[offset + 5:offset + 9], "big") & MAX_STREAM_ID
-            payload = data[offset + 9:end]
-            offset = end
-            if self._headers_open is not None and kind != f.CONTINUATION:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a header block was not continued")
-            if kind == f.DATA:
-                self._on_data(stream, flags, payload)
-            elif kind == f.HEADERS:
-                if flags & f.PADDED:
-                    payload = f.unpad(payload)
-                if flags & f.PRIORITY_FLAG:
-                    payload = payload[5:]
-                if flags & f.END_HEADERS:
-                    self._on_block(stream, flags, payload)
-                else:
-                    self._headers_open = (stream, flags, bytearray(payload))
-            elif kind == f.CONTINUATION:
-                self._on_continuation(stream, flags, payload)
-            elif kind == f.RST_STREAM:
-                if stream == 0 or length != 4:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed RST_STREAM")
-                found = self._streams.get(stream)
-                if found is not None:
-                    self._end(found, reset_error(int.from_bytes(payload, "big")))
-            elif kind == f.SETTINGS:
-                self._on_settings(stream, flags, payload)
-            elif kind == f.WINDOW_UPDATE:
-                self._on_window_update(stream, payload)
-            elif kind == f.PING:
-                if stream != 0 or length != 8:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed PING")
-                if not flags & f.ACK:
-                    self._write(f.frame(f.PING, f.ACK, 0, payload))
-            elif kind == f.GOAWAY:
-                if stream != 0 or length < 8:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed GOAWAY")
-                self._on_goaway(int.from_bytes(payload[:4], "big") & MAX_STREAM_ID)
-            elif kind == f.PUSH_PROMISE:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a push, which the client disabled")
-            # PRIORITY and unknown frame types are ignored (RFC 9113 §5.5).
-            if self.closed:
-                return
-        if offset < size:
-            self._keep(data[offset:], 9)
+    def _connection_error(self, code: int, message: str) -> None:
+        self._fail(code, RpcError(StatusCode.INTERNAL, message))
 
-    def _keep(self, rest: bytes, need: int) -> None:
-        self._pending = bytearray(rest)
-        self._need = need
+    def _log_bug(self) -> None:  # this connection's calls fail, the loop goes on
+        log.exception("h2_client_connection_error")
 
     # -- frames ----------------------------------------------------------------------------
 
@@ -364,18 +286,7 @@ class ClientConnection(H2Peer[ClientStream]):
             stream.recv_credit += stream.recv_unacked
             stream.recv_unacked = 0
 
-    def _on_continuation(self, stream: int, flags: int, payload: bytes) -> None:
-        opened = self._headers_open
-        if opened is None or opened[0] != stream:
-            raise ConnectionError_(f.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
-        opened[2].extend(payload)
-        if len(opened[2]) > MAX_HEADER_LIST:
-            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "header block too large")
-        if flags & f.END_HEADERS:
-            self._headers_open = None
-            self._on_block(stream, opened[1], bytes(opened[2]))
-
-    def _on_block(self, stream_id: int, flags: int, block: bytes) -> None:
+    def _on_header_block(self, stream_id: int, flags: int, block: bytes) -> None:
         fields = self._decoder.decode(block)  # first: decoding may change the HPACK table
         stream = self._known(stream_id)
         if stream is not None:
@@ -389,10 +300,15 @@ class ClientConnection(H2Peer[ClientStream]):
             self._write(f.rst_stream(stream.id, code))
         self._end(stream, result)
 
+    def _on_rst(self, stream: int, payload: bytes) -> None:
+        found = self._streams.get(stream)
+        if found is not None:
+            self._end(found, reset_error(int.from_bytes(payload, "big")))
+
     def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
         if stream != 0 or len(payload) % 6 or (flags & f.ACK and payload):
             raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed SETTINGS")
-        self._settings_seen = True
+        self._settings_first = False
         if flags & f.ACK:
             return
         for at in range(0, len(payload), 6):
@@ -436,12 +352,15 @@ class ClientConnection(H2Peer[ClientStream]):
         if stream_id in self._blocked:
             self._send(stream)
 
-    def _on_goaway(self, last: int) -> None:
-        """No new call here; those above ``last`` were not seen (retryable), the others end
-        as the server answers them."""
+    def _on_goaway(self, stream: int, payload: bytes) -> None:
+        """No new call here; those above the last stream it names were not seen (retryable),
+        the others end as the server answers them."""
+        if stream != 0 or len(payload) < 8:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed GOAWAY")
+        last = int.from_bytes(payload[:4], "big") & MAX_STREAM_ID
         self._goaway = True
-        for stream in [s for s in self._streams.values() if s.id > last]:
-            self._end(stream, RpcError(StatusCode.UNAVAILABLE,
+        for unseen in [s for s in self._streams.values() if s.id > last]:
+            self._end(unseen, RpcError(StatusCode.UNAVAILABLE,
                                        "the server is going away (GOAWAY)", retryable=True))
         self._wake(everyone=True)
         if not self._streams:

@@ -13,12 +13,11 @@ import asyncio
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
-import hpack
 
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.call import Call
 from sidecar_runtime.h2grpc.frames import ConnectionError_
-from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST, HeadDecoder
+from sidecar_runtime.h2grpc.head import HeadDecoder
 from sidecar_runtime.h2grpc.peer import H2Peer
 from sidecar_runtime.logs import get_logger
 
@@ -37,15 +36,13 @@ DRAIN_LINGER_S = 0.2
 class Connection(H2Peer[Call]):
     """The server side of one HTTP/2 connection."""
 
+    _PUSH_ERROR = "a client cannot push"
+
     def __init__(self, server: Server) -> None:
-        super().__init__()
+        super().__init__(read_preface=True, settings_first=False)
         self._server = server
         self.peer = ""
-        self._pending = bytearray()  # bytes of a frame (or the preface) not yet whole
-        self._need = len(f.PREFACE)
-        self._preface = False
         self._heads = HeadDecoder(server.heads)
-        self._headers_open: tuple[int, int, bytearray] | None = None  # CONTINUATION pending
         self._calls: dict[int, Call] = {}
         self._blocked: dict[int, Call] = {}  # calls whose data waits for window
         self._tasks = 0
@@ -93,87 +90,6 @@ class Connection(H2Peer[Call]):
             call.reset()
         self._server.connection_closed(self)
 
-    def data_received(self, data: bytes) -> None:
-        if self.closed:
-            return
-        if self._pending:
-            self._pending += data
-            if len(self._pending) < self._need:
-                return
-            data = bytes(self._pending)
-            self._pending = bytearray()
-        self._reading = True
-        try:
-            self._frames(data)
-        except ConnectionError_ as exc:
-            self._fail(exc.code, str(exc))
-        except hpack.HPACKError as exc:
-            self._fail(f.COMPRESSION_ERROR, f"bad header block: {type(exc).__name__}")
-        except Exception:
-            # A bug of ours (or of a generic handler's lookup): this connection ends with
-            # GOAWAY, as a protocol error would; escaping, it would make asyncio drop the
-            # connection without one.
-            log.exception("h2_connection_error", peer=self.peer)
-            self._fail(f.INTERNAL_ERROR, "internal error")
-        finally:
-            self._reading = False
-            self._uncork()
-
-    def _frames(self, data: bytes) -> None:
-        offset, size = 0, len(data)
-        if not self._preface:
-            if size < len(f.PREFACE):
-                self._keep(data, len(f.PREFACE))
-                return
-            if data[:len(f.PREFACE)] != f.PREFACE:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-            self._preface = True
-            offset = len(f.PREFACE)
-        while size - offset >= 9:
-            length = int.from_bytes(data[offset:offset + 3], "big")
-            if length > f.DEFAULT_MAX_FRAME:
-                raise ConnectionError_(f.FRAME_SIZE_ERROR, "frame above SETTINGS_MAX_FRAME_SIZE")
-            end = offset + 9 + length
-            if end > size:
-                self._keep(data[offset:], 9 + length)
-                return
-            kind, flags = data[offset + 3], data[offset + 4]
-            stream = int.from_bytes(data[offset + 5:offset + 9], "big") & f.MAX_WINDOW
-            payload = data[offset + 9:end]
-            offset = end
-            if self._headers_open is not None and kind != f.CONTINUATION:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a header block was not continued")
-            if kind == f.DATA:
-                self._on_data(stream, flags, payload)
-            elif kind == f.HEADERS:
-                self._on_headers(stream, flags, payload)
-            elif kind == f.CONTINUATION:
-                self._on_continuation(stream, flags, payload)
-            elif kind == f.RST_STREAM:
-                self._on_rst(stream, payload)
-            elif kind == f.SETTINGS:
-                self._on_settings(stream, flags, payload)
-            elif kind == f.WINDOW_UPDATE:
-                self._on_window_update(stream, payload)
-            elif kind == f.PING:
-                if stream != 0 or length != 8:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed PING")
-                if not flags & f.ACK:
-                    self._write(f.frame(f.PING, f.ACK, 0, payload))
-            elif kind == f.GOAWAY:
-                pass  # the client opens no new stream; the ones open finish
-            elif kind == f.PUSH_PROMISE:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a client cannot push")
-            # PRIORITY and unknown frame types are ignored (RFC 9113 §5.5).
-            if self.closed:
-                return
-        if offset < size:
-            self._keep(data[offset:], 9)
-
-    def _keep(self, rest: bytes, need: int) -> None:
-        self._pending = bytearray(rest)
-        self._need = need
-
     # -- frames ----------------------------------------------------------------------------
 
     def _on_data(self, stream: int, flags: int, payload: bytes) -> None:
@@ -220,25 +136,7 @@ class Connection(H2Peer[Call]):
     def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
         if stream == 0 or stream % 2 == 0:
             raise ConnectionError_(f.PROTOCOL_ERROR, "HEADERS on a server stream id")
-        if flags & f.PADDED:
-            payload = f.unpad(payload)
-        if flags & f.PRIORITY_FLAG:
-            payload = payload[5:]
-        if flags & f.END_HEADERS:
-            self._on_header_block(stream, flags, payload)
-        else:
-            self._headers_open = (stream, flags, bytearray(payload))
-
-    def _on_continuation(self, stream: int, flags: int, payload: bytes) -> None:
-        opened = self._headers_open
-        if opened is None or opened[0] != stream:
-            raise ConnectionError_(f.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
-        opened[2].extend(payload)
-        if len(opened[2]) > MAX_HEADER_LIST:
-            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "header block too large")
-        if flags & f.END_HEADERS:
-            self._headers_open = None
-            self._on_header_block(stream, opened[1], bytes(opened[2]))
+        super()._on_headers(stream, flags, payload)
 
     def _on_header_block(self, stream: int, flags: int, block: bytes) -> None:
         head = self._heads.decode(block)
@@ -290,8 +188,6 @@ class Connection(H2Peer[Call]):
             self._start(call)
 
     def _on_rst(self, stream: int, payload: bytes) -> None:
-        if stream == 0 or len(payload) != 4:
-            raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed RST_STREAM")
         call = self._calls.pop(stream, None)
         self._blocked.pop(stream, None)
         if call is not None:
@@ -299,6 +195,9 @@ class Connection(H2Peer[Call]):
             # Its handler may be done already (an answer that waited for window): no call_done
             # is coming to close a draining connection.
             self._close_if_drained()
+
+    def _on_goaway(self, stream: int, payload: bytes) -> None:
+        pass  # the client opens no new stream; the ones open finish
 
     def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
         if stream != 0 or len(payload) % 6:
@@ -477,9 +376,14 @@ class Connection(H2Peer[Call]):
                 call.task.cancel()
         self._close()
 
+    def _log_bug(self) -> None:
+        log.exception("h2_connection_error", peer=self.peer)
+
     def _fail(self, code: int, message: str) -> None:
         self._write(f.goaway(self._last_stream, code, message.encode()[:200]))
         self._close()
+
+    _connection_error = _fail
 
     def _close(self) -> None:
         if self._linger is not None:

@@ -8,7 +8,13 @@ what its frames do is theirs, the connection's mechanics are here, written once.
 from __future__ import annotations
 
 import asyncio
-from typing import Generic, Protocol, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
+
+import hpack
+
+from sidecar_runtime.h2grpc import frames as f
+from sidecar_runtime.h2grpc.frames import ConnectionError_
+from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST
 
 
 class PeerStream(Protocol):
@@ -22,13 +28,171 @@ S = TypeVar("S", bound=PeerStream)
 
 
 class H2Peer(asyncio.Protocol, Generic[S]):
-    """One end of an HTTP/2 connection; ``S`` is that side's stream."""
+    """One end of an HTTP/2 connection; ``S`` is that side's stream.
 
-    def __init__(self) -> None:
+    Frames are parsed straight off ``data_received`` (a frame split across reads waits whole
+    in ``_pending``) and dispatched by type; what a side does with DATA, a header block,
+    RST_STREAM and GOAWAY are its hooks (``_on_data``, ``_on_header_block``, ``_on_rst``,
+    ``_on_goaway``), as is what a connection error does (``_connection_error``). Anything the
+    protocol forbids raises :class:`~.frames.ConnectionError_` inside the read, which ends it.
+    """
+
+    _PUSH_ERROR: ClassVar[str]
+    """The message of the connection error a PUSH_PROMISE is."""
+    _PROTOCOL_ERROR_PREFIX: ClassVar[str] = ""
+    """Put before a protocol error's message for ``_connection_error``."""
+
+    def __init__(self, *, read_preface: bool, settings_first: bool) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self._pending = bytearray()  # bytes of a frame (or the preface) not yet whole
+        self._need = len(f.PREFACE) if read_preface else 9
+        self._preface = not read_preface  # the client's preface was read (or none is due)
+        self._settings_first = settings_first  # the peer's first frame must be SETTINGS
+        self._headers_open: tuple[int, int, bytearray] | None = None  # CONTINUATION pending
         self._out: list[bytes] = []  # frames to send at the end of this loop iteration
         self._reading = False
+
+    # -- the side's hooks ------------------------------------------------------------------
+
+    def _on_data(self, stream: int, flags: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _on_header_block(self, stream: int, flags: int, block: bytes) -> None:
+        """A whole header block (HEADERS and its CONTINUATIONs), padding and priority cut."""
+        raise NotImplementedError
+
+    def _on_rst(self, stream: int, payload: bytes) -> None:
+        """A well-formed RST_STREAM (``payload``: its 4-byte code) on a stream other than 0."""
+        raise NotImplementedError
+
+    def _on_goaway(self, stream: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _on_window_update(self, stream: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _connection_error(self, code: int, message: str) -> None:
+        """End the connection with GOAWAY ``code``: the read hit a protocol error (or a bug)."""
+        raise NotImplementedError
+
+    def _log_bug(self) -> None:
+        """Log the exception being handled, a bug of ours met in a read."""
+        raise NotImplementedError
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self._pending:
+            self._pending += data
+            if len(self._pending) < self._need:
+                return
+            data = bytes(self._pending)
+            self._pending = bytearray()
+        self._reading = True
+        try:
+            self._frames(data)
+        except ConnectionError_ as exc:
+            self._connection_error(exc.code, self._PROTOCOL_ERROR_PREFIX + str(exc))
+        except hpack.HPACKError as exc:
+            self._connection_error(f.COMPRESSION_ERROR, f"bad header block: {type(exc).__name__}")
+        except Exception:
+            # A bug of ours (or of a generic handler's lookup): this connection ends with
+            # GOAWAY, as a protocol error would; escaping, it would make asyncio drop the
+            # connection without one.
+            self._log_bug()
+            self._connection_error(f.INTERNAL_ERROR, "internal error")
+        finally:
+            self._reading = False
+            self._uncork()
+
+    def _frames(self, data: bytes) -> None:
+        offset, size = 0, len(data)
+        if not self._preface:
+            if size < len(f.PREFACE):
+                self._keep(data, len(f.PREFACE))
+                return
+            if data[:len(f.PREFACE)] != f.PREFACE:
+                raise ConnectionError_(f.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+            self._preface = True
+            offset = len(f.PREFACE)
+        while size - offset >= 9:
+            length = int.from_bytes(data[offset:offset + 3], "big")
+            if length > f.DEFAULT_MAX_FRAME:
+                raise ConnectionError_(f.FRAME_SIZE_ERROR, "frame above SETTINGS_MAX_FRAME_SIZE")
+            kind = data[offset + 3]
+            if self._settings_first and kind != f.SETTINGS:
+                raise ConnectionError_(f.PROTOCOL_ERROR, "the server preface is not SETTINGS")
+            end = offset + 9 + length
+            if end > size:
+                self._keep(data[offset:], 9 + length)
+                return
+            flags = data[offset + 4]
+            stream = int.from_bytes(data[offset + 5:offset + 9], "big") & f.MAX_WINDOW
+            payload = data[offset + 9:end]
+            offset = end
+            if self._headers_open is not None and kind != f.CONTINUATION:
+                raise ConnectionError_(f.PROTOCOL_ERROR, "a header block was not continued")
+            if kind == f.DATA:
+                self._on_data(stream, flags, payload)
+            elif kind == f.HEADERS:
+                self._on_headers(stream, flags, payload)
+            elif kind == f.CONTINUATION:
+                self._on_continuation(stream, flags, payload)
+            elif kind == f.RST_STREAM:
+                if stream == 0 or length != 4:
+                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed RST_STREAM")
+                self._on_rst(stream, payload)
+            elif kind == f.SETTINGS:
+                self._on_settings(stream, flags, payload)
+            elif kind == f.WINDOW_UPDATE:
+                self._on_window_update(stream, payload)
+            elif kind == f.PING:
+                if stream != 0 or length != 8:
+                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed PING")
+                if not flags & f.ACK:
+                    self._write(f.frame(f.PING, f.ACK, 0, payload))
+            elif kind == f.GOAWAY:
+                self._on_goaway(stream, payload)
+            elif kind == f.PUSH_PROMISE:
+                raise ConnectionError_(f.PROTOCOL_ERROR, self._PUSH_ERROR)
+            # PRIORITY and unknown frame types are ignored (RFC 9113 §5.5).
+            if self.closed:
+                return
+        if offset < size:
+            self._keep(data[offset:], 9)
+
+    def _keep(self, rest: bytes, need: int) -> None:
+        self._pending = bytearray(rest)
+        self._need = need
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
+        if flags & f.PADDED:
+            payload = f.unpad(payload)
+        if flags & f.PRIORITY_FLAG:
+            payload = payload[5:]
+        if flags & f.END_HEADERS:
+            self._on_header_block(stream, flags, payload)
+        else:
+            self._headers_open = (stream, flags, bytearray(payload))
+
+    def _on_continuation(self, stream: int, flags: int, payload: bytes) -> None:
+        opened = self._headers_open
+        if opened is None or opened[0] != stream:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+        opened[2].extend(payload)
+        if len(opened[2]) > MAX_HEADER_LIST:
+            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "header block too large")
+        if flags & f.END_HEADERS:
+            self._headers_open = None
+            self._on_header_block(stream, opened[1], bytes(opened[2]))
 
     # -- writes ----------------------------------------------------------------------------
 
