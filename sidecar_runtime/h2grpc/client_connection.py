@@ -15,7 +15,6 @@ calls above a GOAWAY's last stream fail ``retryable`` (the server never saw them
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections import deque
 from typing import cast
 
@@ -56,13 +55,8 @@ class ClientConnection(H2Peer[ClientStream]):
         self._connection_window = max(f.DEFAULT_WINDOW, 4 * receive_window)
         self._max_receive = max_receive
         self._decoder = BlockDecoder()
-        self._streams: dict[int, ClientStream] = {}
-        self._blocked: dict[int, ClientStream] = {}
         self._waiting: deque[asyncio.Future[None]] = deque()  # calls waiting for a stream
         self._next_id = 1
-        self._send_window = f.DEFAULT_WINDOW
-        self._peer_window = f.DEFAULT_WINDOW
-        self._peer_max_frame = f.DEFAULT_MAX_FRAME
         self._max_streams = MAX_STREAM_ID
         self._received = 0  # connection-level bytes not yet granted back
         self._recv_credit = self._connection_window
@@ -110,7 +104,7 @@ class ClientConnection(H2Peer[ClientStream]):
             block = _TABLE_SIZE_ZERO + block
         self._write(f.headers(stream.id, block, end_stream=False))
         stream.out = data
-        self._send(stream)
+        self._flush(stream)
         stream.timer = loop.call_at(deadline, self._expire, stream)
         try:
             return await stream.waiter
@@ -119,7 +113,7 @@ class ClientConnection(H2Peer[ClientStream]):
                 self._reset(stream, f.CANCEL, None)
             raise
 
-    def _send(self, stream: ClientStream) -> None:
+    def _flush(self, stream: ClientStream) -> None:
         out, chunks = stream.out, []
         while out:
             size = min(len(out), stream.send_window, self._send_window, self._peer_max_frame)
@@ -137,12 +131,6 @@ class ClientConnection(H2Peer[ClientStream]):
             self._blocked[stream.id] = stream
         else:
             self._blocked.pop(stream.id, None)
-
-    def _flush_blocked(self) -> None:
-        for stream in list(self._blocked.values()):
-            if self._send_window <= 0:
-                return
-            self._send(stream)
 
     def _end(self, stream: ClientStream, result: bytes | RpcError) -> None:
         """The call is over: its stream leaves, its waiter gets ``result``."""
@@ -306,51 +294,21 @@ class ClientConnection(H2Peer[ClientStream]):
             self._end(found, reset_error(int.from_bytes(payload, "big")))
 
     def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
-        if stream != 0 or len(payload) % 6 or (flags & f.ACK and payload):
+        if flags & f.ACK and payload:
             raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed SETTINGS")
-        self._settings_first = False
-        if flags & f.ACK:
-            return
-        for at in range(0, len(payload), 6):
-            key, value = struct.unpack_from(">HI", payload, at)
-            if key == f.SETTINGS_INITIAL_WINDOW_SIZE:
-                if value > f.MAX_WINDOW:
-                    raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
-                delta, self._peer_window = value - self._peer_window, value
-                for open_stream in self._streams.values():
-                    open_stream.send_window += delta
-            elif key == f.SETTINGS_MAX_FRAME_SIZE:
-                if not f.DEFAULT_MAX_FRAME <= value <= 0xFFFFFF:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a bad SETTINGS_MAX_FRAME_SIZE")
-                self._peer_max_frame = value
-            elif key == f.SETTINGS_MAX_CONCURRENT_STREAMS:
-                self._max_streams = value
-        self._write(f.frame(f.SETTINGS, f.ACK, 0))
+        super()._on_settings(stream, flags, payload)
+
+    def _on_setting(self, key: int, value: int) -> None:
+        if key == f.SETTINGS_MAX_CONCURRENT_STREAMS:
+            self._max_streams = value
+
+    def _settings_applied(self) -> None:
         self._wake(everyone=True)
         self._flush_blocked()
 
-    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise ConnectionError_(f.FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
-        increment = int.from_bytes(payload, "big") & f.MAX_WINDOW
-        if stream_id == 0:
-            if increment == 0:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > f.MAX_WINDOW:
-                raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
-            self._flush_blocked()
-            return
-        stream = self._known(stream_id)
-        if stream is None:
-            return
-        if increment == 0 or stream.send_window + increment > f.MAX_WINDOW:
-            self._reset(stream, f.PROTOCOL_ERROR if increment == 0 else f.FLOW_CONTROL_ERROR,
-                        RpcError(StatusCode.INTERNAL, "a bad WINDOW_UPDATE from the server"))
-            return
-        stream.send_window += increment
-        if stream_id in self._blocked:
-            self._send(stream)
+    def _bad_window_update(self, stream: ClientStream, code: int) -> None:
+        self._reset(stream, code, RpcError(StatusCode.INTERNAL,
+                                           "a bad WINDOW_UPDATE from the server"))
 
     def _on_goaway(self, stream: int, payload: bytes) -> None:
         """No new call here; those above the last stream it names were not seen (retryable),

@@ -43,13 +43,8 @@ class Connection(H2Peer[Call]):
         self._server = server
         self.peer = ""
         self._heads = HeadDecoder(server.heads)
-        self._calls: dict[int, Call] = {}
-        self._blocked: dict[int, Call] = {}  # calls whose data waits for window
         self._tasks = 0
         self._last_stream = 0
-        self._send_window = f.DEFAULT_WINDOW
-        self._peer_window = f.DEFAULT_WINDOW  # the client's SETTINGS_INITIAL_WINDOW_SIZE
-        self._peer_max_frame = f.DEFAULT_MAX_FRAME
         self._received = 0  # connection-level bytes since the last WINDOW_UPDATE
         self._draining = False
         self._linger: asyncio.TimerHandle | None = None  # the close after a drain
@@ -83,8 +78,8 @@ class Connection(H2Peer[Call]):
         self.closed = True
         if self._linger is not None:
             self._linger.cancel()
-        calls = list(self._calls.values())
-        self._calls.clear()
+        calls = list(self._streams.values())
+        self._streams.clear()
         self._blocked.clear()
         for call in calls:
             call.reset()
@@ -102,7 +97,7 @@ class Connection(H2Peer[Call]):
         if self._received >= CONNECTION_WINDOW // 2:
             self._write(f.window_update(0, self._received))
             self._received = 0
-        call = self._calls.get(stream)
+        call = self._streams.get(stream)
         if call is None or call.input_ended:
             if stream > self._last_stream:
                 raise ConnectionError_(f.PROTOCOL_ERROR, "DATA on an idle stream")
@@ -140,7 +135,7 @@ class Connection(H2Peer[Call]):
 
     def _on_header_block(self, stream: int, flags: int, block: bytes) -> None:
         head = self._heads.decode(block)
-        call = self._calls.get(stream)
+        call = self._streams.get(stream)
         if call is not None:  # trailers of the request
             if not flags & f.END_STREAM:
                 raise ConnectionError_(f.PROTOCOL_ERROR, "trailers without END_STREAM")
@@ -154,7 +149,7 @@ class Connection(H2Peer[Call]):
             self._write(f.rst_stream(stream, f.STREAM_CLOSED))
             return
         self._last_stream = stream
-        if self._draining or len(self._calls) >= self._server.max_concurrent_streams:
+        if self._draining or len(self._streams) >= self._server.max_concurrent_streams:
             # Past the advertised limit (RFC 9113 §5.1.2), e.g. sent before the client read
             # our SETTINGS: refused, which a client may retry (Envoy does, on another
             # connection). Each open call holds a task and up to a window of input.
@@ -181,14 +176,14 @@ class Connection(H2Peer[Call]):
             return
         call = Call(stream, path, self, handler, metadata, head.timeout_s, self._peer_window,
                     self._server.max_receive_message_length)
-        self._calls[stream] = call
+        self._streams[stream] = call
         if ended:
             call.end_input()
         if handler.request_streaming or ended:
             self._start(call)
 
     def _on_rst(self, stream: int, payload: bytes) -> None:
-        call = self._calls.pop(stream, None)
+        call = self._streams.pop(stream, None)
         self._blocked.pop(stream, None)
         if call is not None:
             call.reset()
@@ -199,50 +194,12 @@ class Connection(H2Peer[Call]):
     def _on_goaway(self, stream: int, payload: bytes) -> None:
         pass  # the client opens no new stream; the ones open finish
 
-    def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
-        if stream != 0 or len(payload) % 6:
-            raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed SETTINGS")
-        if flags & f.ACK:
-            return
-        for at in range(0, len(payload), 6):
-            key = int.from_bytes(payload[at:at + 2], "big")
-            value = int.from_bytes(payload[at + 2:at + 6], "big")
-            if key == f.SETTINGS_INITIAL_WINDOW_SIZE:
-                if value > f.MAX_WINDOW:
-                    raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
-                delta, self._peer_window = value - self._peer_window, value
-                for call in self._calls.values():
-                    call.send_window += delta
-            elif key == f.SETTINGS_MAX_FRAME_SIZE:
-                if not f.DEFAULT_MAX_FRAME <= value <= 0xFFFFFF:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a bad SETTINGS_MAX_FRAME_SIZE")
-                self._peer_max_frame = value
-        self._write(f.frame(f.SETTINGS, f.ACK, 0))
-        self._flush_blocked()
+    def _known(self, stream: int) -> Call | None:
+        return self._streams.get(stream)
 
-    def _on_window_update(self, stream: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise ConnectionError_(f.FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
-        increment = int.from_bytes(payload, "big") & f.MAX_WINDOW
-        if stream == 0:
-            if increment == 0:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > f.MAX_WINDOW:
-                raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
-            self._flush_blocked()
-            return
-        call = self._calls.get(stream)
-        if call is None:
-            return
-        if increment == 0 or call.send_window + increment > f.MAX_WINDOW:
-            self.reset_stream(call, f.PROTOCOL_ERROR if increment == 0
-                              else f.FLOW_CONTROL_ERROR)
-            call.reset()
-            return
-        call.send_window += increment
-        if stream in self._blocked:
-            self._flush(call)
+    def _bad_window_update(self, call: Call, code: int) -> None:
+        self.reset_stream(call, code)
+        call.reset()
 
     # -- answers ---------------------------------------------------------------------------
 
@@ -307,19 +264,13 @@ class Connection(H2Peer[Call]):
         call.flushed()
         return True
 
-    def _flush_blocked(self) -> None:
-        for call in list(self._blocked.values()):
-            if self._send_window <= 0:
-                return
-            self._flush(call)
-
     def _ended(self, call: Call) -> None:
         """The answer's END_STREAM went out: the stream is done on our side."""
         call.finished = True
         if not call.input_ended:
             # The client has not half-closed: tell it to stop sending (what gRPC servers do).
             self._write(f.rst_stream(call.id, f.NO_ERROR))
-        self._calls.pop(call.id, None)
+        self._streams.pop(call.id, None)
         self._blocked.pop(call.id, None)
         self._close_if_drained()
 
@@ -329,7 +280,7 @@ class Connection(H2Peer[Call]):
             return
         call.finished = True
         self._write(f.rst_stream(call.id, code))
-        self._calls.pop(call.id, None)
+        self._streams.pop(call.id, None)
         self._blocked.pop(call.id, None)
         self._close_if_drained()
 
@@ -354,7 +305,7 @@ class Connection(H2Peer[Call]):
         # Open calls, not only tasks: a unary call whose HEADERS came without its message has
         # no task yet, and GOAWAY told the client it was taken. (A blocked answer's call is
         # open too, until its END_STREAM goes out.)
-        if self._draining and self._tasks == 0 and not self._calls and self._linger is None:
+        if self._draining and self._tasks == 0 and not self._streams and self._linger is None:
             # Not at once: a HEADERS the client sent before it read our GOAWAY may be on its
             # way. Closing with it unread makes the kernel reset the connection, and the
             # client may lose the GOAWAY and fail that request; read for a moment, refusing
@@ -371,7 +322,7 @@ class Connection(H2Peer[Call]):
 
     def cancel_calls(self) -> None:
         """The grace period is over: cut every call still running."""
-        for call in list(self._calls.values()):
+        for call in list(self._streams.values()):
             if call.task is not None and not call.task.done():
                 call.task.cancel()
         self._close()

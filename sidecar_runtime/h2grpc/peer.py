@@ -8,6 +8,7 @@ what its frames do is theirs, the connection's mechanics are here, written once.
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import ClassVar, Generic, Protocol, TypeVar
 
 import hpack
@@ -50,6 +51,11 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         self._preface = not read_preface  # the client's preface was read (or none is due)
         self._settings_first = settings_first  # the peer's first frame must be SETTINGS
         self._headers_open: tuple[int, int, bytearray] | None = None  # CONTINUATION pending
+        self._streams: dict[int, S] = {}  # the open streams
+        self._blocked: dict[int, S] = {}  # streams whose data waits for window
+        self._send_window = f.DEFAULT_WINDOW  # the connection's, for what we send
+        self._peer_window = f.DEFAULT_WINDOW  # the peer's SETTINGS_INITIAL_WINDOW_SIZE
+        self._peer_max_frame = f.DEFAULT_MAX_FRAME
         self._out: list[bytes] = []  # frames to send at the end of this loop iteration
         self._reading = False
 
@@ -69,10 +75,26 @@ class H2Peer(asyncio.Protocol, Generic[S]):
     def _on_goaway(self, stream: int, payload: bytes) -> None:
         raise NotImplementedError
 
-    def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
+    def _on_setting(self, key: int, value: int) -> None:
+        """A setting other than the initial window and the frame size (applied here)."""
+
+    def _settings_applied(self) -> None:
+        """The peer's SETTINGS were applied (and acknowledged): windows may have grown."""
+        self._flush_blocked()
+
+    def _known(self, stream: int) -> S | None:
+        """The open stream ``stream`` names; None for one already over. Raises for an id the
+        peer may not send a frame on."""
         raise NotImplementedError
 
-    def _on_window_update(self, stream: int, payload: bytes) -> None:
+    def _flush(self, stream: S) -> object:
+        """Send what ``stream`` holds, as far as the windows allow; it stays (or goes) in
+        ``_blocked`` while some of it waits."""
+        raise NotImplementedError
+
+    def _bad_window_update(self, stream: S, code: int) -> None:
+        """A WINDOW_UPDATE of 0 (``code`` PROTOCOL_ERROR) or one taking ``stream``'s window above
+        2^31-1 (FLOW_CONTROL_ERROR): a stream error, the stream ends."""
         raise NotImplementedError
 
     def _connection_error(self, code: int, message: str) -> None:
@@ -194,6 +216,58 @@ class H2Peer(asyncio.Protocol, Generic[S]):
             self._headers_open = None
             self._on_header_block(stream, opened[1], bytes(opened[2]))
 
+    def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
+        if stream != 0 or len(payload) % 6:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed SETTINGS")
+        self._settings_first = False
+        if flags & f.ACK:
+            return
+        for at in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, at)
+            if key == f.SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > f.MAX_WINDOW:
+                    raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
+                delta, self._peer_window = value - self._peer_window, value
+                for open_stream in self._streams.values():
+                    open_stream.send_window += delta
+            elif key == f.SETTINGS_MAX_FRAME_SIZE:
+                if not f.DEFAULT_MAX_FRAME <= value <= 0xFFFFFF:
+                    raise ConnectionError_(f.PROTOCOL_ERROR, "a bad SETTINGS_MAX_FRAME_SIZE")
+                self._peer_max_frame = value
+            else:
+                self._on_setting(key, value)
+        self._write(f.frame(f.SETTINGS, f.ACK, 0))
+        self._settings_applied()
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionError_(f.FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
+        increment = int.from_bytes(payload, "big") & f.MAX_WINDOW
+        if stream_id == 0:
+            if increment == 0:
+                raise ConnectionError_(f.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
+            self._send_window += increment
+            if self._send_window > f.MAX_WINDOW:
+                raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
+            self._flush_blocked()
+            return
+        stream = self._known(stream_id)
+        if stream is None:
+            return
+        if increment == 0 or stream.send_window + increment > f.MAX_WINDOW:
+            self._bad_window_update(stream, f.PROTOCOL_ERROR if increment == 0
+                                    else f.FLOW_CONTROL_ERROR)
+            return
+        stream.send_window += increment
+        if stream_id in self._blocked:
+            self._flush(stream)
+
+    def _flush_blocked(self) -> None:
+        for stream in list(self._blocked.values()):
+            if self._send_window <= 0:
+                return
+            self._flush(stream)
+
     # -- writes ----------------------------------------------------------------------------
 
     def _write(self, data: bytes) -> None:
@@ -215,4 +289,3 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         out.clear()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
-
