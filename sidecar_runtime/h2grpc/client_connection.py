@@ -114,17 +114,8 @@ class ClientConnection(H2Peer[ClientStream]):
             raise
 
     def _flush(self, stream: ClientStream) -> None:
-        out, chunks = stream.out, []
-        while out:
-            size = min(len(out), stream.send_window, self._send_window, self._peer_max_frame)
-            if size <= 0:
-                break
-            last = size == len(out)
-            chunks.append(f.frame(f.DATA, f.END_STREAM if last else 0, stream.id, out[:size]))
-            out = out[size:]
-            stream.send_window -= size
-            self._send_window -= size
-        stream.out = out
+        chunks, taken = self._data_frames(stream, stream.out, end_stream=True)
+        out = stream.out = stream.out[taken:]
         if chunks:
             self._write(b"".join(chunks))
         if out:

@@ -239,15 +239,9 @@ class Connection(H2Peer[Call]):
         return self._flush(call)
 
     def _flush(self, call: Call) -> bool:
-        out, stream, chunks = call.out, call.id, []
-        while out:
-            size = min(len(out), call.send_window, self._send_window, self._peer_max_frame)
-            if size <= 0:
-                break
-            chunks.append(f.frame(f.DATA, 0, stream, bytes(out[:size])))
-            del out[:size]
-            call.send_window -= size
-            self._send_window -= size
+        out, stream = call.out, call.id
+        chunks, taken = self._data_frames(call, out, end_stream=False)
+        del out[:taken]
         ended = False
         if not out and call.trailers_out is not None:
             chunks.append(f.headers(stream, call.trailers_out, end_stream=True))

@@ -262,6 +262,25 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         if stream_id in self._blocked:
             self._flush(stream)
 
+    def _data_frames(self, stream: S, out: bytes | bytearray,
+                     end_stream: bool) -> tuple[list[bytes], int]:
+        """DATA frames of as much of ``out`` as ``stream``'s and the connection's windows and the
+        peer's frame size allow, the windows charged; with ``end_stream``, the frame that ends
+        ``out`` ends the stream. And how many bytes of ``out`` they carry."""
+        chunks: list[bytes] = []
+        at, total = 0, len(out)
+        while at < total:
+            size = min(total - at, stream.send_window, self._send_window, self._peer_max_frame)
+            if size <= 0:
+                break
+            last = end_stream and at + size == total
+            chunks.append(f.frame(f.DATA, f.END_STREAM if last else 0, stream.id,
+                                  bytes(out[at:at + size])))
+            at += size
+            stream.send_window -= size
+            self._send_window -= size
+        return chunks, at
+
     def _flush_blocked(self) -> None:
         for stream in list(self._blocked.values()):
             if self._send_window <= 0:
