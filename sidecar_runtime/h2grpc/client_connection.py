@@ -1,9 +1,9 @@
 """One HTTP/2 connection of the gRPC client (RFC 9113, the client side, unary calls only).
 
-Frames are parsed straight off ``data_received``, as the server does (:mod:`.connection`);
-each call is a :class:`ClientStream` whose answer resolves one future. The client honours the
-server's SETTINGS (frame size, initial window, concurrent streams: a call waits for a free
-stream rather than exceed them), sends within the server's stream and connection windows and
+Frames are parsed straight off ``data_received`` by :class:`~.peer.H2Peer`, as the server's
+are (:mod:`.connection`); each call is a :class:`ClientStream` whose answer resolves one future.
+The client honours the server's SETTINGS (frame size, initial window, concurrent streams: a call
+waits for a free stream rather than exceed them), sends within the server's stream and connection windows and
 grants back what it receives. Its header blocks are HPACK literals without indexing
 (:func:`.frames.literal`), so it keeps no encoder state; the server's blocks are decoded with
 ``hpack``, and a block that cannot depend on the dynamic table is looked up once decoded.
@@ -198,7 +198,7 @@ class ClientConnection(H2Peer[ClientStream]):
         """Close (GOAWAY, then the transport); calls still open fail with ``error``."""
         if self.closed:
             return
-        self._write(f.goaway(0, f.NO_ERROR))
+        self._send_goaway(f.NO_ERROR)
         self._uncork()
         self._close_calls(error or RpcError(StatusCode.UNAVAILABLE, "the connection was closed"))
         if self.transport is not None:
@@ -209,7 +209,7 @@ class ClientConnection(H2Peer[ClientStream]):
         send what is buffered, for a peer that reads nothing)."""
         if self.closed:
             return
-        self._write(f.goaway(0, code, error.details.encode()[:200]))
+        self._send_goaway(code, error.details)
         self._uncork()
         self._close_calls(error)
         if self.transport is not None:

@@ -1,7 +1,8 @@
 """One HTTP/2 connection of the gRPC server (RFC 9113, the server side, as gRPC uses it).
 
-Frames are parsed straight off ``data_received``; each stream is a :class:`~.call.Call`. Flow
-control both ways: the server grants a large window and tops a stream's up as its handler
+Frames are parsed straight off ``data_received`` by :class:`~.peer.H2Peer`, the mechanics the
+client shares; here is what the server does with them. Each stream is a :class:`~.call.Call`.
+Flow control both ways: the server grants a large window and tops a stream's up as its handler
 takes the messages (a message above the service's limit is refused by the call, so one stream
 holds at most its window and one message); what it sends waits for the client's windows and
 frame size. Anything the protocol forbids ends the connection with GOAWAY and the error's code.
@@ -44,7 +45,6 @@ class Connection(H2Peer[Call]):
         self.peer = ""
         self._heads = HeadDecoder(server.heads)
         self._tasks = 0
-        self._last_stream = 0
         self._received = 0  # connection-level bytes since the last WINDOW_UPDATE
         self._draining = False
         self._linger: asyncio.TimerHandle | None = None  # the close after a drain
@@ -311,7 +311,7 @@ class Connection(H2Peer[Call]):
         if self._draining or self.closed:
             return
         self._draining = True
-        self._write(f.goaway(self._last_stream, f.NO_ERROR))
+        self._send_goaway(f.NO_ERROR)
         self._close_if_drained()
 
     def cancel_calls(self) -> None:
@@ -325,7 +325,7 @@ class Connection(H2Peer[Call]):
         log.exception("h2_connection_error", peer=self.peer)
 
     def _fail(self, code: int, message: str) -> None:
-        self._write(f.goaway(self._last_stream, code, message.encode()[:200]))
+        self._send_goaway(code, message)
         self._close()
 
     _connection_error = _fail

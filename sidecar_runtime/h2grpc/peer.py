@@ -32,10 +32,16 @@ class H2Peer(asyncio.Protocol, Generic[S]):
     """One end of an HTTP/2 connection; ``S`` is that side's stream.
 
     Frames are parsed straight off ``data_received`` (a frame split across reads waits whole
-    in ``_pending``) and dispatched by type; what a side does with DATA, a header block,
-    RST_STREAM and GOAWAY are its hooks (``_on_data``, ``_on_header_block``, ``_on_rst``,
-    ``_on_goaway``), as is what a connection error does (``_connection_error``). Anything the
+    in ``_pending``) and dispatched by type. PING, CONTINUATION, SETTINGS and WINDOW_UPDATE
+    are handled here; what a side does with DATA, a header block, RST_STREAM and GOAWAY are its
+    hooks (``_on_data``, ``_on_header_block``, ``_on_rst``, ``_on_goaway``), as are which ids
+    name its streams (``_known``), sending what a stream holds (``_flush``), a stream's bad
+    WINDOW_UPDATE and what a connection error does (``_connection_error``). Anything the
     protocol forbids raises :class:`~.frames.ConnectionError_` inside the read, which ends it.
+    Frames are written through ``_write``, one transport write per loop iteration.
+
+    Hooks are methods on ``self``, called once per frame at most: this is the server's hot
+    path (every ext_proc message), and it allocates nothing per frame the copies did not.
     """
 
     _PUSH_ERROR: ClassVar[str]
@@ -51,6 +57,7 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         self._preface = not read_preface  # the client's preface was read (or none is due)
         self._settings_first = settings_first  # the peer's first frame must be SETTINGS
         self._headers_open: tuple[int, int, bytearray] | None = None  # CONTINUATION pending
+        self._last_stream = 0  # the last stream the peer opened that we took (a client: none)
         self._streams: dict[int, S] = {}  # the open streams
         self._blocked: dict[int, S] = {}  # streams whose data waits for window
         self._send_window = f.DEFAULT_WINDOW  # the connection's, for what we send
@@ -299,6 +306,10 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         out.append(data)
         if len(out) == 1 and not self._reading:
             asyncio.get_running_loop().call_soon(self._uncork)
+
+    def _send_goaway(self, code: int, message: str = "") -> None:
+        """GOAWAY with ``code``, ``message`` (its first 200 bytes) as its debug data."""
+        self._write(f.goaway(self._last_stream, code, message.encode()[:200]))
 
     def _uncork(self) -> None:
         out = self._out
