@@ -45,9 +45,10 @@ class ClientConnection(H2Peer[ClientStream]):
 
     _PUSH_ERROR = "a push, which the client disabled"
     _PROTOCOL_ERROR_PREFIX = "HTTP/2 protocol error: "
+    _PREFACE_SIZE = 9
 
     def __init__(self, *, receive_window: int, max_receive: int) -> None:
-        super().__init__(read_preface=False, settings_first=True)
+        super().__init__()
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         """Resolved once the transport is closed."""
         self._loop = asyncio.get_running_loop()
@@ -226,6 +227,13 @@ class ClientConnection(H2Peer[ClientStream]):
             self._probe.cancel()
             self._probe = None
         super().data_received(data)
+
+    def _read_preface(self, data: bytes) -> int:
+        """The server's preface is a SETTINGS frame: its first frame must be one (an oversized
+        one is the frame loop's FRAME_SIZE_ERROR, as any frame's)."""
+        if int.from_bytes(data[:3], "big") <= f.DEFAULT_MAX_FRAME and data[3] != f.SETTINGS:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "the server preface is not SETTINGS")
+        return 0
 
     def _connection_error(self, code: int, message: str) -> None:
         self._fail(code, RpcError(StatusCode.INTERNAL, message))

@@ -40,7 +40,7 @@ class Connection(H2Peer[Call]):
     _PUSH_ERROR = "a client cannot push"
 
     def __init__(self, server: Server) -> None:
-        super().__init__(read_preface=True, settings_first=False)
+        super().__init__()
         self._server = server
         self.peer = ""
         self._heads = HeadDecoder(server.heads)

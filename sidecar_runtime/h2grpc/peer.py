@@ -48,14 +48,15 @@ class H2Peer(asyncio.Protocol, Generic[S]):
     """The message of the connection error a PUSH_PROMISE is."""
     _PROTOCOL_ERROR_PREFIX: ClassVar[str] = ""
     """Put before a protocol error's message for ``_connection_error``."""
+    _PREFACE_SIZE: ClassVar[int] = len(f.PREFACE)
+    """The bytes ``_read_preface`` needs to judge the peer's preface."""
 
-    def __init__(self, *, read_preface: bool, settings_first: bool) -> None:
+    def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._pending = bytearray()  # bytes of a frame (or the preface) not yet whole
-        self._need = len(f.PREFACE) if read_preface else 9
-        self._preface = not read_preface  # the client's preface was read (or none is due)
-        self._settings_first = settings_first  # the peer's first frame must be SETTINGS
+        self._need = self._PREFACE_SIZE
+        self._preface = False  # the peer's preface was read
         self._headers_open: tuple[int, int, bytearray] | None = None  # CONTINUATION pending
         self._last_stream = 0  # the last stream the peer opened that we took (a client: none)
         self._streams: dict[int, S] = {}  # the open streams
@@ -142,26 +143,21 @@ class H2Peer(asyncio.Protocol, Generic[S]):
 
     def _frames(self, data: bytes) -> None:
         offset, size = 0, len(data)
-        if not self._preface:
-            if size < len(f.PREFACE):
-                self._keep(data, len(f.PREFACE))
+        if not self._preface:  # once a connection, not per frame: the server's hot path
+            if size < self._PREFACE_SIZE:
+                self._keep(data, self._PREFACE_SIZE)
                 return
-            if data[:len(f.PREFACE)] != f.PREFACE:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+            offset = self._read_preface(data)
             self._preface = True
-            offset = len(f.PREFACE)
         while size - offset >= 9:
             length = int.from_bytes(data[offset:offset + 3], "big")
             if length > f.DEFAULT_MAX_FRAME:
                 raise ConnectionError_(f.FRAME_SIZE_ERROR, "frame above SETTINGS_MAX_FRAME_SIZE")
-            kind = data[offset + 3]
-            if self._settings_first and kind != f.SETTINGS:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "the server preface is not SETTINGS")
             end = offset + 9 + length
             if end > size:
                 self._keep(data[offset:], 9 + length)
                 return
-            flags = data[offset + 4]
+            kind, flags = data[offset + 3], data[offset + 4]
             stream = int.from_bytes(data[offset + 5:offset + 9], "big") & f.MAX_WINDOW
             payload = data[offset + 9:end]
             offset = end
@@ -196,6 +192,14 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         if offset < size:
             self._keep(data[offset:], 9)
 
+    def _read_preface(self, data: bytes) -> int:
+        """Check the peer's preface at the start of ``data`` (at least ``_PREFACE_SIZE`` bytes);
+        where its frames start. The server reads the client's (RFC 9113 §3.4), the string
+        that says HTTP/2 (its SETTINGS then come as any frame)."""
+        if data[:len(f.PREFACE)] != f.PREFACE:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+        return len(f.PREFACE)
+
     def _keep(self, rest: bytes, need: int) -> None:
         self._pending = bytearray(rest)
         self._need = need
@@ -226,7 +230,6 @@ class H2Peer(asyncio.Protocol, Generic[S]):
     def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
         if stream != 0 or len(payload) % 6:
             raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed SETTINGS")
-        self._settings_first = False
         if flags & f.ACK:
             return
         for at in range(0, len(payload), 6):
