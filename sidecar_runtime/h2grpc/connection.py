@@ -324,11 +324,9 @@ class Connection(H2Peer[Call]):
     def _log_bug(self) -> None:
         log.exception("h2_connection_error", peer=self.peer)
 
-    def _fail(self, code: int, message: str) -> None:
+    def _connection_error(self, code: int, message: str) -> None:
         self._send_goaway(code, message)
         self._close()
-
-    _connection_error = _fail
 
     def _close(self) -> None:
         if self._linger is not None:

@@ -70,6 +70,7 @@ class H2Peer(asyncio.Protocol, Generic[S]):
     # -- the side's hooks ------------------------------------------------------------------
 
     def _on_data(self, stream: int, flags: int, payload: bytes) -> None:
+        """A DATA frame, its padding still in (the windows count it)."""
         raise NotImplementedError
 
     def _on_header_block(self, stream: int, flags: int, block: bytes) -> None:
@@ -81,6 +82,7 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         raise NotImplementedError
 
     def _on_goaway(self, stream: int, payload: bytes) -> None:
+        """A GOAWAY frame, as it came (each side checks what it reads of it)."""
         raise NotImplementedError
 
     def _on_setting(self, key: int, value: int) -> None:
