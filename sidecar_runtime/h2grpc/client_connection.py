@@ -1,9 +1,9 @@
 """One HTTP/2 connection of the gRPC client (RFC 9113, the client side, unary calls only).
 
-Frames are parsed straight off ``data_received``, as the server does (:mod:`.connection`);
-each call is a :class:`ClientStream` whose answer resolves one future. The client honours the
-server's SETTINGS (frame size, initial window, concurrent streams: a call waits for a free
-stream rather than exceed them), sends within the server's stream and connection windows and
+Frames are parsed straight off ``data_received`` by :class:`~.peer.H2Peer`, as the server's
+are (:mod:`.connection`); each call is a :class:`ClientStream` whose answer resolves one future.
+The client honours the server's SETTINGS (frame size, initial window, concurrent streams: a call
+waits for a free stream rather than exceed them), sends within the server's stream and connection windows and
 grants back what it receives. Its header blocks are HPACK literals without indexing
 (:func:`.frames.literal`), so it keeps no encoder state; the server's blocks are decoded with
 ``hpack``, and a block that cannot depend on the dynamic table is looked up once decoded.
@@ -15,16 +15,14 @@ calls above a GOAWAY's last stream fail ``retryable`` (the server never saw them
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections import deque
 from typing import cast
-
-import hpack
 
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.client_stream import BlockDecoder, ClientStream, timeout_value
 from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST
+from sidecar_runtime.h2grpc.peer import H2Peer
 from sidecar_runtime.h2grpc.status import RpcError, StatusCode, reset_error
 from sidecar_runtime.logs import get_logger
 
@@ -42,30 +40,24 @@ block: our blocks never use the table, and a server (ours) that caches decoded b
 see the table at 0 to trust a repeated block."""
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(H2Peer[ClientStream]):
     """The client side of one HTTP/2 connection; :meth:`call` runs one unary call on it."""
 
+    _PUSH_ERROR = "a push, which the client disabled"
+    _PROTOCOL_ERROR_PREFIX = "HTTP/2 protocol error: "
+    _PREFACE_SIZE = 9
+
     def __init__(self, *, receive_window: int, max_receive: int) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
+        super().__init__()
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         """Resolved once the transport is closed."""
         self._loop = asyncio.get_running_loop()
         self._window = receive_window
         self._connection_window = max(f.DEFAULT_WINDOW, 4 * receive_window)
         self._max_receive = max_receive
-        self._pending = bytearray()
-        self._need = 9
-        self._settings_seen = False
         self._decoder = BlockDecoder()
-        self._headers_open: tuple[int, int, bytearray] | None = None
-        self._streams: dict[int, ClientStream] = {}
-        self._blocked: dict[int, ClientStream] = {}
         self._waiting: deque[asyncio.Future[None]] = deque()  # calls waiting for a stream
         self._next_id = 1
-        self._send_window = f.DEFAULT_WINDOW
-        self._peer_window = f.DEFAULT_WINDOW
-        self._peer_max_frame = f.DEFAULT_MAX_FRAME
         self._max_streams = MAX_STREAM_ID
         self._received = 0  # connection-level bytes not yet granted back
         self._recv_credit = self._connection_window
@@ -73,8 +65,6 @@ class ClientConnection(asyncio.Protocol):
         self._first_block = True
         self._last_read = self._loop.time()
         self._probe: asyncio.TimerHandle | None = None
-        self._out: list[bytes] = []
-        self._reading = False
 
     @property
     def usable(self) -> bool:
@@ -115,7 +105,7 @@ class ClientConnection(asyncio.Protocol):
             block = _TABLE_SIZE_ZERO + block
         self._write(f.headers(stream.id, block, end_stream=False))
         stream.out = data
-        self._send(stream)
+        self._flush(stream)
         stream.timer = loop.call_at(deadline, self._expire, stream)
         try:
             return await stream.waiter
@@ -124,30 +114,15 @@ class ClientConnection(asyncio.Protocol):
                 self._reset(stream, f.CANCEL, None)
             raise
 
-    def _send(self, stream: ClientStream) -> None:
-        out, chunks = stream.out, []
-        while out:
-            size = min(len(out), stream.send_window, self._send_window, self._peer_max_frame)
-            if size <= 0:
-                break
-            last = size == len(out)
-            chunks.append(f.frame(f.DATA, f.END_STREAM if last else 0, stream.id, out[:size]))
-            out = out[size:]
-            stream.send_window -= size
-            self._send_window -= size
-        stream.out = out
+    def _flush(self, stream: ClientStream) -> None:
+        chunks, taken = self._data_frames(stream, stream.out, end_stream=True)
+        out = stream.out = stream.out[taken:]
         if chunks:
             self._write(b"".join(chunks))
         if out:
             self._blocked[stream.id] = stream
         else:
             self._blocked.pop(stream.id, None)
-
-    def _flush_blocked(self) -> None:
-        for stream in list(self._blocked.values()):
-            if self._send_window <= 0:
-                return
-            self._send(stream)
 
     def _end(self, stream: ClientStream, result: bytes | RpcError) -> None:
         """The call is over: its stream leaves, its waiter gets ``result``."""
@@ -207,11 +182,11 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = f": {exc}" if exc else ""
-        self._closed(RpcError(StatusCode.UNAVAILABLE, f"the connection was lost{reason}"))
+        self._close_calls(RpcError(StatusCode.UNAVAILABLE, f"the connection was lost{reason}"))
         if not self.done.done():
             self.done.set_result(None)
 
-    def _closed(self, error: RpcError) -> None:
+    def _close_calls(self, error: RpcError) -> None:
         self.closed = True
         if self._probe is not None:
             self._probe.cancel()
@@ -224,9 +199,9 @@ class ClientConnection(asyncio.Protocol):
         """Close (GOAWAY, then the transport); calls still open fail with ``error``."""
         if self.closed:
             return
-        self._write(f.goaway(0, f.NO_ERROR))
+        self._send_goaway(f.NO_ERROR)
         self._uncork()
-        self._closed(error or RpcError(StatusCode.UNAVAILABLE, "the connection was closed"))
+        self._close_calls(error or RpcError(StatusCode.UNAVAILABLE, "the connection was closed"))
         if self.transport is not None:
             self.transport.close()
 
@@ -235,9 +210,9 @@ class ClientConnection(asyncio.Protocol):
         send what is buffered, for a peer that reads nothing)."""
         if self.closed:
             return
-        self._write(f.goaway(0, code, error.details.encode()[:200]))
+        self._send_goaway(code, error.details)
         self._uncork()
-        self._closed(error)
+        self._close_calls(error)
         if self.transport is not None:
             if abort:
                 self.transport.abort()
@@ -251,88 +226,20 @@ class ClientConnection(asyncio.Protocol):
         if self._probe is not None:  # it answered: alive
             self._probe.cancel()
             self._probe = None
-        if self._pending:
-            self._pending += data
-            if len(self._pending) < self._need:
-                return
-            data = bytes(self._pending)
-            self._pending = bytearray()
-        self._reading = True
-        try:
-            self._frames(data)
-        except ConnectionError_ as exc:
-            self._fail(exc.code, RpcError(StatusCode.INTERNAL, f"HTTP/2 protocol error: {exc}"))
-        except hpack.HPACKError as exc:
-            self._fail(f.COMPRESSION_ERROR,
-                       RpcError(StatusCode.INTERNAL, f"bad header block: {type(exc).__name__}"))
-        except Exception:  # a bug of ours: this connection's calls fail, the loop goes on
-            log.exception("h2_client_connection_error")
-            self._fail(f.INTERNAL_ERROR, RpcError(StatusCode.INTERNAL, "internal error"))
-        finally:
-            self._reading = False
-            self._uncork()
+        super().data_received(data)
 
-    def _frames(self, data: bytes) -> None:
-        offset, size = 0, len(data)
-        while size - offset >= 9:
-            length = int.from_bytes(data[offset:offset + 3], "big")
-            kind, flags = data[offset + 3], data[offset + 4]
-            if length > f.DEFAULT_MAX_FRAME:
-                raise ConnectionError_(f.FRAME_SIZE_ERROR, "frame above SETTINGS_MAX_FRAME_SIZE")
-            if not self._settings_seen and kind != f.SETTINGS:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "the server preface is not SETTINGS")
-            end = offset + 9 + length
-            if end > size:
-                self._keep(data[offset:], 9 + length)
-                return
-            stream = int.from_bytes(data[offset + 5:offset + 9], "big") & MAX_STREAM_ID
-            payload = data[offset + 9:end]
-            offset = end
-            if self._headers_open is not None and kind != f.CONTINUATION:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a header block was not continued")
-            if kind == f.DATA:
-                self._on_data(stream, flags, payload)
-            elif kind == f.HEADERS:
-                if flags & f.PADDED:
-                    payload = f.unpad(payload)
-                if flags & f.PRIORITY_FLAG:
-                    payload = payload[5:]
-                if flags & f.END_HEADERS:
-                    self._on_block(stream, flags, payload)
-                else:
-                    self._headers_open = (stream, flags, bytearray(payload))
-            elif kind == f.CONTINUATION:
-                self._on_continuation(stream, flags, payload)
-            elif kind == f.RST_STREAM:
-                if stream == 0 or length != 4:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed RST_STREAM")
-                found = self._streams.get(stream)
-                if found is not None:
-                    self._end(found, reset_error(int.from_bytes(payload, "big")))
-            elif kind == f.SETTINGS:
-                self._on_settings(stream, flags, payload)
-            elif kind == f.WINDOW_UPDATE:
-                self._on_window_update(stream, payload)
-            elif kind == f.PING:
-                if stream != 0 or length != 8:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed PING")
-                if not flags & f.ACK:
-                    self._write(f.frame(f.PING, f.ACK, 0, payload))
-            elif kind == f.GOAWAY:
-                if stream != 0 or length < 8:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed GOAWAY")
-                self._on_goaway(int.from_bytes(payload[:4], "big") & MAX_STREAM_ID)
-            elif kind == f.PUSH_PROMISE:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a push, which the client disabled")
-            # PRIORITY and unknown frame types are ignored (RFC 9113 §5.5).
-            if self.closed:
-                return
-        if offset < size:
-            self._keep(data[offset:], 9)
+    def _read_preface(self, data: bytes) -> int:
+        """The server's preface is a SETTINGS frame: its first frame must be one (an oversized
+        one is the frame loop's FRAME_SIZE_ERROR, as any frame's)."""
+        if int.from_bytes(data[:3], "big") <= f.DEFAULT_MAX_FRAME and data[3] != f.SETTINGS:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "the server preface is not SETTINGS")
+        return 0
 
-    def _keep(self, rest: bytes, need: int) -> None:
-        self._pending = bytearray(rest)
-        self._need = need
+    def _connection_error(self, code: int, message: str) -> None:
+        self._fail(code, RpcError(StatusCode.INTERNAL, message))
+
+    def _log_bug(self) -> None:  # this connection's calls fail, the loop goes on
+        log.exception("h2_client_connection_error")
 
     # -- frames ----------------------------------------------------------------------------
 
@@ -366,18 +273,7 @@ class ClientConnection(asyncio.Protocol):
             stream.recv_credit += stream.recv_unacked
             stream.recv_unacked = 0
 
-    def _on_continuation(self, stream: int, flags: int, payload: bytes) -> None:
-        opened = self._headers_open
-        if opened is None or opened[0] != stream:
-            raise ConnectionError_(f.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
-        opened[2].extend(payload)
-        if len(opened[2]) > MAX_HEADER_LIST:
-            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "header block too large")
-        if flags & f.END_HEADERS:
-            self._headers_open = None
-            self._on_block(stream, opened[1], bytes(opened[2]))
-
-    def _on_block(self, stream_id: int, flags: int, block: bytes) -> None:
+    def _on_header_block(self, stream_id: int, flags: int, block: bytes) -> None:
         fields = self._decoder.decode(block)  # first: decoding may change the HPACK table
         stream = self._known(stream_id)
         if stream is not None:
@@ -391,77 +287,38 @@ class ClientConnection(asyncio.Protocol):
             self._write(f.rst_stream(stream.id, code))
         self._end(stream, result)
 
+    def _on_rst(self, stream: int, payload: bytes) -> None:
+        found = self._streams.get(stream)
+        if found is not None:
+            self._end(found, reset_error(int.from_bytes(payload, "big")))
+
     def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
-        if stream != 0 or len(payload) % 6 or (flags & f.ACK and payload):
+        if flags & f.ACK and payload:
             raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed SETTINGS")
-        self._settings_seen = True
-        if flags & f.ACK:
-            return
-        for at in range(0, len(payload), 6):
-            key, value = struct.unpack_from(">HI", payload, at)
-            if key == f.SETTINGS_INITIAL_WINDOW_SIZE:
-                if value > f.MAX_WINDOW:
-                    raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
-                delta, self._peer_window = value - self._peer_window, value
-                for open_stream in self._streams.values():
-                    open_stream.send_window += delta
-            elif key == f.SETTINGS_MAX_FRAME_SIZE:
-                if not f.DEFAULT_MAX_FRAME <= value <= 0xFFFFFF:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a bad SETTINGS_MAX_FRAME_SIZE")
-                self._peer_max_frame = value
-            elif key == f.SETTINGS_MAX_CONCURRENT_STREAMS:
-                self._max_streams = value
-        self._write(f.frame(f.SETTINGS, f.ACK, 0))
+        super()._on_settings(stream, flags, payload)
+
+    def _on_setting(self, key: int, value: int) -> None:
+        if key == f.SETTINGS_MAX_CONCURRENT_STREAMS:
+            self._max_streams = value
+
+    def _settings_applied(self) -> None:
         self._wake(everyone=True)
         self._flush_blocked()
 
-    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise ConnectionError_(f.FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
-        increment = int.from_bytes(payload, "big") & f.MAX_WINDOW
-        if stream_id == 0:
-            if increment == 0:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > f.MAX_WINDOW:
-                raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
-            self._flush_blocked()
-            return
-        stream = self._known(stream_id)
-        if stream is None:
-            return
-        if increment == 0 or stream.send_window + increment > f.MAX_WINDOW:
-            self._reset(stream, f.PROTOCOL_ERROR if increment == 0 else f.FLOW_CONTROL_ERROR,
-                        RpcError(StatusCode.INTERNAL, "a bad WINDOW_UPDATE from the server"))
-            return
-        stream.send_window += increment
-        if stream_id in self._blocked:
-            self._send(stream)
+    def _bad_window_update(self, stream: ClientStream, code: int) -> None:
+        self._reset(stream, code, RpcError(StatusCode.INTERNAL,
+                                           "a bad WINDOW_UPDATE from the server"))
 
-    def _on_goaway(self, last: int) -> None:
-        """No new call here; those above ``last`` were not seen (retryable), the others end
-        as the server answers them."""
+    def _on_goaway(self, stream: int, payload: bytes) -> None:
+        """No new call here; those above the last stream it names were not seen (retryable),
+        the others end as the server answers them."""
+        if stream != 0 or len(payload) < 8:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed GOAWAY")
+        last = int.from_bytes(payload[:4], "big") & MAX_STREAM_ID
         self._goaway = True
-        for stream in [s for s in self._streams.values() if s.id > last]:
-            self._end(stream, RpcError(StatusCode.UNAVAILABLE,
+        for unseen in [s for s in self._streams.values() if s.id > last]:
+            self._end(unseen, RpcError(StatusCode.UNAVAILABLE,
                                        "the server is going away (GOAWAY)", retryable=True))
         self._wake(everyone=True)
         if not self._streams:
             self.close()
-
-    def _write(self, data: bytes) -> None:
-        """Queue ``data`` for one write at the end of this loop iteration (or of this read):
-        the calls started in one iteration (a batcher's flush) leave in one ``send``."""
-        out = self._out
-        out.append(data)
-        if len(out) == 1 and not self._reading:
-            self._loop.call_soon(self._uncork)
-
-    def _uncork(self) -> None:
-        out = self._out
-        if not out:
-            return
-        data = out[0] if len(out) == 1 else b"".join(out)
-        out.clear()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)

@@ -1,7 +1,8 @@
 """One HTTP/2 connection of the gRPC server (RFC 9113, the server side, as gRPC uses it).
 
-Frames are parsed straight off ``data_received``; each stream is a :class:`~.call.Call`. Flow
-control both ways: the server grants a large window and tops a stream's up as its handler
+Frames are parsed straight off ``data_received`` by :class:`~.peer.H2Peer`, the mechanics the
+client shares; here is what the server does with them. Each stream is a :class:`~.call.Call`.
+Flow control both ways: the server grants a large window and tops a stream's up as its handler
 takes the messages (a message above the service's limit is refused by the call, so one stream
 holds at most its window and one message); what it sends waits for the client's windows and
 frame size. Anything the protocol forbids ends the connection with GOAWAY and the error's code.
@@ -13,12 +14,12 @@ import asyncio
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
-import hpack
 
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.call import Call
 from sidecar_runtime.h2grpc.frames import ConnectionError_
-from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST, HeadDecoder
+from sidecar_runtime.h2grpc.head import HeadDecoder
+from sidecar_runtime.h2grpc.peer import H2Peer
 from sidecar_runtime.logs import get_logger
 
 if TYPE_CHECKING:
@@ -33,31 +34,20 @@ DRAIN_LINGER_S = 0.2
 """How long a drained connection is still read (new streams refused) before it closes."""
 
 
-class Connection(asyncio.Protocol):
+class Connection(H2Peer[Call]):
     """The server side of one HTTP/2 connection."""
 
+    _PUSH_ERROR = "a client cannot push"
+
     def __init__(self, server: Server) -> None:
+        super().__init__()
         self._server = server
-        self.transport: asyncio.Transport | None = None
         self.peer = ""
-        self._pending = bytearray()  # bytes of a frame (or the preface) not yet whole
-        self._need = len(f.PREFACE)
-        self._preface = False
         self._heads = HeadDecoder(server.heads)
-        self._headers_open: tuple[int, int, bytearray] | None = None  # CONTINUATION pending
-        self._calls: dict[int, Call] = {}
-        self._blocked: dict[int, Call] = {}  # calls whose data waits for window
         self._tasks = 0
-        self._last_stream = 0
-        self._send_window = f.DEFAULT_WINDOW
-        self._peer_window = f.DEFAULT_WINDOW  # the client's SETTINGS_INITIAL_WINDOW_SIZE
-        self._peer_max_frame = f.DEFAULT_MAX_FRAME
         self._received = 0  # connection-level bytes since the last WINDOW_UPDATE
-        self._out: list[bytes] = []  # frames to send at the end of this loop iteration
-        self._reading = False
         self._draining = False
         self._linger: asyncio.TimerHandle | None = None  # the close after a drain
-        self._closed = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -81,100 +71,19 @@ class Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self._closed:
+        if self.transport is not None and not self.closed:
             self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
+        self.closed = True
         if self._linger is not None:
             self._linger.cancel()
-        calls = list(self._calls.values())
-        self._calls.clear()
+        calls = list(self._streams.values())
+        self._streams.clear()
         self._blocked.clear()
         for call in calls:
             call.reset()
         self._server.connection_closed(self)
-
-    def data_received(self, data: bytes) -> None:
-        if self._closed:
-            return
-        if self._pending:
-            self._pending += data
-            if len(self._pending) < self._need:
-                return
-            data = bytes(self._pending)
-            self._pending = bytearray()
-        self._reading = True
-        try:
-            self._frames(data)
-        except ConnectionError_ as exc:
-            self._fail(exc.code, str(exc))
-        except hpack.HPACKError as exc:
-            self._fail(f.COMPRESSION_ERROR, f"bad header block: {type(exc).__name__}")
-        except Exception:
-            # A bug of ours (or of a generic handler's lookup): this connection ends with
-            # GOAWAY, as a protocol error would; escaping, it would make asyncio drop the
-            # connection without one.
-            log.exception("h2_connection_error", peer=self.peer)
-            self._fail(f.INTERNAL_ERROR, "internal error")
-        finally:
-            self._reading = False
-            self._uncork()
-
-    def _frames(self, data: bytes) -> None:
-        offset, size = 0, len(data)
-        if not self._preface:
-            if size < len(f.PREFACE):
-                self._keep(data, len(f.PREFACE))
-                return
-            if data[:len(f.PREFACE)] != f.PREFACE:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-            self._preface = True
-            offset = len(f.PREFACE)
-        while size - offset >= 9:
-            length = int.from_bytes(data[offset:offset + 3], "big")
-            if length > f.DEFAULT_MAX_FRAME:
-                raise ConnectionError_(f.FRAME_SIZE_ERROR, "frame above SETTINGS_MAX_FRAME_SIZE")
-            end = offset + 9 + length
-            if end > size:
-                self._keep(data[offset:], 9 + length)
-                return
-            kind, flags = data[offset + 3], data[offset + 4]
-            stream = int.from_bytes(data[offset + 5:offset + 9], "big") & f.MAX_WINDOW
-            payload = data[offset + 9:end]
-            offset = end
-            if self._headers_open is not None and kind != f.CONTINUATION:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a header block was not continued")
-            if kind == f.DATA:
-                self._on_data(stream, flags, payload)
-            elif kind == f.HEADERS:
-                self._on_headers(stream, flags, payload)
-            elif kind == f.CONTINUATION:
-                self._on_continuation(stream, flags, payload)
-            elif kind == f.RST_STREAM:
-                self._on_rst(stream, payload)
-            elif kind == f.SETTINGS:
-                self._on_settings(stream, flags, payload)
-            elif kind == f.WINDOW_UPDATE:
-                self._on_window_update(stream, payload)
-            elif kind == f.PING:
-                if stream != 0 or length != 8:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed PING")
-                if not flags & f.ACK:
-                    self._write(f.frame(f.PING, f.ACK, 0, payload))
-            elif kind == f.GOAWAY:
-                pass  # the client opens no new stream; the ones open finish
-            elif kind == f.PUSH_PROMISE:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a client cannot push")
-            # PRIORITY and unknown frame types are ignored (RFC 9113 §5.5).
-            if self._closed:
-                return
-        if offset < size:
-            self._keep(data[offset:], 9)
-
-    def _keep(self, rest: bytes, need: int) -> None:
-        self._pending = bytearray(rest)
-        self._need = need
 
     # -- frames ----------------------------------------------------------------------------
 
@@ -188,7 +97,7 @@ class Connection(asyncio.Protocol):
         if self._received >= CONNECTION_WINDOW // 2:
             self._write(f.window_update(0, self._received))
             self._received = 0
-        call = self._calls.get(stream)
+        call = self._streams.get(stream)
         if call is None or call.input_ended:
             if stream > self._last_stream:
                 raise ConnectionError_(f.PROTOCOL_ERROR, "DATA on an idle stream")
@@ -222,29 +131,11 @@ class Connection(asyncio.Protocol):
     def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
         if stream == 0 or stream % 2 == 0:
             raise ConnectionError_(f.PROTOCOL_ERROR, "HEADERS on a server stream id")
-        if flags & f.PADDED:
-            payload = f.unpad(payload)
-        if flags & f.PRIORITY_FLAG:
-            payload = payload[5:]
-        if flags & f.END_HEADERS:
-            self._on_header_block(stream, flags, payload)
-        else:
-            self._headers_open = (stream, flags, bytearray(payload))
-
-    def _on_continuation(self, stream: int, flags: int, payload: bytes) -> None:
-        opened = self._headers_open
-        if opened is None or opened[0] != stream:
-            raise ConnectionError_(f.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
-        opened[2].extend(payload)
-        if len(opened[2]) > MAX_HEADER_LIST:
-            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "header block too large")
-        if flags & f.END_HEADERS:
-            self._headers_open = None
-            self._on_header_block(stream, opened[1], bytes(opened[2]))
+        super()._on_headers(stream, flags, payload)
 
     def _on_header_block(self, stream: int, flags: int, block: bytes) -> None:
         head = self._heads.decode(block)
-        call = self._calls.get(stream)
+        call = self._streams.get(stream)
         if call is not None:  # trailers of the request
             if not flags & f.END_STREAM:
                 raise ConnectionError_(f.PROTOCOL_ERROR, "trailers without END_STREAM")
@@ -258,7 +149,7 @@ class Connection(asyncio.Protocol):
             self._write(f.rst_stream(stream, f.STREAM_CLOSED))
             return
         self._last_stream = stream
-        if self._draining or len(self._calls) >= self._server.max_concurrent_streams:
+        if self._draining or len(self._streams) >= self._server.max_concurrent_streams:
             # Past the advertised limit (RFC 9113 §5.1.2), e.g. sent before the client read
             # our SETTINGS: refused, which a client may retry (Envoy does, on another
             # connection). Each open call holds a task and up to a window of input.
@@ -285,16 +176,14 @@ class Connection(asyncio.Protocol):
             return
         call = Call(stream, path, self, handler, metadata, head.timeout_s, self._peer_window,
                     self._server.max_receive_message_length)
-        self._calls[stream] = call
+        self._streams[stream] = call
         if ended:
             call.end_input()
         if handler.request_streaming or ended:
             self._start(call)
 
     def _on_rst(self, stream: int, payload: bytes) -> None:
-        if stream == 0 or len(payload) != 4:
-            raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed RST_STREAM")
-        call = self._calls.pop(stream, None)
+        call = self._streams.pop(stream, None)
         self._blocked.pop(stream, None)
         if call is not None:
             call.reset()
@@ -302,50 +191,15 @@ class Connection(asyncio.Protocol):
             # is coming to close a draining connection.
             self._close_if_drained()
 
-    def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
-        if stream != 0 or len(payload) % 6:
-            raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed SETTINGS")
-        if flags & f.ACK:
-            return
-        for at in range(0, len(payload), 6):
-            key = int.from_bytes(payload[at:at + 2], "big")
-            value = int.from_bytes(payload[at + 2:at + 6], "big")
-            if key == f.SETTINGS_INITIAL_WINDOW_SIZE:
-                if value > f.MAX_WINDOW:
-                    raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
-                delta, self._peer_window = value - self._peer_window, value
-                for call in self._calls.values():
-                    call.send_window += delta
-            elif key == f.SETTINGS_MAX_FRAME_SIZE:
-                if not f.DEFAULT_MAX_FRAME <= value <= 0xFFFFFF:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a bad SETTINGS_MAX_FRAME_SIZE")
-                self._peer_max_frame = value
-        self._write(f.frame(f.SETTINGS, f.ACK, 0))
-        self._flush_blocked()
+    def _on_goaway(self, stream: int, payload: bytes) -> None:
+        pass  # the client opens no new stream; the ones open finish
 
-    def _on_window_update(self, stream: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise ConnectionError_(f.FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
-        increment = int.from_bytes(payload, "big") & f.MAX_WINDOW
-        if stream == 0:
-            if increment == 0:
-                raise ConnectionError_(f.PROTOCOL_ERROR, "a WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > f.MAX_WINDOW:
-                raise ConnectionError_(f.FLOW_CONTROL_ERROR, "window above 2^31-1")
-            self._flush_blocked()
-            return
-        call = self._calls.get(stream)
-        if call is None:
-            return
-        if increment == 0 or call.send_window + increment > f.MAX_WINDOW:
-            self.reset_stream(call, f.PROTOCOL_ERROR if increment == 0
-                              else f.FLOW_CONTROL_ERROR)
-            call.reset()
-            return
-        call.send_window += increment
-        if stream in self._blocked:
-            self._flush(call)
+    def _known(self, stream: int) -> Call | None:
+        return self._streams.get(stream)
+
+    def _bad_window_update(self, call: Call, code: int) -> None:
+        self.reset_stream(call, code)
+        call.reset()
 
     # -- answers ---------------------------------------------------------------------------
 
@@ -385,15 +239,9 @@ class Connection(asyncio.Protocol):
         return self._flush(call)
 
     def _flush(self, call: Call) -> bool:
-        out, stream, chunks = call.out, call.id, []
-        while out:
-            size = min(len(out), call.send_window, self._send_window, self._peer_max_frame)
-            if size <= 0:
-                break
-            chunks.append(f.frame(f.DATA, 0, stream, bytes(out[:size])))
-            del out[:size]
-            call.send_window -= size
-            self._send_window -= size
+        out, stream = call.out, call.id
+        chunks, taken = self._data_frames(call, out, end_stream=False)
+        del out[:taken]
         ended = False
         if not out and call.trailers_out is not None:
             chunks.append(f.headers(stream, call.trailers_out, end_stream=True))
@@ -410,19 +258,13 @@ class Connection(asyncio.Protocol):
         call.flushed()
         return True
 
-    def _flush_blocked(self) -> None:
-        for call in list(self._blocked.values()):
-            if self._send_window <= 0:
-                return
-            self._flush(call)
-
     def _ended(self, call: Call) -> None:
         """The answer's END_STREAM went out: the stream is done on our side."""
         call.finished = True
         if not call.input_ended:
             # The client has not half-closed: tell it to stop sending (what gRPC servers do).
             self._write(f.rst_stream(call.id, f.NO_ERROR))
-        self._calls.pop(call.id, None)
+        self._streams.pop(call.id, None)
         self._blocked.pop(call.id, None)
         self._close_if_drained()
 
@@ -432,7 +274,7 @@ class Connection(asyncio.Protocol):
             return
         call.finished = True
         self._write(f.rst_stream(call.id, code))
-        self._calls.pop(call.id, None)
+        self._streams.pop(call.id, None)
         self._blocked.pop(call.id, None)
         self._close_if_drained()
 
@@ -457,7 +299,7 @@ class Connection(asyncio.Protocol):
         # Open calls, not only tasks: a unary call whose HEADERS came without its message has
         # no task yet, and GOAWAY told the client it was taken. (A blocked answer's call is
         # open too, until its END_STREAM goes out.)
-        if self._draining and self._tasks == 0 and not self._calls and self._linger is None:
+        if self._draining and self._tasks == 0 and not self._streams and self._linger is None:
             # Not at once: a HEADERS the client sent before it read our GOAWAY may be on its
             # way. Closing with it unread makes the kernel reset the connection, and the
             # client may lose the GOAWAY and fail that request; read for a moment, refusing
@@ -466,21 +308,24 @@ class Connection(asyncio.Protocol):
 
     def drain(self) -> None:
         """GOAWAY: no new stream; the connection closes once its calls are done."""
-        if self._draining or self._closed:
+        if self._draining or self.closed:
             return
         self._draining = True
-        self._write(f.goaway(self._last_stream, f.NO_ERROR))
+        self._send_goaway(f.NO_ERROR)
         self._close_if_drained()
 
     def cancel_calls(self) -> None:
         """The grace period is over: cut every call still running."""
-        for call in list(self._calls.values()):
+        for call in list(self._streams.values()):
             if call.task is not None and not call.task.done():
                 call.task.cancel()
         self._close()
 
-    def _fail(self, code: int, message: str) -> None:
-        self._write(f.goaway(self._last_stream, code, message.encode()[:200]))
+    def _log_bug(self) -> None:
+        log.exception("h2_connection_error", peer=self.peer)
+
+    def _connection_error(self, code: int, message: str) -> None:
+        self._send_goaway(code, message)
         self._close()
 
     def _close(self) -> None:
@@ -489,26 +334,7 @@ class Connection(asyncio.Protocol):
         self._uncork()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
-        self._closed = True
-
-    def _write(self, data: bytes) -> None:
-        """Queue ``data`` for one write at the end of this loop iteration: the answers of the
-        calls that woke in the same iteration (several streams' messages arrive in one read
-        under load) leave in one ``send`` instead of one each, the syscall being a fifth of a
-        message's CPU. Within a read, at the end of the read."""
-        out = self._out
-        out.append(data)
-        if len(out) == 1 and not self._reading:
-            asyncio.get_running_loop().call_soon(self._uncork)
-
-    def _uncork(self) -> None:
-        out = self._out
-        if not out:
-            return
-        data = out[0] if len(out) == 1 else b"".join(out)
-        out.clear()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        self.closed = True
 
 
 def _peer_name(transport: asyncio.BaseTransport) -> str:
