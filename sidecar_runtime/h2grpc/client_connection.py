@@ -19,7 +19,7 @@ from collections import deque
 from typing import cast
 
 from sidecar_runtime.h2grpc import frames as f
-from sidecar_runtime.h2grpc.client_stream import BlockDecoder, ClientStream, timeout_value
+from sidecar_runtime.h2grpc.client_stream import ClientStream, block_decoder, timeout_value
 from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST
 from sidecar_runtime.h2grpc.peer import H2Peer
@@ -55,7 +55,7 @@ class ClientConnection(H2Peer[ClientStream]):
         self._window = receive_window
         self._connection_window = max(f.DEFAULT_WINDOW, 4 * receive_window)
         self._max_receive = max_receive
-        self._decoder = BlockDecoder()
+        self._decoder = block_decoder()
         self._waiting: deque[asyncio.Future[None]] = deque()  # calls waiting for a stream
         self._next_id = 1
         self._max_streams = MAX_STREAM_ID

@@ -1,17 +1,14 @@
 """One unary call of the gRPC client on its HTTP/2 stream: what the server's frames on it mean
-(:class:`ClientStream`), the server's header blocks decoded (:class:`BlockDecoder`), and the
+(:class:`ClientStream`), the server's header blocks decoded (:func:`block_decoder`), and the
 ``grpc-timeout`` the call carries. No I/O: :mod:`.client_connection` acts on the outcomes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import cast
-
-import hpack
 
 from sidecar_runtime.h2grpc import frames as f
-from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST
+from sidecar_runtime.h2grpc.head import BlockCache
 from sidecar_runtime.h2grpc.status import RpcError, StatusCode, from_trailers, http_error
 
 Outcome = tuple[int | None, bytes | RpcError] | None
@@ -91,33 +88,10 @@ class ClientStream:
         return RpcError(StatusCode.INTERNAL, "an answer that is not one whole message")
 
 
-class BlockDecoder:
-    """One connection's HPACK decoder. Every block is decoded (decoding may change the dynamic
-    table) unless the table is empty and the block left it so when first decoded: such a block
-    neither reads nor writes the table and means the same whenever it comes, so it is looked
-    up (``hpack`` takes ~6 µs a block; a gRPC answer is two, the same every time)."""
-
-    def __init__(self) -> None:
-        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
-        self._cache: dict[bytes, tuple[int, dict[str, str]]] = {}
-
-    def decode(self, block: bytes) -> dict[str, str]:
-        """Raises ``hpack.HPACKError`` (a connection error)."""
-        decoder = self._decoder
-        table = decoder.header_table
-        empty = not table.dynamic_entries
-        size = decoder.header_table_size
-        if empty:
-            found = self._cache.get(block)
-            if found is not None and found[0] == size:
-                return found[1]
-        fields = dict(cast(list[tuple[str, str]], decoder.decode(block)))
-        if empty and not table.dynamic_entries and decoder.header_table_size == size \
-                and len(block) <= _BLOCK_CACHED_MAX_BYTES:
-            if len(self._cache) >= _BLOCKS_CACHED:
-                self._cache.clear()
-            self._cache[block] = (size, fields)
-        return fields
+def block_decoder() -> BlockCache[dict[str, str]]:
+    """A client connection's decoder of the server's header blocks (a gRPC answer is two, the
+    same every time: looked up rather than decoded, which costs ``hpack`` ~6 µs a block)."""
+    return BlockCache(dict, {}, _BLOCKS_CACHED, _BLOCK_CACHED_MAX_BYTES)
 
 
 def timeout_value(seconds: float) -> str:

@@ -18,7 +18,7 @@ import grpc
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.call import Call
 from sidecar_runtime.h2grpc.frames import ConnectionError_
-from sidecar_runtime.h2grpc.head import HeadDecoder
+from sidecar_runtime.h2grpc.head import head_decoder
 from sidecar_runtime.h2grpc.peer import H2Peer
 from sidecar_runtime.logs import get_logger
 
@@ -43,7 +43,7 @@ class Connection(H2Peer[Call]):
         super().__init__()
         self._server = server
         self.peer = ""
-        self._heads = HeadDecoder(server.heads)
+        self._heads = head_decoder(server.heads)
         self._tasks = 0
         self._received = 0  # connection-level bytes since the last WINDOW_UPDATE
         self._draining = False

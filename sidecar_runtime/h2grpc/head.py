@@ -8,12 +8,14 @@ call from Envoy carries the same headers) is looked up rather than decoded and p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Generic, TypeVar, cast
 
 import hpack
 
 Metadata = tuple[tuple[str, str], ...]
+T = TypeVar("T")
 
 MAX_HEADER_LIST = 64 * 1024
 HEADS_CACHED = 1024
@@ -65,28 +67,45 @@ def request_head(headers: list[tuple[str, str]]) -> RequestHead:
                        tuple(metadata), malformed=False)
 
 
-class HeadDecoder:
-    """One connection's HPACK decoder, with the server's cache of heads by block."""
+class BlockCache(Generic[T]):
+    """One connection's HPACK decoder, whose blocks are looked up when that is safe: a block
+    decoded with the dynamic table empty, which left it empty at the same size, neither read
+    nor wrote the table, so it means the same whenever it comes. That holds for a peer that
+    gave the table up (the server asks for 0 bytes in SETTINGS_HEADER_TABLE_SIZE) and for one
+    that sends literals only (our server's answers, to the client). Any other block is decoded,
+    since decoding updates the table, even for a stream refused afterwards, or for trailers.
 
-    def __init__(self, cache: dict[bytes, RequestHead]) -> None:
+    ``read`` turns a block's fields into what is kept; ``cache`` may be shared by connections
+    (the server's heads), at most ``limit`` blocks of at most ``max_block`` bytes: 1,024 blocks
+    of up to 64 KiB each would be 64 MiB of keys."""
+
+    def __init__(self, read: Callable[[list[tuple[str, str]]], T],
+                 cache: dict[bytes, tuple[int, T]], limit: int, max_block: int) -> None:
         self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
+        self._read = read
         self._cache = cache
+        self._limit = limit
+        self._max_block = max_block
 
-    def decode(self, block: bytes) -> RequestHead:
-        """The head ``block`` carries. Raises ``hpack.HPACKError`` (a connection error). A
-        block is always decoded while the client's encoder may use the dynamic table:
-        decoding updates it, even for a stream refused afterwards, or for trailers."""
+    def decode(self, block: bytes) -> T:
+        """What ``block`` carries. Raises ``hpack.HPACKError`` (a connection error)."""
         decoder = self._decoder
-        if decoder.header_table_size != 0:
-            return request_head(cast(list[tuple[str, str]], decoder.decode(block)))
-        found = self._cache.get(block)
-        if found is not None:
-            return found
-        head = request_head(cast(list[tuple[str, str]], decoder.decode(block)))
-        # Only while the table is still 0 (the block did not raise it), and only blocks of a
-        # usual size: 1,024 blocks of up to 64 KiB each would be 64 MiB of keys.
-        if decoder.header_table_size == 0 and len(block) <= HEAD_CACHED_MAX_BYTES:
-            if len(self._cache) >= HEADS_CACHED:
+        table = decoder.header_table
+        empty = not table.dynamic_entries
+        size = decoder.header_table_size
+        if empty:
+            found = self._cache.get(block)
+            if found is not None and found[0] == size:
+                return found[1]
+        value = self._read(cast(list[tuple[str, str]], decoder.decode(block)))
+        if empty and not table.dynamic_entries and decoder.header_table_size == size \
+                and len(block) <= self._max_block:
+            if len(self._cache) >= self._limit:
                 self._cache.clear()
-            self._cache[block] = head
-        return head
+            self._cache[block] = (size, value)
+        return value
+
+
+def head_decoder(cache: dict[bytes, tuple[int, RequestHead]]) -> BlockCache[RequestHead]:
+    """A server connection's decoder of request heads, with the server's cache of them."""
+    return BlockCache(request_head, cache, HEADS_CACHED, HEAD_CACHED_MAX_BYTES)

@@ -49,8 +49,9 @@ class Server:
         self._idle: asyncio.Event | None = None
         self._all_closed: asyncio.Event | None = None
         self._stopped = False
-        self.heads: dict[bytes, RequestHead] = {}
-        """Request heads decoded without the HPACK dynamic table, by their blocks."""
+        self.heads: dict[bytes, tuple[int, RequestHead]] = {}
+        """Request heads decoded without the HPACK dynamic table, by their blocks (with the
+        table size they were decoded at)."""
 
     # -- handlers (grpc.aio.Server's registration API) -------------------------------------
 

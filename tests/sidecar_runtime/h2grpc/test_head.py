@@ -6,7 +6,7 @@ from __future__ import annotations
 import hpack
 import pytest
 
-from sidecar_runtime.h2grpc.head import HeadDecoder, RequestHead, parse_timeout, request_head
+from sidecar_runtime.h2grpc.head import RequestHead, head_decoder, parse_timeout, request_head
 
 GRPC = [(":method", "POST"), (":scheme", "http"), (":path", "/pkg.Svc/Call"),
         (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")]
@@ -34,8 +34,8 @@ def test_an_empty_header_name_makes_the_head_malformed() -> None:
 
 
 def test_blocks_are_cached_only_once_the_client_gave_up_the_dynamic_table() -> None:
-    cache: dict[bytes, RequestHead] = {}
-    heads, encoder = HeadDecoder(cache), hpack.Encoder()
+    cache: dict[bytes, tuple[int, RequestHead]] = {}
+    heads, encoder = head_decoder(cache), hpack.Encoder()
     first = encoder.encode(GRPC)  # the default table: entries indexed, later blocks refer to them
     again = encoder.encode(GRPC)
     assert heads.decode(first).path == heads.decode(again).path == "/pkg.Svc/Call"
