@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import sys
 import time
 
@@ -37,6 +36,7 @@ from sidecar_runtime.h2grpc.frames import (
     SETTINGS,
     SETTINGS_INITIAL_WINDOW_SIZE,
     frame,
+    length_prefixed,
     rst_stream,
     settings,
     window_update,
@@ -73,8 +73,7 @@ def grpc_messages(request_body: bytes, response_body: bytes) -> bytes:
     ]
     out = b""
     for message in stream:
-        raw = message.SerializeToString()
-        out += b"\0" + struct.pack(">I", len(raw)) + raw
+        out += length_prefixed(message.SerializeToString())
     return out
 
 

@@ -270,7 +270,7 @@ class Call:
     def _encode(self, message: Any) -> bytes:
         serialize = self.handler.response_serializer
         raw: bytes = message if serialize is None else serialize(message)
-        return b"\0" + len(raw).to_bytes(4, "big") + raw
+        return frames.length_prefixed(raw)
 
     async def send(self, message: Any) -> None:
         """Send one answer message; waits while flow control holds it back."""

@@ -108,7 +108,7 @@ class Channel:
         head = self._heads.get(method)
         if head is None:
             head = self._heads[method] = self._head(method)
-        data = b"\0" + len(request).to_bytes(4, "big") + request
+        data = f.length_prefixed(request)
         for attempt in range(2):
             connection = self._connection
             if connection is None or not connection.usable:

@@ -60,6 +60,11 @@ class ConnectionError_(Exception):
         self.code = code
 
 
+def length_prefixed(message: bytes) -> bytes:
+    """One gRPC message on the wire: uncompressed flag, 4-byte length, the message."""
+    return b"\0" + len(message).to_bytes(4, "big") + message
+
+
 def unpad(payload: bytes) -> bytes:
     """The payload of a PADDED frame without its pad length and padding."""
     if not payload or payload[0] >= len(payload):
