@@ -66,15 +66,13 @@ class RateLimitClient:
         task.add_done_callback(self._closing.discard)
 
     async def check(self, check: RateCheck) -> Verdict:
-        try:
-            channel = self._channel_for(check.target, check.tls, check.timeout_s)
-            response = await channel.unary_unary(METHOD, rls_wire.request(check), _parse,
-                                                 check.timeout_s)
-            verdict = rls_wire.verdict(response)
-        except (RpcError, OSError, ValueError) as exc:
-            reason = exc.code.name if isinstance(exc, RpcError) else str(exc)
-            log.warning("extproc_ratelimit_unavailable", target=check.target, reason=reason)
+        answer = await self._call(check.target, check.tls, check.timeout_s,
+                                  rls_wire.request(check))
+        if isinstance(answer, str):
+            log.warning("extproc_ratelimit_unavailable", target=check.target, reason=answer)
             verdict = UNAVAILABLE
+        else:
+            verdict = rls_wire.verdict(answer)
         self._checks.labels(verdict.result).inc()
         return verdict
 
@@ -82,16 +80,21 @@ class RateLimitClient:
         """One call settling ``descriptors`` (a batch of :mod:`extproc.settlements`) at the
         current ``services.ratelimit`` (a reload that moves it is followed, as for checks);
         True when the service answered OK. Never raises, never waits past the deadline."""
-        try:
-            channel = self._channel_for(services.ratelimit, services.tls,
-                                        services.ratelimit_timeout_s)
-            response = await channel.unary_unary(METHOD, rls_wire.settle_request(descriptors),
-                                                 _parse, services.ratelimit_timeout_s)
-        except (RpcError, OSError, ValueError) as exc:
-            reason = exc.code.name if isinstance(exc, RpcError) else str(exc)
-            log.debug("extproc_settlement_unanswered", target=services.ratelimit, reason=reason)
+        answer = await self._call(services.ratelimit, services.tls, services.ratelimit_timeout_s,
+                                  rls_wire.settle_request(descriptors))
+        if isinstance(answer, str):
+            log.debug("extproc_settlement_unanswered", target=services.ratelimit, reason=answer)
             return False
-        return rls_wire.verdict(response).result == "ok"
+        return rls_wire.verdict(answer).result == "ok"
+
+    async def _call(self, target: str, tls: ServicesTls | None, timeout_s: float,
+                    request: rls_pb2.RateLimitRequest) -> rls_pb2.RateLimitResponse | str:
+        """The service's answer, or why there is none (never raises)."""
+        try:
+            channel = self._channel_for(target, tls, timeout_s)
+            return await channel.unary_unary(METHOD, request, _parse, timeout_s)
+        except (RpcError, OSError, ValueError) as exc:
+            return exc.code.name if isinstance(exc, RpcError) else str(exc)
 
     async def aclose(self) -> None:
         if self._channel is not None:
