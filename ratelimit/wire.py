@@ -85,12 +85,12 @@ def _descriptor(message: ratelimit_pb2.RateLimitDescriptor) -> DescriptorRequest
     lease: str | None = None
     phase: Phase = "admit"
     used: int | None = None
-    for key, _ in entries:  # a plain loop: this runs for every descriptor of every call
+    control = False
+    for key, _ in entries:  # a plain loop, not any(): this runs for every descriptor
         if key in CONTROL_ENTRIES:
+            control = True
             break
-    else:
-        key = ""
-    if key:
+    if control:
         for key, value in entries:
             if key == LEASE_ENTRY:
                 lease = value if _LEASE.match(value) else None
