@@ -11,19 +11,15 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.chaos.support import chaos_doc, chat_call, post, rate_limit_probe
-from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, running_gateway
-from tests.harness.tls import TlsFiles, TlsUnavailable, make_tls_files
+from tests.harness.tls import TlsFiles, make_tls_files
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    try:
-        return make_tls_files(tmp_path_factory.mktemp("grpc-tls"))
-    except TlsUnavailable:
-        unavailable("openssl")
+    return make_tls_files(tmp_path_factory.mktemp("grpc-tls"))
 
 
 @pytest.fixture(scope="module")

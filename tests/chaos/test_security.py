@@ -24,12 +24,11 @@ from tests.chaos.support import (
     rate_limit_probe,
     wait_until,
 )
-from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, running_gateway
 from tests.harness.redis_fixtures import process_redis, serving
 from tests.harness.redis_servers import ProcessRedis
 from tests.harness.redis_tls import TlsRedis, start_tls_redis
-from tests.harness.tls import TlsFiles, TlsUnavailable, make_tls_files
+from tests.harness.tls import TlsFiles, make_tls_files
 
 pytestmark = [pytest.mark.redis, pytest.mark.e2e]
 
@@ -40,10 +39,7 @@ UNAUTH_EVENT = "redis_without_password"
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    try:
-        return make_tls_files(tmp_path_factory.mktemp("tls"))
-    except TlsUnavailable:
-        unavailable("openssl")
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from sidecar_runtime.redis_batch import CommandBatcher
 from sidecar_runtime.redis_client import make_client
 from sidecar_runtime.redis_conn import Endpoint
-from tests.harness.ci import unavailable
 from tests.harness.fault_proxy import FaultProxy
 from tests.harness.redis_fixtures import process_redis
 from tests.harness.redis_servers import ProcessRedis
-from tests.harness.tls import TlsFiles, TlsUnavailable, make_tls_files
+from tests.harness.tls import TlsFiles, make_tls_files
 
 pytestmark = pytest.mark.redis
 
@@ -41,10 +40,7 @@ def password_redis() -> Iterator[ProcessRedis]:
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    try:
-        return make_tls_files(tmp_path_factory.mktemp("tls"))
-    except TlsUnavailable:
-        unavailable("openssl")
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")
