@@ -19,6 +19,7 @@ from routing.loader import load_config
 from routing.render import write_all
 from routing.schema import RoutingConfig
 from routing.units import parse_hostport, parse_service_address
+from sidecar_runtime.grpc_listen import HELD_PORT_WAIT_S
 from sidecar_runtime.procs import (
     Child,
     envoy_binary,
@@ -44,8 +45,8 @@ def _wait_service(address: str, child: Child) -> None:
     host, port = parse_service_address(address)
     if host.startswith(UNIX_PREFIX):
         wait_unix(host[len(UNIX_PREFIX):], 30, child)
-    else:
-        wait_tcp(_connect_host(host), port, 30, child)
+    else:  # a port a connection still holds is waited for by the service itself
+        wait_tcp(_connect_host(host), port, 30 + HELD_PORT_WAIT_S, child)
 
 
 def missing_upstream_keys(config: RoutingConfig,

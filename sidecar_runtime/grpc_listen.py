@@ -4,12 +4,23 @@ TLS). The one place the two services' gRPC listeners are set up."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
+import socket
 import ssl
+import time
 
 from sidecar_runtime.h2grpc import Server, tls_context
+from sidecar_runtime.logs import get_logger
 from sidecar_runtime.settings import Settings
 from sidecar_runtime.wire_names import UNIX_PREFIX
+
+log = get_logger("sidecar_runtime.grpc_listen")
+
+HELD_PORT_WAIT_S = 65.0
+"""How long a port that no one listens on but a connection holds is waited for: Linux keeps a
+closed connection in TIME_WAIT for 60 s."""
 
 
 def listen_address(host: str, port: int) -> str:
@@ -54,5 +65,37 @@ async def add_port(server: Server, host: str, port: int, settings: Settings, *,
     on only for ``--workers N`` (every worker binds the same port); off otherwise, so a second
     copy started by mistake fails with "address in use" instead of silently taking half of the
     connections."""
-    return await server.add_port(listen_address(host, port), tls=server_tls(settings),
-                                 reuse_port=shared)
+    tls = server_tls(settings)
+    address = listen_address(host, port)
+    deadline: float | None = None
+    while True:
+        try:
+            return await server.add_port(address, tls=tls, reuse_port=shared)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or address.startswith(UNIX_PREFIX) \
+                    or listening(host, port):
+                raise
+            # No one listens, yet the bind fails: the port is some connection's source port
+            # (the defaults 50051 and 50052 lie in Linux's ephemeral range, 32768-60999), or a
+            # connection from it is in TIME_WAIT. Either lets go of it: wait, do not fail.
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + HELD_PORT_WAIT_S
+                log.warning("grpc_port_held", port=port, wait_s=HELD_PORT_WAIT_S,
+                            detail="no one listens, but a connection holds the port as its "
+                                   "source port; waiting for it to close")
+            if now >= deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether something accepts connections on ``host:port`` (a wildcard host is probed on
+    loopback)."""
+    probe_host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(
+        host, host.strip("[]"))
+    try:
+        with socket.create_connection((probe_host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False

@@ -27,7 +27,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar_runtime.grpc_listen import listening
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.metrics_merge import Scrape, exposition, merge
 from sidecar_runtime.procs import Child, start
@@ -92,15 +92,10 @@ def workers_problem(service: str, workers: int, host: str, port: int,
 def port_in_use(host: str, port: int) -> bool:
     """Whether something already listens on ``host:port``. Checked before the workers start:
     with SO_REUSEPORT they would otherwise silently share the port with a forgotten instance
-    of the same user instead of failing."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not a user
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return True
-    return False
+    of the same user instead of failing. Only a listener counts: a connection that holds the
+    port as its source port, or in TIME_WAIT, lets go of it, and the workers wait for that
+    (:func:`sidecar_runtime.grpc_listen.add_port`)."""
+    return listening(host, port)
 
 
 class _Worker:
