@@ -32,6 +32,62 @@ def settle_request(descriptors: tuple[Descriptor, ...]) -> rls_pb2.RateLimitRequ
     return rls_pb2.RateLimitRequest(domain=DOMAIN, descriptors=[_descriptor(d) for d in descriptors])
 
 
+_ENTRY_CACHE = 4096
+"""Encoded entries kept: a batch repeats most of them (kind, level values, used, done, and each
+request's lease in its 3 descriptors); past this many the cache starts afresh."""
+_entries: dict[tuple[str, str], bytes] = {}
+
+
+def settle_payload(descriptors: tuple[Descriptor, ...]) -> bytes:
+    """:func:`settle_request`, serialised: the same bytes upb writes, written here.
+
+    A batch of 85 settlements is 255 descriptors of 5 entries; upb built it entry by entry in
+    ~1.3 ms of CPU (bench/extproc_python.py). The wire format of these three messages is
+    small: ``RateLimitRequest`` {1: domain, 2: repeated descriptor}, ``RateLimitDescriptor``
+    {1: repeated entry}, ``Entry`` {1: key, 2: value}; all length-delimited, fields in number
+    order, empty strings left out (proto3), as upb writes them."""
+    parts = [_DOMAIN_FIELD]
+    entries = _entries
+    for descriptor in descriptors:
+        encoded = []
+        for entry in descriptor:
+            raw = entries.get(entry)
+            if raw is None:
+                if len(entries) >= _ENTRY_CACHE:
+                    entries.clear()
+                raw = entries[entry] = _field(1, _string(1, entry[0]) + _string(2, entry[1]))
+            encoded.append(raw)
+        parts.append(_field(2, b"".join(encoded)))
+    return b"".join(parts)
+
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL[value]
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_SMALL = tuple(bytes((n,)) for n in range(0x80))
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2)."""
+    return _SMALL[number << 3 | 2] + _varint(len(payload)) + payload
+
+
+def _string(number: int, text: str) -> bytes:
+    """A proto3 string field: nothing when empty."""
+    return _field(number, text.encode()) if text else b""
+
+
+_DOMAIN_FIELD = _string(1, DOMAIN)
+
+
 def _descriptor(descriptor: Descriptor) -> ratelimit_pb2.RateLimitDescriptor:
     return ratelimit_pb2.RateLimitDescriptor(entries=[
         ratelimit_pb2.RateLimitDescriptor.Entry(key=key, value=value) for key, value in descriptor
