@@ -7,6 +7,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 
 from extproc.actions import Descriptor, LimitStatus, RateCheck, Verdict
 from routing.ratelimits import DOMAIN
+from sidecar_runtime import protowire
 
 _Response = rls_pb2.RateLimitResponse
 _WINDOWS = {
@@ -55,37 +56,14 @@ def settle_payload(descriptors: tuple[Descriptor, ...]) -> bytes:
             if raw is None:
                 if len(entries) >= _ENTRY_CACHE:
                     entries.clear()
-                raw = entries[entry] = _field(1, _string(1, entry[0]) + _string(2, entry[1]))
+                raw = entries[entry] = protowire.field(
+                    1, protowire.string(1, entry[0]) + protowire.string(2, entry[1]))
             encoded.append(raw)
-        parts.append(_field(2, b"".join(encoded)))
+        parts.append(protowire.field(2, b"".join(encoded)))
     return b"".join(parts)
 
 
-def _varint(value: int) -> bytes:
-    if value < 0x80:
-        return _SMALL[value]
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_SMALL = tuple(bytes((n,)) for n in range(0x80))
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field (wire type 2)."""
-    return _SMALL[number << 3 | 2] + _varint(len(payload)) + payload
-
-
-def _string(number: int, text: str) -> bytes:
-    """A proto3 string field: nothing when empty."""
-    return _field(number, text.encode()) if text else b""
-
-
-_DOMAIN_FIELD = _string(1, DOMAIN)
+_DOMAIN_FIELD = protowire.string(1, DOMAIN)
 
 
 def _descriptor(descriptor: Descriptor) -> ratelimit_pb2.RateLimitDescriptor:
