@@ -68,26 +68,55 @@ def descriptor_entries(actions: list[dict[str, Any]], headers: Mapping[str, str]
     ``metadata`` action treats an empty string). ``metadata``: extproc's own dynamic metadata
     in :data:`~sidecar_runtime.wire_names.METADATA_NAMESPACE` (None: metadata actions are an
     error)."""
-    entries: list[tuple[str, str]] = []
+    return evaluate(compile_actions(actions, metadata is not None), headers, metadata)
+
+
+_GENERIC, _HEADER, _METADATA = 0, 1, 2
+Step = tuple[int, str, str, bool]
+"""One action, read once: (kind, descriptor key, its value / header name / metadata key, whether
+an absent metadata key skips the entry)."""
+
+
+def compile_actions(actions: list[dict[str, Any]], metadata: bool) -> tuple[Step, ...]:
+    """``actions`` as :func:`evaluate` runs them; each settlement runs 3 rate limits' actions
+    (read once per config: :mod:`extproc.settlements`). Raises ``ValueError`` for an action
+    extproc cannot evaluate (a metadata action when ``metadata`` is false among them)."""
+    steps: list[Step] = []
     for action in actions:
         if "generic_key" in action:
             key = action["generic_key"]
-            entries.append((key.get("descriptor_key", "generic_key"), key["descriptor_value"]))
+            steps.append((_GENERIC, key.get("descriptor_key", "generic_key"),
+                          key["descriptor_value"], False))
         elif "request_headers" in action:
             spec = action["request_headers"]
-            value = headers.get(spec["header_name"])
-            if value is None:
-                return None
-            entries.append((spec["descriptor_key"], value))
-        elif "metadata" in action and metadata is not None:
+            steps.append((_HEADER, spec["descriptor_key"], spec["header_name"], False))
+        elif "metadata" in action and metadata:
             spec = action["metadata"]
-            found = metadata.get(spec["metadata_key"]["path"][0]["key"], "")
-            if found:
-                entries.append((spec["descriptor_key"], found))
-            elif not spec.get("skip_if_absent"):
-                return None
+            steps.append((_METADATA, spec["descriptor_key"], spec["metadata_key"]["path"][0]["key"],
+                          bool(spec.get("skip_if_absent"))))
         else:
             raise ValueError(f"an Envoy rate-limit action extproc cannot evaluate: {action}")
+    return tuple(steps)
+
+
+def evaluate(steps: tuple[Step, ...], headers: Mapping[str, str],
+             metadata: Mapping[str, str] | None) -> Descriptor | None:
+    """The descriptor of compiled actions (see :func:`descriptor_entries`)."""
+    entries: list[tuple[str, str]] = []
+    for kind, key, name, skip in steps:
+        if kind == _GENERIC:
+            entries.append((key, name))
+        elif kind == _HEADER:
+            value = headers.get(name)
+            if value is None:
+                return None
+            entries.append((key, value))
+        else:
+            found = metadata.get(name, "") if metadata is not None else ""
+            if found:
+                entries.append((key, found))
+            elif not skip:
+                return None
     return tuple(entries)
 
 

@@ -81,14 +81,14 @@ class RateLimitClient:
         current ``services.ratelimit`` (a reload that moves it is followed, as for checks);
         True when the service answered OK. Never raises, never waits past the deadline."""
         answer = await self._call(services.ratelimit, services.tls, services.ratelimit_timeout_s,
-                                  rls_wire.settle_request(descriptors))
+                                  rls_wire.settle_payload(descriptors))
         if isinstance(answer, str):
             log.debug("extproc_settlement_unanswered", target=services.ratelimit, reason=answer)
             return False
         return rls_wire.verdict(answer).result == "ok"
 
     async def _call(self, target: str, tls: ServicesTls | None, timeout_s: float,
-                    request: rls_pb2.RateLimitRequest) -> rls_pb2.RateLimitResponse | str:
+                    request: rls_pb2.RateLimitRequest | bytes) -> rls_pb2.RateLimitResponse | str:
         """The service's answer, or why there is none (never raises)."""
         try:
             channel = self._channel_for(target, tls, timeout_s)

@@ -7,6 +7,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 
 from extproc.actions import Descriptor, LimitStatus, RateCheck, Verdict
 from routing.ratelimits import DOMAIN
+from sidecar_runtime import protowire
 
 _Response = rls_pb2.RateLimitResponse
 _WINDOWS = {
@@ -30,6 +31,39 @@ def settle_request(descriptors: tuple[Descriptor, ...]) -> rls_pb2.RateLimitRequ
     """A batch of stream-done token descriptors (``llm_sidecar.used`` in each): the service
     settles them and charges nothing, whatever ``hits_addend`` says."""
     return rls_pb2.RateLimitRequest(domain=DOMAIN, descriptors=[_descriptor(d) for d in descriptors])
+
+
+_ENTRY_CACHE = 4096
+"""Encoded entries kept: a batch repeats most of them (kind, level values, used, done, and each
+request's lease in its 3 descriptors); past this many the cache starts afresh."""
+_entries: dict[tuple[str, str], bytes] = {}
+
+
+def settle_payload(descriptors: tuple[Descriptor, ...]) -> bytes:
+    """:func:`settle_request`, serialised: the same bytes upb writes, written here.
+
+    A batch of 85 settlements is 255 descriptors of 5 entries; upb built it entry by entry in
+    ~1.3 ms of CPU (bench/extproc_python.py). The wire format of these three messages is
+    small: ``RateLimitRequest`` {1: domain, 2: repeated descriptor}, ``RateLimitDescriptor``
+    {1: repeated entry}, ``Entry`` {1: key, 2: value}; all length-delimited, fields in number
+    order, empty strings left out (proto3), as upb writes them."""
+    parts = [_DOMAIN_FIELD]
+    entries = _entries
+    for descriptor in descriptors:
+        encoded = []
+        for entry in descriptor:
+            raw = entries.get(entry)
+            if raw is None:
+                if len(entries) >= _ENTRY_CACHE:
+                    entries.clear()
+                raw = entries[entry] = protowire.field(
+                    1, protowire.string(1, entry[0]) + protowire.string(2, entry[1]))
+            encoded.append(raw)
+        parts.append(protowire.field(2, b"".join(encoded)))
+    return b"".join(parts)
+
+
+_DOMAIN_FIELD = protowire.string(1, DOMAIN)
 
 
 def _descriptor(descriptor: Descriptor) -> ratelimit_pb2.RateLimitDescriptor:

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from extproc.actions import Descriptor, Headers, Settlement
-from extproc.hit_limits import descriptor_entries, route_limits
+from extproc.hit_limits import Step, compile_actions, evaluate, route_limits
 from routing.schema import RoutingConfig
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.wire_names import DONE_METADATA_KEY, LEASE_METADATA_KEY, TOKENS_METADATA_KEY
@@ -59,19 +59,33 @@ def _settle_actions(config: RoutingConfig) -> list[list[dict[str, Any]]]:
             if limit.get("apply_on_stream_done") and _TOKENS_KIND in limit["actions"]]
 
 
+_steps_of: tuple[RoutingConfig, tuple[tuple[Step, ...], ...]] | None = None
+
+
+def _settle_steps(config: RoutingConfig) -> tuple[tuple[Step, ...], ...]:
+    """:func:`_settle_actions` compiled, once per config (a reload brings a new one): every
+    settled request runs them."""
+    global _steps_of
+    cached = _steps_of
+    if cached is None or cached[0] is not config:
+        cached = _steps_of = (config, tuple(compile_actions(actions, True)
+                                            for actions in _settle_actions(config)))
+    return cached[1]
+
+
 def settlement_for(config: RoutingConfig, headers: Headers, lease: str,
                    used: int) -> Settlement | None:
     """The token descriptors Envoy's stream-done call would send for a request routed with
     ``headers`` (extproc's own ``x-llm-*``, never the client's) under ``lease``, whose response
     used ``used`` tokens; None when the route has no token limit."""
-    actions = _settle_actions(config)
-    if not actions or not lease:
+    limits = _settle_steps(config)
+    if not limits or not lease:
         return None
     metadata: Mapping[str, str] = {LEASE_METADATA_KEY: lease,
                                    TOKENS_METADATA_KEY: str(max(0, used)),
                                    DONE_METADATA_KEY: "1"}
     values = dict(headers)
-    descriptors = tuple(d for d in (descriptor_entries(a, values, metadata) for a in actions)
+    descriptors = tuple(d for d in (evaluate(steps, values, metadata) for steps in limits)
                         if d is not None)
     return Settlement(descriptors) if descriptors else None
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from types import MappingProxyType
 
 from extproc.actions import (
@@ -26,6 +25,7 @@ from extproc.actions import (
     Reply,
     Step,
     Verdict,
+    evolve,
 )
 from extproc.canary.policy import OPEN_CANARIES, PolicySource
 from extproc.context import EndpointPicking, RequestContext, spoofed_headers
@@ -65,8 +65,8 @@ def routed(action: Step) -> Step:
     if cluster is None:
         return action
     metadata = MappingProxyType({**action.metadata, CLUSTER_METADATA_KEY: cluster})
-    return replace(action, metadata=metadata,
-                   remove_headers=(*action.remove_headers, *CLIENT_CREDENTIALS))
+    return evolve(action, metadata=metadata,
+                  remove_headers=(*action.remove_headers, *CLIENT_CREDENTIALS))
 
 
 def choose_processor(ctx: RequestContext) -> Processor:
@@ -188,5 +188,5 @@ class StreamState:
         self.processor = choose_processor(ctx)
         action = self.processor.on_request_headers(end_of_stream)
         if removed and isinstance(action, Continue):
-            action = replace(action, remove_headers=action.remove_headers + removed)
+            action = evolve(action, remove_headers=action.remove_headers + removed)
         return action

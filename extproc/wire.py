@@ -11,9 +11,9 @@ from typing import Any
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from google.protobuf import struct_pb2
 
 from extproc.actions import Action, Continue, Headers, ModeOverride, Phase
+from sidecar_runtime import protowire
 from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, LB_METADATA_NAMESPACE, METADATA_NAMESPACE
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -52,18 +52,45 @@ def read(request: pb.ProcessingRequest) -> tuple[Phase | None, dict[str, str] | 
     return None, None, b"", False
 
 
+_OPTION_CACHE = 1024
+"""Encoded header options kept: the routing headers repeat (pool, model, tenant, key id...); past
+this many the cache starts afresh."""
+_options: dict[tuple[str, str], bytes] = {}
+_OVERWRITE_FIELD = protowire.enum(3, _OVERWRITE)
+
+
 def _header_mutation(target: pb.HeaderMutation, set_headers: Headers,
                      remove: tuple[str, ...]) -> None:
-    for key, value in set_headers:
-        option = target.set_headers.add()
-        option.header.key = key
-        option.header.raw_value = value.encode()
-        option.append_action = _OVERWRITE
-    if remove:
-        target.remove_headers.extend(remove)
+    """``set_headers`` (each overwriting the header) and ``remove`` into ``target``, as bytes
+    upb reads in one call: building each option through upb's API cost ~1 µs a header, and a
+    request's routing answer sets 7 (issue 16). ``HeaderMutation`` {1: repeated
+    HeaderValueOption {1: HeaderValue {1: key, 3: raw_value}, 3: append_action}, 2: repeated
+    remove_headers}."""
+    parts = []
+    options = _options
+    for pair in set_headers:
+        raw = options.get(pair)
+        if raw is None:
+            if len(options) >= _OPTION_CACHE:
+                options.clear()
+            key, value = pair
+            header = protowire.string(1, key) + protowire.blob(3, value.encode())
+            raw = options[pair] = protowire.field(1, protowire.field(1, header) + _OVERWRITE_FIELD)
+        parts.append(raw)
+    for name in remove:
+        parts.append(protowire.field(2, name.encode()))
+    if parts:  # merging nothing would still mark an absent mutation present
+        target.MergeFromString(b"".join(parts))
+
+
+_MODES: dict[ModeOverride, processing_mode_pb2.ProcessingMode] = {}
+"""The few distinct modes (response headers on or off, three body modes), built once each."""
 
 
 def _mode(mode: ModeOverride) -> processing_mode_pb2.ProcessingMode:
+    built = _MODES.get(mode)
+    if built is not None:
+        return built
     # An override replaces the whole mode: keep the request side as the filter config has it.
     out = processing_mode_pb2.ProcessingMode()
     out.request_header_mode = processing_mode_pb2.ProcessingMode.SEND
@@ -74,12 +101,7 @@ def _mode(mode: ModeOverride) -> processing_mode_pb2.ProcessingMode:
         else processing_mode_pb2.ProcessingMode.SKIP
     )
     out.response_body_mode = _BODY_MODES[mode.response_body]
-    return out
-
-
-def _struct(values: dict[str, Any]) -> struct_pb2.Struct:
-    out = struct_pb2.Struct()
-    out.update(values)
+    _MODES[mode] = out
     return out
 
 
@@ -127,5 +149,5 @@ def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
     if action.lb_endpoints:
         metadata[LB_METADATA_NAMESPACE] = {DESTINATION_ENDPOINT: _endpoints(action)}
     if metadata:
-        response.dynamic_metadata.CopyFrom(_struct(metadata))
+        response.dynamic_metadata.update(metadata)  # in place: no Struct built to be copied
     return response

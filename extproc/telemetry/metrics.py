@@ -84,6 +84,14 @@ class ExtprocMetrics:
             ["phase"], buckets=PHASE_BUCKETS, registry=registry)
         # Observed on every ext_proc message; five phases.
         self._phase = Children(self.phases)
+        # Every routed request: labels from the config (tenants bounded to the listed ones and
+        # "other") and the fixed outcomes, so the children are as bounded as the metrics'.
+        self._requests = Children(self.requests)
+        self._duration = Children(self.duration)
+        self._ttft = Children(self.ttft)
+        self._tpot = Children(self.tpot)
+        self._tokens = Children(self.tokens)
+        self._routes = Children(self.routes)
         self.canary_tripped = Gauge(
             "llm_sidecar_canary_guard_tripped",
             "1 when this replica's canary guard stopped the model's canary.",
@@ -103,27 +111,27 @@ class ExtprocMetrics:
         tenant = self.tenant(record.tenant)
         labels = (record.model, record.cluster, record.variant, tenant)
         result = outcome(record)
-        self.requests.labels(*labels, result).inc()
+        self._requests(*labels, result).inc()
         if not record.sampled:
             return  # counted; its timings and tokens are not known (telemetry.sample)
-        self.duration.labels(*labels, result).observe(record.duration_s)
+        self._duration(*labels, result).observe(record.duration_s)
         if record.ttft_s is not None:
-            self.ttft.labels(*labels).observe(record.ttft_s)
+            self._ttft(*labels).observe(record.ttft_s)
         if record.tpot_s is not None:
-            self.tpot.labels(*labels).observe(record.tpot_s)
+            self._tpot(*labels).observe(record.tpot_s)
         # An aborted request's tokens count too: its prompt went upstream, and the completion
         # tokens streamed before the end were served.
         if record.status < 400:
-            self.tokens.labels(record.model, record.variant, tenant, "input") \
+            self._tokens(record.model, record.variant, tenant, "input") \
                 .observe(record.prompt_tokens)
-            self.tokens.labels(record.model, record.variant, tenant, "output") \
+            self._tokens(record.model, record.variant, tenant, "output") \
                 .observe(record.completion_tokens)
 
     def rejected(self, status: int, code: str) -> None:
         self.rejections.labels(str(status), code).inc()
 
     def routed(self, model: str, cluster: str, variant: str) -> None:
-        self.routes.labels(model, cluster, variant).inc()
+        self._routes(model, cluster, variant).inc()
 
     def phase(self, phase: str, seconds: float) -> None:
         self._phase(phase).observe(seconds)

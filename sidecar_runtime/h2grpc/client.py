@@ -91,11 +91,13 @@ class Channel:
         self._heads: dict[str, bytes] = {}
         self._closed = False
 
-    async def unary_unary(self, method: str, request: Message,
+    async def unary_unary(self, method: str, request: Message | bytes,
                           parse: Callable[[bytes], Answer], timeout_s: float) -> Answer:
-        """Call ``method`` (``/package.Service/Method``) with ``request``; the answer as
-        ``parse`` (a message class's ``FromString``) reads it. Raises :class:`RpcError`."""
-        raw = await self.unary(method, request.SerializeToString(), timeout_s)
+        """Call ``method`` (``/package.Service/Method``) with ``request`` (a message, or one
+        serialised already); the answer as ``parse`` (a message class's ``FromString``) reads
+        it. Raises :class:`RpcError`."""
+        payload = request if isinstance(request, bytes) else request.SerializeToString()
+        raw = await self.unary(method, payload, timeout_s)
         try:
             return parse(raw)
         except Exception as exc:

@@ -7,6 +7,7 @@ accounts CPU and writes its JSON and markdown, so the harness cannot rot between
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,17 @@ def test_ratelimit_python_bench_times_every_stage_of_a_six_bucket_admission() ->
               if line.startswith("| ") and not line.startswith("| stage")]
     assert stages == ["parse (upb)", "request_from_proto", "plan, matched afresh",
                       "plan, remembered matches", "resolve", "response_to_proto + serialise"]
+
+
+def test_extproc_python_bench_times_a_chat_request_and_a_settlement_batch() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.extproc_python", "--requests", "100",
+                           "--rounds", "1", "--batch", "5"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "a batch of 5 requests: 15 descriptors" in done.stdout
+    # 100 requests of 3 descriptors: the batcher took their settlements and sent them.
+    encoded = re.search(r"; (\d+) settlement batches encoded on the way;", done.stdout)
+    assert encoded is not None and int(encoded[1]) >= 2
+    stages = [line.split("|")[1].strip() for line in done.stdout.splitlines()
+              if line.startswith("| ") and not line.startswith("| stage")]
+    assert stages == ["chat request, 4 messages", "settlement batch of 5"]

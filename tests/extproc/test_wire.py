@@ -150,3 +150,77 @@ def test_lb_endpoints_on_a_response_phase_are_refused(phase: Phase) -> None:
     """A response header would hand the client the pods' addresses; it is a bug, said loudly."""
     with pytest.raises(ValueError, match="request phase"):
         wire.build(phase, Continue(lb_endpoints=("10.0.0.5:8000",)))
+
+
+# --- the header mutation is written as bytes: the same answer upb's API built ----------------
+
+def upb_built(phase: Phase, action: Continue | Reply) -> bytes:
+    """The answer as wire.build wrote it before it wrote header options as bytes: each option
+    added through upb's API."""
+    response = pb.ProcessingResponse()
+    remove: tuple[str, ...] = ()
+    if isinstance(action, Reply):
+        target = response.immediate_response.headers
+        response.immediate_response.status.code = action.status
+        response.immediate_response.body = action.body
+        if action.details:
+            response.immediate_response.details = action.details
+        pairs = action.headers
+    else:
+        getattr(response, phase).SetInParent()
+        target = getattr(response, phase).response.header_mutation
+        pairs, remove = action.set_headers, action.remove_headers
+    for key, value in pairs:
+        option = target.set_headers.add()
+        option.header.key = key
+        option.header.raw_value = value.encode()
+        option.append_action = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    if remove:
+        target.remove_headers.extend(remove)
+    raw: bytes = response.SerializeToString()
+    return raw
+
+
+MUTATIONS: dict[str, Continue | Reply] = {
+    "routing headers": Continue(set_headers=(("x-llm-cluster", "vllm-short"),
+                                             ("x-llm-model", "llama-2-13b"),
+                                             ("x-llm-context-length", "124")),
+                                remove_headers=("authorization", "x-api-key")),
+    "non-ASCII value": Continue(set_headers=(("x-llm-tenant", "café-日本"),)),
+    "value of 128 bytes and more": Continue(set_headers=(("x-a", "v" * 128), ("x-b", "w" * 20_000))),
+    "empty value": Continue(set_headers=(("x-empty", ""),)),
+    "empty name": Continue(set_headers=(("", "v"),), remove_headers=("",)),
+    "the same header twice": Continue(set_headers=(("x-a", "1"), ("x-a", "1"))),
+    "only removals": Continue(remove_headers=("x-llm-cluster", "x-llm-model")),
+    "many headers": Continue(set_headers=tuple((f"x-h{i}", f"v{i}") for i in range(2000))),
+    "immediate response": Reply(429, b'{"error": {}}', headers=(
+        ("content-type", "application/json"), ("retry-after", "1")), details="limited"),
+    "immediate response, no headers": Reply(400, b"{}", headers=()),
+}
+
+
+@pytest.mark.parametrize("action", MUTATIONS.values(), ids=MUTATIONS.keys())
+def test_header_mutations_are_the_bytes_upbs_api_built(action: Continue | Reply) -> None:
+    for _ in range(2):  # the second time from the cache of encoded options
+        built = wire.build("request_body", action)
+        assert built.SerializeToString() == upb_built("request_body", action)
+        assert built == pb.ProcessingResponse.FromString(upb_built("request_body", action))
+
+
+def test_no_headers_leave_no_mutation() -> None:
+    assert not wire.build("request_body", Continue(body=b"x")).request_body.response \
+        .HasField("header_mutation")
+    assert not wire.build("request_body", Reply(400, b"{}", headers=())).immediate_response \
+        .HasField("headers")
+
+
+@pytest.mark.parametrize("mode", [ModeOverride(headers, body) for headers in (True, False)
+                                  for body in ("none", "streamed", "buffered")])
+def test_every_mode_is_the_same_each_time(mode: ModeOverride) -> None:
+    first = wire.build("request_headers", Continue(mode=mode)).SerializeToString()
+    again = wire.build("request_headers", Continue(mode=ModeOverride(mode.response_headers,
+                                                                     mode.response_body)))
+    assert again.SerializeToString() == first
+    assert again.mode_override.response_header_mode == (1 if mode.response_headers else 2)
+    assert again.mode_override.response_body_mode == {"none": 0, "streamed": 1,
+                                                      "buffered": 2}[mode.response_body]

@@ -1,0 +1,55 @@
+"""The settlement batch extproc writes by hand (:func:`extproc.rls_wire.settle_payload`) is the
+message upb builds: the same bytes, and parsed back the same message, whatever the entries hold."""
+
+from __future__ import annotations
+
+import pytest
+from envoy.service.ratelimit.v3 import rls_pb2
+
+from extproc import rls_wire
+from extproc.actions import Descriptor
+from sidecar_runtime.wire_names import DONE_ENTRY, LEASE_ENTRY, USED_ENTRY
+
+
+def settle(level: str, value: str, lease: str = "0123456789abcdef01234567",
+           used: str = "88") -> Descriptor:
+    return (("kind", "tokens"), (level, value), (LEASE_ENTRY, lease), (USED_ENTRY, used),
+            (DONE_ENTRY, "1"))
+
+
+CASES: dict[str, tuple[Descriptor, ...]] = {
+    "none": (),
+    "one settlement": (settle("api_key", "k_0123"), settle("tenant", "acme"),
+                       settle("model", "llama-2-13b")),
+    "non-ASCII value and key": (settle("tenant", "café-ü-日本"), (("ключ", "värde"),)),
+    "value of 127 bytes": (settle("tenant", "t" * 127),),
+    "value of 128 bytes (2-byte length)": (settle("tenant", "t" * 128),),
+    "entry of 128 bytes": ((("k", "v" * 123),),),
+    "value of 20,000 bytes (3-byte length)": (settle("tenant", "é" * 10_000),),
+    "empty value": (settle("tenant", ""), (("kind", ""),)),
+    "empty key": ((("", "value"),),),
+    "empty key and value": ((("", ""),),),
+    "no entries": ((), settle("tenant", "acme"), ()),
+    "used 0": (settle("tenant", "acme", used="0"),),
+    "many descriptors": tuple(settle(level, f"v{i}", lease=f"{i:024x}", used=str(i))
+                              for i in range(300) for level in ("api_key", "tenant", "model")),
+    "a descriptor past 16 KiB": (tuple((f"key{i}", "x" * 200) for i in range(100)),),
+}
+
+
+@pytest.mark.parametrize("descriptors", CASES.values(), ids=CASES.keys())
+def test_the_payload_is_the_message_upb_builds(descriptors: tuple[Descriptor, ...]) -> None:
+    built = rls_wire.settle_request(descriptors)
+    for _ in range(2):  # the second time from the cache of encoded entries
+        payload = rls_wire.settle_payload(descriptors)
+        assert payload == built.SerializeToString()
+        assert rls_pb2.RateLimitRequest.FromString(payload) == built
+
+
+def test_the_cache_of_entries_stays_bounded_and_right_past_its_size() -> None:
+    descriptors = tuple(settle("api_key", f"k{i}", lease=f"{i:024x}") for i in range(5000))
+    payload = rls_wire.settle_payload(descriptors)
+    assert len(rls_wire._entries) <= rls_wire._ENTRY_CACHE
+    assert payload == rls_wire.settle_request(descriptors).SerializeToString()
+    assert rls_wire.settle_payload(descriptors[:3]) == \
+        rls_wire.settle_request(descriptors[:3]).SerializeToString()
