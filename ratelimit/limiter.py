@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from ratelimit.bucket import BucketResult, BucketSpec, Hit, Settle, report
 from ratelimit.descriptors import (
@@ -35,9 +35,12 @@ MAX_HITS = 2**53
 UNLIMITED_REMAINING = 2**32 - 1
 Code = Literal["ok", "over_limit"]
 
+# What one call carries from the wire to the store and back (requests, plans, outcomes) are
+# NamedTuples, not frozen dataclasses: as immutable, built in a third of the time, and a call
+# makes several per descriptor (bench/README.md, "The rate-limit decision's Python").
 
-@dataclass(frozen=True)
-class Override:
+
+class Override(NamedTuple):
     """A limit Envoy sent inside the descriptor, used instead of the config's."""
 
     requests_per_unit: int
@@ -47,8 +50,7 @@ class Override:
 Phase = Literal["admit", "settle", "release"]
 
 
-@dataclass(frozen=True)
-class DescriptorRequest:
+class DescriptorRequest(NamedTuple):
     entries: tuple[tuple[str, str], ...]
     """The entries matched against the config (control entries already taken out)."""
     hits: int | None = None
@@ -63,16 +65,14 @@ class DescriptorRequest:
     """Tokens the response used (``settle``); None when the value was not a count."""
 
 
-@dataclass(frozen=True)
-class LimitRequest:
+class LimitRequest(NamedTuple):
     domain: str
     descriptors: tuple[DescriptorRequest, ...]
     hits_addend: int = 0
     """The request's ``hits_addend``; 0 (unset in proto3) means 1."""
 
 
-@dataclass(frozen=True)
-class Planned:
+class Planned(NamedTuple):
     """One descriptor after matching: its limit (None: not limited) and its bucket hit, or
     the settlement it asks for (a stream-done descriptor)."""
 
@@ -83,8 +83,7 @@ class Planned:
     settle: Settle | None = None
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     domain: DomainConfig | None
     items: tuple[Planned, ...]
 
@@ -97,8 +96,7 @@ class Plan:
         return tuple(item.settle for item in self.items if item.settle is not None)
 
 
-@dataclass(frozen=True)
-class DescriptorOutcome:
+class DescriptorOutcome(NamedTuple):
     code: Code
     limit: Limit | None = None
     remaining: int | None = None
@@ -111,8 +109,7 @@ class DescriptorOutcome:
     backend_deny; ``none`` for a descriptor that matched no limit."""
 
 
-@dataclass(frozen=True)
-class LimitOutcome:
+class LimitOutcome(NamedTuple):
     ok: bool
     statuses: tuple[DescriptorOutcome, ...]
     retry_after_s: int = 0
