@@ -1,4 +1,4 @@
-"""Token bucket math: pure functions on frozen dataclasses, the clock passed in.
+"""Token bucket math: pure functions on immutable records, the clock passed in.
 
 A bucket holds up to ``capacity`` tokens (the ``burst``) and refills continuously at ``rate``
 tokens per second. A request is a list of :class:`Hit` s and is decided all or nothing:
@@ -30,11 +30,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 CONCURRENT_RETRY_S = 1.0
 """What a full concurrency cap tells the client to wait (a slot frees when any request ends)."""
 EPSILON = 1e-9
 """Slack for float error: 3 x (1/3 s of refill at 1/s) must admit a 1-token request."""
+
+# The records made on every call (a hit, a result, a verdict per bucket) are NamedTuples, not
+# frozen dataclasses: as immutable, but built in ~0.25 µs instead of ~0.7 (a frozen dataclass
+# sets each field through object.__setattr__), and a settlement batch makes hundreds of them.
+# The spec, made once per config, stays a dataclass.
 
 
 @dataclass(frozen=True)
@@ -48,15 +54,13 @@ class BucketSpec:
     """Slots of requests in flight (``capacity`` slots, ``rate`` 0), held under leases."""
 
 
-@dataclass(frozen=True)
-class BucketState:
+class BucketState(NamedTuple):
     level: float
     stamp: float
     """Clock reading (seconds) when ``level`` was true."""
 
 
-@dataclass(frozen=True)
-class Hit:
+class Hit(NamedTuple):
     key: str
     spec: BucketSpec
     hits: int
@@ -65,8 +69,7 @@ class Hit:
     concurrent slot is held by it (to be released)."""
 
 
-@dataclass(frozen=True)
-class Settle:
+class Settle(NamedTuple):
     """The end of an admitted request, for one bucket: ``used`` tokens against what its lease
     reserved (a token bucket), or ``used`` None: release the lease's slot (a concurrent one)."""
 
@@ -76,16 +79,14 @@ class Settle:
     used: int | None
 
 
-@dataclass(frozen=True)
-class BucketResult:
+class BucketResult(NamedTuple):
     admitted: bool
     """This bucket's own verdict (the request may still be denied by another bucket)."""
     level: float
     """The level after the decision: charged if the request was admitted, else unchanged."""
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     admitted: bool
     results: tuple[BucketResult, ...]
     """One per hit, in order."""
@@ -93,8 +94,7 @@ class Decision:
     """New state of every bucket that changed."""
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     remaining: int
     """Whole tokens left now, never negative."""
     reset_s: float

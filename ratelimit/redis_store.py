@@ -17,15 +17,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
-from ratelimit.bucket import BucketResult, Hit, Settle
+from ratelimit.bucket import BucketResult, BucketSpec, Hit, Settle
 from ratelimit.errors import BackendError, NodeDown
 from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA, SETTLE, SETTLE_SHA
 from ratelimit.store import LEASE_TTL_S, StoreResult
@@ -47,16 +46,19 @@ def _reserves(hit: Hit) -> bool:
     return hit.lease is not None and not hit.spec.concurrent and not hit.spec.debt and hit.hits > 0
 
 
-@dataclass(frozen=True)
-class _Group:
-    """Hits of one slot: their positions in the request and the distinct keys (buckets, then
-    reservation markers)."""
+class _Group(NamedTuple):
+    """Hits of one slot: their positions in the request, the distinct keys (buckets, then
+    reservation markers), and per position the ``KEYS`` index of its bucket and of its marker
+    ("0": none) as the scripts read them, made once per call for the decision and a refund."""
 
     positions: tuple[int, ...]
     keys: tuple[str, ...]
+    refs: tuple[tuple[str, str], ...]
 
-    def index(self) -> dict[str, int]:
-        return {key: n + 1 for n, key in enumerate(self.keys)}
+
+MAX_SPEC_TEXTS = 4096
+"""Bucket specs whose script arguments a store remembers (one per limit a matched descriptor
+uses, so a few hundred; above the bound it starts afresh)."""
 
 
 class RedisStore:
@@ -67,6 +69,11 @@ class RedisStore:
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._router = ClusterRouter(client) if isinstance(client, RedisCluster) else None
         self._batcher = CommandBatcher(client) if isinstance(client, Redis) else None
+        self._spec_texts: dict[int, tuple[BucketSpec, str, str, str]] = {}
+        """id(spec) -> (spec, capacity, rate, flags) as the scripts read them: the spec objects
+        of matched descriptors are kept by the Limiter and come back on every call, and
+        ``repr`` of two floats and the flags cost ~0.7 µs per bucket. The spec is held, so
+        its id stays its own while remembered."""
 
     @property
     def client(self) -> Client:
@@ -81,10 +88,13 @@ class RedisStore:
     async def settle(self, settles: Sequence[Settle]) -> None:
         if not settles:
             return
+        if not isinstance(self._client, RedisCluster):  # one group: no gather, no extra task
+            with _backend_errors():
+                await self._settle_group(settles)
+            return
         by_slot: dict[int, list[Settle]] = {}
         for item in settles:
-            slot = self._client.keyslot(item.key) if isinstance(self._client, RedisCluster) else 0
-            by_slot.setdefault(slot, []).append(item)
+            by_slot.setdefault(self._client.keyslot(item.key), []).append(item)
         with _backend_errors():
             await asyncio.gather(*(self._settle_group(items) for items in by_slot.values()))
 
@@ -97,7 +107,8 @@ class RedisStore:
                 used, mark = _RELEASE, 0
             else:
                 used, mark = str(item.used), keys.setdefault(marker_key(item.key, item.lease), len(keys) + 1)
-            args += [str(k), repr(item.spec.capacity), repr(item.spec.rate), used, str(mark), item.lease]
+            _, capacity, rate, _ = self._spec_text(item.spec)
+            args += [str(k), capacity, rate, used, str(mark), item.lease]
         await self._eval(SETTLE_SHA, SETTLE, tuple(keys), args)
 
     async def aclose(self) -> None:
@@ -111,13 +122,13 @@ class RedisStore:
         if self._router is not None:
             await self._router.check(hit.key for hit in hits)
         groups = self._groups(hits)
-        if len(groups) == 1:
+        if len(groups) == 1:  # its positions are 0, 1, ... in order
             admitted, results = await self._run(hits, groups[0])
-            return StoreResult(admitted, tuple(results[i] for i in range(len(hits))))
+            return StoreResult(admitted, tuple(results))
         replies = await asyncio.gather(*(self._run(hits, group) for group in groups))
         merged: dict[int, BucketResult] = {}
-        for _, results in replies:
-            merged.update(results)
+        for group, (_, results) in zip(groups, replies, strict=True):
+            merged.update(zip(group.positions, results, strict=True))
         admitted = all(ok for ok, _ in replies)
         if not admitted:
             charged = [g for g, (ok, _) in zip(groups, replies, strict=True) if ok]
@@ -135,41 +146,39 @@ class RedisStore:
             by_slot.setdefault(self._client.keyslot(hit.key), []).append(index)
         return [_group(hits, tuple(positions)) for positions in by_slot.values()]
 
-    async def _run(self, hits: Sequence[Hit], group: _Group) -> tuple[bool, dict[int, BucketResult]]:
-        index = group.index()
+    def _spec_text(self, spec: BucketSpec) -> tuple[BucketSpec, str, str, str]:
+        found = self._spec_texts.get(id(spec))
+        if found is None or found[0] is not spec:
+            if len(self._spec_texts) >= MAX_SPEC_TEXTS:
+                self._spec_texts.clear()
+            found = self._spec_texts[id(spec)] = (spec, repr(spec.capacity), repr(spec.rate),
+                                                  str(_flags(spec)))
+        return found
+
+    async def _run(self, hits: Sequence[Hit], group: _Group) -> tuple[bool, list[BucketResult]]:
+        """Decide one group; its results in the order of its positions."""
         args: list[str] = [self._margin_ms, str(len(group.positions)), self._lease_ttl_ms]
-        for i in group.positions:
+        for i, (key_ref, marker_ref) in zip(group.positions, group.refs, strict=True):
             hit = hits[i]
-            args += [
-                str(index[hit.key]),
-                repr(hit.spec.capacity),
-                repr(hit.spec.rate),
-                str(_flags(hit)),
-                str(hit.hits),
-                str(index[marker_key(hit.key, hit.lease)]) if _reserves(hit) and hit.lease else "0",
-                hit.lease or "",
-            ]
+            _, capacity, rate, flags = self._spec_text(hit.spec)
+            args += [key_ref, capacity, rate, flags, str(hit.hits), marker_ref, hit.lease or ""]
         reply = await self._eval(DECIDE_SHA, DECIDE, group.keys, args)
-        results = {
-            i: BucketResult(int(reply[1 + 2 * n]) == 1, float(reply[2 + 2 * n]))
-            for n, i in enumerate(group.positions)
-        }
+        results = [BucketResult(int(reply[1 + 2 * n]) == 1, float(reply[2 + 2 * n]))
+                   for n in range(len(group.positions))]
         return int(reply[0]) == 1, results
 
     async def _refund(self, hits: Sequence[Hit], group: _Group, results: dict[int, BucketResult]) -> None:
-        index = group.index()
         refundable = [
-            i for i in group.positions if results[i].admitted and not hits[i].spec.debt and hits[i].hits > 0
+            (i, refs) for i, refs in zip(group.positions, group.refs, strict=True)
+            if results[i].admitted and not hits[i].spec.debt and hits[i].hits > 0
         ]
         if not refundable:
             return
         args: list[str] = [self._margin_ms, str(len(refundable))]
-        for i in refundable:
+        for i, (key_ref, marker_ref) in refundable:
             hit = hits[i]
-            args += [str(index[hit.key]), repr(hit.spec.capacity), repr(hit.spec.rate), str(hit.hits),
-                     str(_flags(hit)),
-                     str(index[marker_key(hit.key, hit.lease)]) if _reserves(hit) and hit.lease else "0",
-                     hit.lease or ""]
+            _, capacity, rate, flags = self._spec_text(hit.spec)
+            args += [key_ref, capacity, rate, str(hit.hits), flags, marker_ref, hit.lease or ""]
         await self._eval(REFUND_SHA, REFUND, group.keys, args)
 
     async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
@@ -220,19 +229,26 @@ def _backend_errors() -> Iterator[None]:
         raise BackendError(f"redis: {type(exc).__name__}: {exc}") from exc
 
 
-def _flags(hit: Hit) -> int:
-    spec = hit.spec
+def _flags(spec: BucketSpec) -> int:
     return ((_DEBT if spec.debt else 0) | (_SHADOW if spec.shadow else 0)
             | (_CONCURRENT if spec.concurrent else 0))
 
 
 def _group(hits: Sequence[Hit], positions: tuple[int, ...]) -> _Group:
-    keys = dict.fromkeys(hits[i].key for i in positions)
+    keys: dict[str, int] = {}
     for i in positions:
-        lease = hits[i].lease
-        if _reserves(hits[i]) and lease is not None:
-            keys[marker_key(hits[i].key, lease)] = None
-    return _Group(positions, tuple(keys))
+        keys.setdefault(hits[i].key, len(keys) + 1)
+    markers: list[int] = []
+    for i in positions:
+        hit = hits[i]
+        if _reserves(hit) and hit.lease is not None:
+            index = keys.setdefault(marker_key(hit.key, hit.lease), len(keys) + 1)
+            markers.append(index if hit.lease else 0)  # an empty lease: its marker unused
+        else:
+            markers.append(0)
+    refs = tuple((str(keys[hits[i].key]), str(marker))
+                 for i, marker in zip(positions, markers, strict=True))
+    return _Group(positions, tuple(keys), refs)
 
 
 def _refunded(hit: Hit, result: BucketResult) -> BucketResult:

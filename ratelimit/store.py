@@ -9,8 +9,7 @@ runs one suite over all of them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ratelimit.bucket import BucketResult, Hit, Settle
 
@@ -20,8 +19,7 @@ killed mid-request): its reservation then stands, and its concurrency slot frees
 request running longer than this loses its slot early (and, settling late, its refund)."""
 
 
-@dataclass(frozen=True)
-class StoreResult:
+class StoreResult(NamedTuple):
     admitted: bool
     results: tuple[BucketResult, ...]
     """One per hit, in request order."""

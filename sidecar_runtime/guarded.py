@@ -40,7 +40,8 @@ class Guard:
 
     ``on_error(op, reason)`` counts each failure (reason ``timeout``, ``error``,
     ``node_down`` or ``breaker_open``; ``op`` as given to :meth:`call`); ``on_state(state)``
-    publishes the breaker state after each call.
+    publishes the breaker state at each call, when it differs from the one last published (a
+    gauge set takes a lock; unchanged, it is skipped: what the gauge shows is the same).
     ``failed_event`` / ``recovered_event`` name the two log lines of an outage.
     """
 
@@ -56,7 +57,8 @@ class Guard:
         self._on_error = on_error
         self._on_state = on_state
         self._clock = clock
-        on_state(self._breaker.state)
+        self._published = self._breaker.state
+        on_state(self._published)
 
     @property
     def state(self) -> BreakerState:
@@ -73,7 +75,7 @@ class Guard:
         if not self._breaker.allow(self._clock()):
             self._on_error(op, "breaker_open")
             raise BreakerOpen("backend skipped: circuit breaker open")
-        self._on_state(self._breaker.state)
+        self._publish()
         reported = False
         try:
             # asyncio.timeout, not wait_for: no extra Task per call (3% of the rate limiter's
@@ -102,7 +104,13 @@ class Guard:
         finally:
             if not reported:  # cancelled or an unexpected error: do not leave a probe hanging
                 self._breaker.failure(self._clock())
-            self._on_state(self._breaker.state)
+            self._publish()
+
+    def _publish(self) -> None:
+        state = self._breaker.state
+        if state is not self._published:
+            self._published = state
+            self._on_state(state)
 
     def _fail(self, reason: str, message: str, op: str) -> None:
         self._on_error(op, reason)

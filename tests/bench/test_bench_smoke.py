@@ -59,11 +59,14 @@ def test_ratelimit_python_bench_times_every_stage_of_a_six_bucket_admission() ->
                            "--rounds", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "one admission: 6 descriptors, 6 buckets" in done.stdout
+    assert ("one admission: 6 descriptors, 6 buckets; one settlement batch: 60 descriptors, "
+            "60 settles") in done.stdout
     stages = [line.split("|")[1].strip() for line in done.stdout.splitlines()
               if line.startswith("| ") and not line.startswith("| stage")]
     assert stages == ["parse (upb)", "request_from_proto", "plan, matched afresh",
-                      "plan, remembered matches", "resolve", "response_to_proto + serialise"]
+                      "plan, remembered matches", "resolve", "response_to_proto + serialise",
+                      "whole call, instant store", "settlement batch: request_from_proto",
+                      "settlement batch: plan", "settlement batch: whole call"]
 
 
 def test_extproc_python_bench_times_a_chat_request_and_a_settlement_batch() -> None:

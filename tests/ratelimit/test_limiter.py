@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from ratelimit.bucket import BucketResult
+from ratelimit.bucket import BucketResult, Settle
+from ratelimit.errors import BackendError
 from ratelimit.keys import bucket_key
 from ratelimit.limiter import (
     DescriptorRequest,
@@ -15,6 +18,7 @@ from ratelimit.limiter import (
     resolve,
 )
 from ratelimit.loader import load_text
+from ratelimit.memory_store import MemoryStore
 from ratelimit.store import StoreResult
 
 from .helpers import Decider
@@ -171,3 +175,54 @@ def test_bucket_keys_never_hold_values() -> None:
     assert bucket_key("d", [("ab", "c")]) != bucket_key("d", [("a", "bc")])
     weird = bucket_key("dom ain/{x}" * 10, [("k\n", "v")])
     assert len(weird) < 150 and "\n" not in weird and weird.count("{") == 1
+
+
+SETTLING = """
+domain: s
+descriptors:
+  - key: kind
+    value: tokens
+    descriptors:
+      - key: tenant
+        rate_limit: {unit: minute, requests_per_unit: 600}
+  - key: kind
+    value: concurrent
+    descriptors:
+      - key: tenant
+        rate_limit: {concurrent: 4}
+"""
+
+
+def _settled(d: Decider) -> dict[str, float]:
+    return {sample.labels["what"]: sample.value for metric in d.metrics.settlements.collect()
+            for sample in metric.samples if sample.name.endswith("_total")}
+
+
+def _ending(lease: str, *, release: bool) -> DescriptorRequest:
+    entries = (("kind", "concurrent" if release else "tokens"), ("tenant", "t"))
+    if release:
+        return DescriptorRequest(entries, lease=lease, phase="release")
+    return DescriptorRequest(entries, lease=lease, phase="settle", used=5)
+
+
+async def test_settlements_are_counted_per_kind_and_a_kind_never_seen_has_no_series() -> None:
+    d = Decider(load_text(SETTLING, "s.yaml"))
+    await d.limiter.check(LimitRequest("s", tuple(_ending(f"lease-{n:04d}", release=False)
+                                                  for n in range(5))))
+    assert _settled(d) == {"tokens": 5.0}  # no release series until a release comes
+    await d.limiter.check(LimitRequest("s", (
+        _ending("lease-0005", release=True), _ending("lease-0006", release=False),
+        _ending("lease-0007", release=True), DescriptorRequest((("kind", "tokens"),)))))
+    assert _settled(d) == {"tokens": 6.0, "release": 2.0}
+
+
+async def test_settlements_a_failed_store_could_not_apply_are_counted_as_such() -> None:
+    class Failing(MemoryStore):
+        async def settle(self, settles: Sequence[Settle]) -> None:
+            raise BackendError("down")
+
+    d = Decider(load_text(SETTLING, "s.yaml"))
+    d.limiter.store = Failing()
+    await d.limiter.check(LimitRequest("s", (_ending("lease-0001", release=True),
+                                             _ending("lease-0002", release=False))))
+    assert _settled(d) == {"backend_error": 2.0}

@@ -100,3 +100,24 @@ async def test_a_cancelled_half_open_probe_does_not_leave_the_breaker_stuck() ->
     clock.now = 2.6
     assert await g.call(answer(3), 1.0) == 3
     assert state_of(g) is BreakerState.CLOSED
+
+
+async def test_the_state_is_published_at_start_and_at_each_change_only() -> None:
+    clock, errors, published = Clock(), list[tuple[str, str]](), list[BreakerState]()
+    g = Guard(cooldown_s=1.0, failures_to_open=1, logger="test", failed_event="failed",
+              recovered_event="recovered", skip_detail="skipping",
+              on_error=lambda op, reason: errors.append((op, reason)),
+              on_state=published.append, clock=clock)
+    for _ in range(3):
+        await g.call(answer(1), 1.0)
+    assert published == [BreakerState.CLOSED]
+    with pytest.raises(BackendError):
+        await g.call(raising(BackendError("boom")), 1.0)
+    with pytest.raises(BreakerOpen):
+        await g.call(answer(1), 1.0)
+    clock.now = 1.5  # the probe: half-open while it runs, closed once it answered
+    await g.call(answer(1), 1.0)
+    await g.call(answer(1), 1.0)
+    assert published == [BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN,
+                         BreakerState.CLOSED]
+    assert published[-1] is state_of(g)
