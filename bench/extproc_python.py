@@ -20,19 +20,16 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, cast
 
-import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client import CollectorRegistry
 
 from bench import bodies, front
 from bench.h2_extproc_load import body, headers
-from bench.paced import POOLS
 from extproc import rls_wire
 from extproc.actions import Descriptor
 from extproc.canary.guard import CanaryGuards, GuardedTelemetry
@@ -41,7 +38,6 @@ from extproc.settlements import SettlementBatcher, settlement_for
 from extproc.telemetry.metrics import ExtprocMetrics, settlements_counter
 from extproc.telemetry.request_log import LoggedTelemetry
 from routing.compiled import Snapshot, compile_config
-from routing.loader import load_config
 from sidecar_runtime import logs
 from sidecar_runtime.h2grpc import Context
 from sidecar_runtime.settings import Settings
@@ -50,14 +46,7 @@ _Request = pb.ProcessingRequest
 
 
 def snapshot() -> Snapshot:
-    doc = front.routing_doc(listen=1, admin=2, extproc=3, ratelimit=4, upstream=(5, 6, 7),
-                            paced={pool.cluster: 8 for pool in POOLS})
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
-        yaml.safe_dump(doc, handle)
-    try:
-        return compile_config(load_config(handle.name))
-    finally:
-        os.unlink(handle.name)
+    return compile_config(front.bench_config())
 
 
 def messages(request_id: str) -> list[bytes]:

@@ -15,10 +15,15 @@ Every variant starts from the bootstrap ``llm-sidecar render`` writes for the be
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 from typing import Any, Literal
+
+import yaml
 
 from bench import bodies
 from bench.paced import POOLS
+from routing.loader import load_config
 from routing.render_envoy import bootstrap
 from routing.schema import RoutingConfig
 
@@ -65,6 +70,19 @@ def routing_doc(*, listen: int, admin: int, extproc: int, ratelimit: int,
             "on_backend_error": "allow",
         },
     }
+
+
+def bench_config() -> RoutingConfig:
+    """The bench routing YAML loaded as the services load it, its ports placeholders: for the
+    benches that time the services' Python without starting anything."""
+    doc = routing_doc(listen=1, admin=2, extproc=3, ratelimit=4, upstream=(5, 6, 7),
+                      paced={pool.cluster: 8 for pool in POOLS})
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
+        yaml.safe_dump(doc, handle)
+    try:
+        return load_config(handle.name)
+    finally:
+        os.unlink(handle.name)
 
 
 def _hcm(doc: dict[str, Any]) -> dict[str, Any]:

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
-import yaml
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from bench import bodies, front
-from bench.paced import POOLS
 from ratelimit.bucket import BucketResult, Hit, Settle
 from ratelimit.descriptors import RateLimitConfig
 from ratelimit.from_routing import compile_rate_limits
@@ -36,7 +32,6 @@ from ratelimit.limiter import Limiter, Matches, plan, resolve
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import StoreResult
 from ratelimit.wire import request_from_proto, response_to_proto
-from routing.loader import load_config
 from routing.ratelimits import DOMAIN
 from sidecar_runtime.wire_names import DONE_ENTRY, LEASE_ENTRY, USED_ENTRY
 
@@ -46,14 +41,7 @@ _LEVELS = (("api_key", "k_0123456789abcdef01234567"), ("tenant", "acme"), ("mode
 
 
 def _config() -> RateLimitConfig:
-    doc = front.routing_doc(listen=1, admin=2, extproc=3, ratelimit=4, upstream=(5, 6, 7),
-                            paced={pool.cluster: 8 for pool in POOLS})
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
-        yaml.safe_dump(doc, handle)
-    try:
-        config = load_config(handle.name)
-    finally:
-        os.unlink(handle.name)
+    config = front.bench_config()
     return RateLimitConfig(MappingProxyType({DOMAIN: compile_rate_limits(config)}))
 
 
