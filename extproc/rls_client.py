@@ -88,7 +88,7 @@ class RateLimitClient:
         return rls_wire.verdict(answer).result == "ok"
 
     async def _call(self, target: str, tls: ServicesTls | None, timeout_s: float,
-                    request: rls_pb2.RateLimitRequest | bytes) -> rls_pb2.RateLimitResponse | str:
+                    request: bytes) -> rls_pb2.RateLimitResponse | str:
         """The service's answer, or why there is none (never raises)."""
         try:
             channel = self._channel_for(target, tls, timeout_s)

@@ -126,7 +126,7 @@ def test_the_wire_reads_the_rate_limit_services_own_429() -> None:
     assert verdict.statuses == (LimitStatus(10, 1, "api_key:default:requests", 0, 1),)
     check = RateCheck("t", "llm-sidecar", ((("kind", "requests"), ("tenant", "a")),), 1.0,
                       lambda v: HIT)
-    sent = rls_wire.request(check)
+    sent = rls_pb2.RateLimitRequest.FromString(rls_wire.request(check))
     assert sent.domain == "llm-sidecar" and sent.hits_addend == 0
     assert [(e.key, e.value) for e in sent.descriptors[0].entries] == [("kind", "requests"),
                                                                        ("tenant", "a")]

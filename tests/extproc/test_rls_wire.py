@@ -1,14 +1,26 @@
-"""The settlement batch extproc writes by hand (:func:`extproc.rls_wire.settle_payload`) is the
-message upb builds: the same bytes, and parsed back the same message, whatever the entries hold."""
+"""The rate-limit requests extproc writes by hand (:func:`extproc.rls_wire.payload`: settlement
+batches and cache-hit checks) are the message upb builds: the same bytes, and parsed back the
+same message, whatever the entries hold."""
 
 from __future__ import annotations
 
 import pytest
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from extproc import rls_wire
 from extproc.actions import Descriptor
+from routing.ratelimits import DOMAIN
 from sidecar_runtime.wire_names import DONE_ENTRY, LEASE_ENTRY, USED_ENTRY
+
+
+def built(descriptors: tuple[Descriptor, ...], domain: str = DOMAIN) -> rls_pb2.RateLimitRequest:
+    """The message as upb builds it, entry by entry: what the payload must equal."""
+    return rls_pb2.RateLimitRequest(domain=domain, descriptors=[
+        ratelimit_pb2.RateLimitDescriptor(entries=[
+            ratelimit_pb2.RateLimitDescriptor.Entry(key=key, value=value)
+            for key, value in descriptor])
+        for descriptor in descriptors])
 
 
 def settle(level: str, value: str, lease: str = "0123456789abcdef01234567",
@@ -39,17 +51,22 @@ CASES: dict[str, tuple[Descriptor, ...]] = {
 
 @pytest.mark.parametrize("descriptors", CASES.values(), ids=CASES.keys())
 def test_the_payload_is_the_message_upb_builds(descriptors: tuple[Descriptor, ...]) -> None:
-    built = rls_wire.settle_request(descriptors)
+    expected = built(descriptors)
     for _ in range(2):  # the second time from the cache of encoded entries
         payload = rls_wire.settle_payload(descriptors)
-        assert payload == built.SerializeToString()
-        assert rls_pb2.RateLimitRequest.FromString(payload) == built
+        assert payload == expected.SerializeToString()
+        assert rls_pb2.RateLimitRequest.FromString(payload) == expected
+
+
+@pytest.mark.parametrize("domain", ["llm-sidecar", "", "d" * 200, "dömäin"])
+def test_a_check_names_its_own_domain(domain: str) -> None:
+    descriptors = CASES["one settlement"]
+    assert rls_wire.payload(domain, descriptors) == built(descriptors, domain).SerializeToString()
 
 
 def test_the_cache_of_entries_stays_bounded_and_right_past_its_size() -> None:
     descriptors = tuple(settle("api_key", f"k{i}", lease=f"{i:024x}") for i in range(5000))
     payload = rls_wire.settle_payload(descriptors)
     assert len(rls_wire._entries) <= rls_wire._ENTRY_CACHE
-    assert payload == rls_wire.settle_request(descriptors).SerializeToString()
-    assert rls_wire.settle_payload(descriptors[:3]) == \
-        rls_wire.settle_request(descriptors[:3]).SerializeToString()
+    assert payload == built(descriptors).SerializeToString()
+    assert rls_wire.settle_payload(descriptors[:3]) == built(descriptors[:3]).SerializeToString()

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 import pytest
+from envoy.service.ratelimit.v3 import rls_pb2
 from prometheus_client import CollectorRegistry
 
 from extproc import rls_wire
@@ -70,8 +71,8 @@ def test_the_ratelimit_service_reads_a_batch_as_settles_of_each_lease() -> None:
     second = settlement_for(limits(tenant={"default": {"tokens": "1k/min"}}).config,
                             ROUTE, "f" * 24, 0)
     assert first is not None and second is not None
-    parsed = ratelimit_wire.request_from_proto(
-        rls_wire.settle_request(first.descriptors + second.descriptors))
+    parsed = ratelimit_wire.request_from_proto(rls_pb2.RateLimitRequest.FromString(
+        rls_wire.settle_payload(first.descriptors + second.descriptors)))
     assert parsed.domain == "llm-sidecar"
     assert [(d.phase, d.lease, d.used, d.entries) for d in parsed.descriptors] == [
         ("settle", LEASE, 17, (("kind", "tokens"), ("tenant", "acme"))),

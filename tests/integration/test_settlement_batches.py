@@ -75,6 +75,11 @@ def admission(tenant: str, lease: str, reserved: int) -> rls_pb2.RateLimitReques
     return rls_pb2.RateLimitRequest(domain=DOMAIN, descriptors=descriptors)
 
 
+def settle_request(descriptors: tuple[tuple[tuple[str, str], ...], ...]) -> rls_pb2.RateLimitRequest:
+    """A stream-done call as Envoy sends it: the very bytes extproc's batches carry."""
+    return rls_pb2.RateLimitRequest.FromString(rls_wire.settle_payload(descriptors))
+
+
 async def levels(server: RateLimitProcess, tenant: str) -> list[float]:
     client = server.service.store.inner.client  # type: ignore[attr-defined]
     out = []
@@ -102,7 +107,7 @@ async def test_one_batch_settles_like_one_call_per_request(served: tuple[RateLim
             assert settlement is not None
             settlements[tenant].append(settlement)
     for settlement in settlements["single"]:  # Envoy's way: one stream-done call each
-        await stub.ShouldRateLimit(rls_wire.settle_request(settlement.descriptors), timeout=5)
+        await stub.ShouldRateLimit(settle_request(settlement.descriptors), timeout=5)
     client = RateLimitClient(CollectorRegistry())
     services = ServicesSection(ratelimit=f"127.0.0.1:{server.port}", ratelimit_timeout_s=5)
     batch = tuple(d for s in settlements["batched"] for d in s.descriptors)
@@ -135,14 +140,14 @@ async def test_a_call_above_the_cap_is_refused_and_settles_nothing(
         settlement = settlement_for(config, route("capped"), lease, 0)
         assert settlement is not None
         filler = settlement.descriptors[0]
-        too_many = rls_wire.settle_request(settlement.descriptors
-                                           + (filler,) * (MAX_DESCRIPTORS - 1))
+        too_many = settle_request(settlement.descriptors
+                                  + (filler,) * (MAX_DESCRIPTORS - 1))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.ShouldRateLimit(too_many, timeout=5)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert await levels(server, "capped") == before  # the reservation stands
-        at_cap = rls_wire.settle_request(settlement.descriptors
-                                         + (filler,) * (MAX_DESCRIPTORS - 2))
+        at_cap = settle_request(settlement.descriptors
+                                + (filler,) * (MAX_DESCRIPTORS - 2))
         answer = await stub.ShouldRateLimit(at_cap, timeout=5)
         assert answer.overall_code == rls_pb2.RateLimitResponse.OK
         after = await levels(server, "capped")
