@@ -10,7 +10,7 @@ Pure: the call itself is :mod:`extproc.rls_client`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from extproc.actions import Action, Descriptor, Headers, LimitStatus, RateCheck, Reply, Verdict
 from extproc.errors import error_body
@@ -24,17 +24,26 @@ BACKEND_DENY_HEADER = "x-llm-ratelimit-backend"
 Envoy's local-reply mapper turns such a 429 into a 503, and so does :func:`answer`."""
 
 
-_limits_of: tuple[RoutingConfig, tuple[dict[str, Any], ...]] | None = None
+T = TypeVar("T")
 
 
+def once_per_config(build: Callable[[RoutingConfig], T]) -> Callable[[RoutingConfig], T]:
+    """``build(config)``, made once for the config last asked about (a reload brings a new
+    one): for what every cache hit or settlement would otherwise derive again."""
+    last: list[tuple[RoutingConfig, T]] = []
+
+    def get(config: RoutingConfig) -> T:
+        if not last or last[0][0] is not config:
+            last[:] = [(config, build(config))]
+        return last[0][1]
+    return get
+
+
+@once_per_config
 def route_limits(config: RoutingConfig) -> tuple[dict[str, Any], ...]:
-    """:func:`routing.ratelimits.route_rate_limits` of ``config``, built once per config (a
-    reload brings a new one): every cache hit and every settlement extproc makes reads them."""
-    global _limits_of
-    cached = _limits_of
-    if cached is None or cached[0] is not config:
-        cached = _limits_of = (config, tuple(route_rate_limits(config)))
-    return cached[1]
+    """:func:`routing.ratelimits.route_rate_limits` of ``config``: every cache hit and every
+    settlement extproc makes reads them."""
+    return tuple(route_rate_limits(config))
 
 
 def request_descriptors(config: RoutingConfig, headers: Mapping[str, str]) -> tuple[Descriptor, ...]:

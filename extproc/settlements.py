@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from extproc.actions import Descriptor, Headers, Settlement
-from extproc.hit_limits import Step, compile_actions, evaluate, route_limits
+from extproc.hit_limits import Step, compile_actions, evaluate, once_per_config, route_limits
 from routing.schema import RoutingConfig
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.wire_names import DONE_METADATA_KEY, LEASE_METADATA_KEY, TOKENS_METADATA_KEY
@@ -59,18 +59,10 @@ def _settle_actions(config: RoutingConfig) -> list[list[dict[str, Any]]]:
             if limit.get("apply_on_stream_done") and _TOKENS_KIND in limit["actions"]]
 
 
-_steps_of: tuple[RoutingConfig, tuple[tuple[Step, ...], ...]] | None = None
-
-
+@once_per_config
 def _settle_steps(config: RoutingConfig) -> tuple[tuple[Step, ...], ...]:
-    """:func:`_settle_actions` compiled, once per config (a reload brings a new one): every
-    settled request runs them."""
-    global _steps_of
-    cached = _steps_of
-    if cached is None or cached[0] is not config:
-        cached = _steps_of = (config, tuple(compile_actions(actions, True)
-                                            for actions in _settle_actions(config)))
-    return cached[1]
+    """:func:`_settle_actions` compiled: every settled request runs them."""
+    return tuple(compile_actions(actions, True) for actions in _settle_actions(config))
 
 
 def settlement_for(config: RoutingConfig, headers: Headers, lease: str,
