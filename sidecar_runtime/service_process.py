@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar_runtime.grpc_listen import add_port, listen_address, metrics_host
 from sidecar_runtime.h2grpc import Server
+from sidecar_runtime.heap import settle_heap
 from sidecar_runtime.logs import bind_worker, get_logger
 from sidecar_runtime.ops_http import bound_port, start_ops_server
 from sidecar_runtime.procs import sidecar_command
@@ -259,6 +260,7 @@ async def _serve(command: ServiceCommand, config_path: str, listen: Listen,
     except command.config_errors as exc:
         print(str(exc), file=sys.stderr)
         return 1
+    settle_heap()  # what start-up built stays for the process's life: out of the collector's way
     try:
         await stop.wait()
     finally:

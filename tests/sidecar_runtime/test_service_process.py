@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from sidecar_runtime import service_process
 from sidecar_runtime.h2grpc import Context, Server
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.service_process import Listen, ServiceCommand, ServiceProcess, run_service
@@ -255,3 +256,33 @@ def test_run_service_exit_codes(case: str, cmd: dict[str, Any], flags: dict[str,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     assert run_service(command(**cmd), args(config, **flags), Settings()) == code, case
     assert message.format(config=config) in capsys.readouterr().err
+
+
+async def test_the_heap_is_settled_once_the_service_serves(config: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI path freezes the heap after start-up (sidecar_runtime.heap), not before the
+    service serves, and not for a start that failed."""
+    stops: list[asyncio.Event] = []
+    seen: list[str] = []
+    services: list[FakeService] = []
+
+    def build(path: str, settings: Settings) -> FakeService:
+        services.append(FakeService(path, settings))
+        return services[-1]
+
+    def settled() -> None:
+        seen.append("settled" if services and services[0].events == ["open"] else "early")
+        stops[0].set()  # as SIGTERM would
+
+    monkeypatch.setattr(service_process, "install_stop_handlers", stops.append)
+    monkeypatch.setattr(service_process, "settle_heap", settled)
+    listen = Listen("127.0.0.1", 0, 0, None)
+    assert await service_process._serve(command(build=build), str(config), listen,
+                                        Settings()) == 0
+    assert seen == ["settled"]
+    assert services[0].events[-1] == "close"
+
+    seen.clear()
+    assert await service_process._serve(command(build=bad_build), str(config), listen,
+                                        Settings()) == 1
+    assert seen == []
