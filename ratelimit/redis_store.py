@@ -139,11 +139,13 @@ class RedisStore:
         return StoreResult(admitted, tuple(merged[i] for i in range(len(hits))))
 
     def _groups(self, hits: Sequence[Hit]) -> list[_Group]:
-        if not isinstance(self._client, RedisCluster):
+        if self._router is None:  # a standalone Redis (isinstance of a generic class costs)
             return [_group(hits, tuple(range(len(hits))))]
+        client = self._client
+        assert isinstance(client, RedisCluster)
         by_slot: dict[int, list[int]] = {}
         for index, hit in enumerate(hits):
-            by_slot.setdefault(self._client.keyslot(hit.key), []).append(index)
+            by_slot.setdefault(client.keyslot(hit.key), []).append(index)
         return [_group(hits, tuple(positions)) for positions in by_slot.values()]
 
     def _spec_text(self, spec: BucketSpec) -> tuple[BucketSpec, str, str, str]:
@@ -158,10 +160,15 @@ class RedisStore:
     async def _run(self, hits: Sequence[Hit], group: _Group) -> tuple[bool, list[BucketResult]]:
         """Decide one group; its results in the order of its positions."""
         args: list[str] = [self._margin_ms, str(len(group.positions)), self._lease_ttl_ms]
+        texts = self._spec_texts
         for i, (key_ref, marker_ref) in zip(group.positions, group.refs, strict=True):
             hit = hits[i]
-            _, capacity, rate, flags = self._spec_text(hit.spec)
-            args += [key_ref, capacity, rate, flags, str(hit.hits), marker_ref, hit.lease or ""]
+            spec = hit.spec
+            found = texts.get(id(spec))
+            if found is None or found[0] is not spec:
+                found = self._spec_text(spec)
+            args += [key_ref, found[1], found[2], found[3], str(hit.hits), marker_ref,
+                     hit.lease or ""]
         reply = await self._eval(DECIDE_SHA, DECIDE, group.keys, args)
         results = [BucketResult(int(reply[1 + 2 * n]) == 1, float(reply[2 + 2 * n]))
                    for n in range(len(group.positions))]
@@ -237,18 +244,29 @@ def _flags(spec: BucketSpec) -> int:
 def _group(hits: Sequence[Hit], positions: tuple[int, ...]) -> _Group:
     keys: dict[str, int] = {}
     for i in positions:
-        keys.setdefault(hits[i].key, len(keys) + 1)
-    markers: list[int] = []
+        key = hits[i].key
+        if key not in keys:
+            keys[key] = len(keys) + 1
+    refs: list[tuple[str, str]] = []
     for i in positions:
         hit = hits[i]
-        if _reserves(hit) and hit.lease is not None:
-            index = keys.setdefault(marker_key(hit.key, hit.lease), len(keys) + 1)
-            markers.append(index if hit.lease else 0)  # an empty lease: its marker unused
-        else:
-            markers.append(0)
-    refs = tuple((str(keys[hits[i].key]), str(marker))
-                 for i, marker in zip(positions, markers, strict=True))
-    return _Group(positions, tuple(keys), refs)
+        lease = hit.lease
+        marker = "0"
+        if lease is not None and _reserves(hit):
+            mark = marker_key(hit.key, lease)
+            index = keys.get(mark)
+            if index is None:
+                index = keys[mark] = len(keys) + 1
+            if lease:  # an empty lease: its marker unused (but its key sent, as ever)
+                marker = _INDEXES[index] if index < len(_INDEXES) else str(index)
+        key_index = keys[hit.key]
+        refs.append((_INDEXES[key_index] if key_index < len(_INDEXES) else str(key_index),
+                     marker))
+    return _Group(positions, tuple(keys), tuple(refs))
+
+
+_INDEXES = tuple(str(n) for n in range(64))
+"""``KEYS`` indexes as the scripts read them, made once."""
 
 
 def _refunded(hit: Hit, result: BucketResult) -> BucketResult:

@@ -63,10 +63,12 @@ def test_ratelimit_python_bench_times_every_stage_of_a_six_bucket_admission() ->
             "60 settles") in done.stdout
     stages = [line.split("|")[1].strip() for line in done.stdout.splitlines()
               if line.startswith("| ") and not line.startswith("| stage")]
-    assert stages == ["parse (upb)", "request_from_proto", "plan, matched afresh",
-                      "plan, remembered matches", "resolve", "response_to_proto + serialise",
+    assert stages == ["parse (upb)", "request_from_proto", "request_from_bytes",
+                      "plan, matched afresh", "plan, remembered matches", "resolve",
+                      "response_to_proto + serialise", "response_bytes",
                       "whole call, instant store", "settlement batch: request_from_proto",
-                      "settlement batch: plan", "settlement batch: whole call"]
+                      "settlement batch: request_from_bytes", "settlement batch: plan",
+                      "settlement batch: whole call"]
 
 
 def test_extproc_python_bench_times_a_chat_request_and_a_settlement_batch() -> None:

@@ -93,3 +93,51 @@ async def test_a_spec_at_the_id_of_a_forgotten_one_gets_its_own_text() -> None:
     store._spec_texts[id(other)] = store._spec_texts.pop(id(first))
     await store.decide([Hit("rl:{a}", other, 1)])
     assert list(store.sent[-1][-6:-3]) == spec_args(other)
+
+
+def reference_group(hits: list[Hit], positions: tuple[int, ...]) -> redis_store._Group:
+    """The KEYS and their indexes as the store has always sent them: the buckets in order of
+    first use, then the reservation markers; per hit its bucket's index and its marker's ("0":
+    none; an empty lease's marker key is sent but not used)."""
+    keys: dict[str, int] = {}
+    for i in positions:
+        keys.setdefault(hits[i].key, len(keys) + 1)
+    markers: list[int] = []
+    for i in positions:
+        hit = hits[i]
+        reserves = (hit.lease is not None and not hit.spec.concurrent and not hit.spec.debt
+                    and hit.hits > 0)
+        if reserves and hit.lease is not None:
+            index = keys.setdefault(redis_store.marker_key(hit.key, hit.lease), len(keys) + 1)
+            markers.append(index if hit.lease else 0)
+        else:
+            markers.append(0)
+    refs = tuple((str(keys[hits[i].key]), str(marker))
+                 for i, marker in zip(positions, markers, strict=True))
+    return redis_store._Group(positions, tuple(keys), refs)
+
+
+TOKEN, DEBT, SLOTS = BucketSpec(100.0, 1.0), BucketSpec(100.0, 1.0, debt=True), \
+    BucketSpec(3.0, 0.0, concurrent=True)
+GROUPS: dict[str, list[Hit]] = {
+    "an admission": [Hit("rl:{r1}", TOKEN, 1), Hit("rl:{r2}", TOKEN, 1), Hit("rl:{r3}", TOKEN, 1),
+                     Hit("rl:{t1}", TOKEN, 120, LEASE), Hit("rl:{t2}", TOKEN, 120, LEASE),
+                     Hit("rl:{t3}", TOKEN, 120, LEASE)],
+    "a bucket twice, leased twice": [Hit("rl:{a}", TOKEN, 5, LEASE), Hit("rl:{a}", TOKEN, 7, LEASE),
+                                     Hit("rl:{b}", TOKEN, 1), Hit("rl:{a}", TOKEN, 1)],
+    "no marker: debt, slots, zero hits, no lease": [
+        Hit("rl:{d}", DEBT, 5, LEASE), Hit("rl:{s}", SLOTS, 1, LEASE), Hit("rl:{z}", TOKEN, 0, LEASE),
+        Hit("rl:{n}", TOKEN, 3)],
+    "an empty lease: its marker key sent, not used": [Hit("rl:{e}", TOKEN, 2, ""),
+                                                      Hit("rl:{f}", TOKEN, 2, LEASE)],
+    "a hundred buckets (indexes past the table)": [
+        Hit(f"rl:{{k{n}}}", TOKEN, n % 3, LEASE if n % 2 else None) for n in range(100)],
+}
+
+
+@pytest.mark.parametrize("name", list(GROUPS))
+def test_a_group_names_its_keys_as_the_store_always_has(name: str) -> None:
+    hits = GROUPS[name]
+    for positions in (tuple(range(len(hits))), tuple(range(0, len(hits), 2)),
+                      tuple(range(len(hits) - 1, -1, -1))):
+        assert redis_store._group(hits, positions) == reference_group(hits, positions)

@@ -9,6 +9,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from envoy.type.v3 import ratelimit_unit_pb2
 
 from ratelimit.limiter import DescriptorRequest, Override
+from ratelimit.request_bytes import request_from_bytes
 from ratelimit.wire import request_from_proto
 from sidecar_runtime.wire_names import DONE_ENTRY, LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
 
@@ -27,8 +28,11 @@ def parsed(*entries: tuple[str, str], hits: int | None = None,
         descriptor.hits_addend.value = hits
     if limit is not None:
         descriptor.limit.requests_per_unit, descriptor.limit.unit = limit
-    # Through the wire format, as the service receives it.
-    request = request_from_proto(rls_pb2.RateLimitRequest.FromString(message.SerializeToString()))
+    # Through the wire format, as the service receives it; read from the bytes as the service
+    # reads them, the same (tests/ratelimit/test_wire_bytes.py holds the two readings equal).
+    raw = message.SerializeToString()
+    request = request_from_proto(rls_pb2.RateLimitRequest.FromString(raw))
+    assert request_from_bytes(raw) == request
     assert request.domain == "d" and request.hits_addend == 3
     (only,) = request.descriptors
     return only

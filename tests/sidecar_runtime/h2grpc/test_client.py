@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from envoy.service.ratelimit.v3 import rls_pb2
 
 from ratelimit.service import RateLimitService, RateLimitServicer
 from sidecar_runtime.h2grpc import Server, tls_context
@@ -93,8 +93,7 @@ async def test_the_rate_limit_servicer_answers_through_the_client(
     config.write_text(YAML)
     service = RateLimitService(str(config), Settings())
     server: Server | grpc.aio.Server = Server() if server_kind == "h2grpc" else grpc.aio.server()
-    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitServicer(service.limiter),
-                                                        server)
+    RateLimitServicer(service.limiter).register(server)
     port = await server.add_port("127.0.0.1:0") if isinstance(server, Server) \
         else server.add_insecure_port("127.0.0.1:0")
     await server.start()
