@@ -9,6 +9,7 @@ from typing import Protocol
 from extproc.canary.policy import OPEN_CANARIES, CanaryPolicy
 from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
+from extproc.quick_init import quick_init
 from routing.compiled import Snapshot
 from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
 
@@ -22,6 +23,7 @@ class EndpointPicking(Protocol):
     def done(self, cluster: str, address: str) -> None: ...
 
 
+@quick_init
 @dataclass(frozen=True)
 class RequestContext:
     snapshot: Snapshot

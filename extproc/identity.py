@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.errors import bad_request, invalid_api_key
+from extproc.quick_init import quick_init
 from routing.compiled import Snapshot
 from routing.schema import TENANT_RULE, is_tenant
 
@@ -23,6 +24,7 @@ ANONYMOUS = "anonymous"
 DEFAULT_TENANT = "default"
 
 
+@quick_init
 @dataclass(frozen=True)
 class Identity:
     key_id: str

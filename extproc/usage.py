@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 import orjson
 
+from extproc.quick_init import quick_init
+
 MAX_JSON_BYTES = 8 * 1024 * 1024
 MAX_EVENT_BYTES = 1024 * 1024
 
 
+@quick_init
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int | None
