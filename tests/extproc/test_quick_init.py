@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from extproc import actions, bodies, context, decide, identity, records, usage
+from extproc.processors import phases
 from extproc.quick_init import quick_init
 
 
@@ -102,7 +103,8 @@ def test_quick_init_refuses_what_it_does_not_handle() -> None:
 QUICK = [actions.ModeOverride, actions.CacheWrite, actions.Settlement, actions.Continue,
          actions.Reply, actions.Lookup, actions.LimitStatus, actions.Verdict, actions.RateCheck,
          records.RequestRecord, usage.Usage, decide.Demand, decide.Decision, identity.Identity,
-         bodies.PromptParts, bodies.GenerationBody, context.RequestContext]
+         bodies.PromptParts, bodies.GenerationBody, context.RequestContext, phases.Routed,
+         phases.Reading]
 
 
 @pytest.mark.parametrize("cls", QUICK, ids=lambda cls: cls.__name__)
