@@ -6,11 +6,13 @@ action into the matching ProcessingResponse.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
 
 from extproc.actions import Action, Continue, Headers, ModeOverride, Phase
 from sidecar_runtime import protowire
@@ -143,11 +145,26 @@ def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
         common.clear_route_cache = True
     if action.mode is not None:
         response.mode_override.CopyFrom(_mode(action.mode))
-    metadata: dict[str, Any] = {}
     if action.metadata:
-        metadata[METADATA_NAMESPACE] = dict(action.metadata)  # Struct.update takes dicts
+        _set_struct(response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value,
+                    action.metadata)
     if action.lb_endpoints:
-        metadata[LB_METADATA_NAMESPACE] = {DESTINATION_ENDPOINT: _endpoints(action)}
-    if metadata:
-        response.dynamic_metadata.update(metadata)  # in place: no Struct built to be copied
+        _set_struct(response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value,
+                    {DESTINATION_ENDPOINT: _endpoints(action)})
     return response
+
+
+def _set_struct(target: struct_pb2.Struct, values: Mapping[str, Any]) -> None:
+    """``target.update(values)`` for a fresh ``target``, with the strings and numbers extproc's
+    metadata holds set directly: ``Struct.update`` walks an isinstance chain per value, ~0.5 µs
+    each (issue 16: 3.6 -> 2.0 µs for a routed request's metadata). Other values (bools,
+    None, nested) go through ``update`` as before, in the same order."""
+    fields = target.fields
+    for key, value in values.items():
+        kind = type(value)
+        if kind is str:
+            fields[key].string_value = value
+        elif kind is int or kind is float:  # not bool: a subclass of int, it is a bool_value
+            fields[key].number_value = value
+        else:
+            target.update({key: value})
