@@ -44,6 +44,9 @@ from sidecar_runtime.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
 log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 _USAGE_KEYS = frozenset({TOKENS_METADATA_KEY, DONE_METADATA_KEY})
+_ANSWERS = (Continue, Reply)
+"""A step that is an answer (a tuple made once: ``Continue | Reply`` would build a union per
+message)."""
 LINGER_S = 2.0
 """How long a finished stream waits for Envoy to reset it before closing it itself."""
 
@@ -85,7 +88,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 if phase is None:
                     continue  # response trailers: not requested by our processing mode
                 step = state.handle(phase, headers, body, end)
-                while not isinstance(step, Continue | Reply):
+                while not isinstance(step, _ANSWERS):
                     if isinstance(step, Lookup):
                         step = state.resume(step, await self._cache.lookup(step.keys))
                     else:
