@@ -54,5 +54,8 @@ def spoofed_headers(headers: Mapping[str, str]) -> tuple[str, ...]:
     ``x-llm-envoy-usage`` (a client's copy is gone before Envoy adds it; a spoofed one could
     only leave the spoofer's own stream unsettled, its reservation standing)."""
     return tuple(name for name in headers
-                 if (name.startswith(LLM_HEADER_PREFIX) and name != ENVOY_USAGE_HEADER)
-                 or name.startswith(DESTINATION_ENDPOINT))
+                 if name.startswith(_SPOOFABLE) and name != ENVOY_USAGE_HEADER)
+
+
+_SPOOFABLE = (LLM_HEADER_PREFIX, DESTINATION_ENDPOINT)
+"""One ``startswith`` per header (Envoy's usage header starts with the first only)."""
