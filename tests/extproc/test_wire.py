@@ -265,3 +265,28 @@ def test_metadata_is_the_bytes_struct_update_built(metadata: dict[str, object],
     built = wire.build("request_body", action)
     assert built.SerializeToString() == struct_updated("request_body", action)
     assert built == pb.ProcessingResponse.FromString(struct_updated("request_body", action))
+
+
+PHASES: tuple[Phase, ...] = ("request_headers", "request_body", "request_trailers",
+                             "response_headers", "response_body")
+PLAIN = [None] + [ModeOverride(headers, body) for headers in (True, False)
+                  for body in ("none", "streamed", "buffered")]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_answers_that_only_continue_are_the_ones_built_each_time(phase: Phase) -> None:
+    """Parsed from the bytes kept for their phase and mode: the answer built afresh, and a
+    fresh message each time (a change to one answer reaches no other)."""
+    for mode in PLAIN:
+        for _ in range(2):
+            action = Continue(mode=mode)
+            answer = wire.build(phase, action)
+            assert answer.SerializeToString() == wire._build(phase, action).SerializeToString()
+            assert answer is not wire.build(phase, action)
+    if phase == "request_trailers":
+        return  # its answer holds nothing more
+    # Anything more than a mode is built, not taken from what was kept.
+    for action in (Continue(body=b""), Continue(clear_route_cache=True),
+                   Continue(metadata={"a": "1"}), Continue(set_headers=(("x-a", "1"),)),
+                   Continue(remove_headers=("x-a",))):
+        assert wire.build(phase, action) != wire.build(phase, Continue())
