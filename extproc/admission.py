@@ -29,7 +29,8 @@ def new_lease() -> str:
 
     The bits are the OS's CSPRNG (what ``secrets.token_hex`` reads), drawn 256 leases at a
     time: one ``getrandom`` call per lease was most of its cost (issue 16). A forked child
-    forgets what its parent drew (:func:`_forget`), so no two processes hand out one lease."""
+    forgets what its parent drew (:func:`_forget`), so no two processes hand out one lease.
+    Called on the event loop's thread only, as every caller is (the pool is not locked)."""
     global _pool, _taken
     start = _taken
     if start + _LEASE_BYTES > len(_pool):
