@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from extproc.quick_init import quick_init
 from extproc.records import Rejection, RequestRecord, RouteChosen
 from routing.schema import ServicesTls
 
@@ -25,6 +26,7 @@ def frozen_metadata(values: Mapping[str, Any]) -> Metadata:
     return values if type(values) is MappingProxyType else MappingProxyType(dict(values))
 
 
+@quick_init
 @dataclass(frozen=True)
 class ModeOverride:
     """Processing-mode change for the rest of this stream (needs ``allow_mode_override``)."""
@@ -33,6 +35,7 @@ class ModeOverride:
     response_body: Literal["none", "streamed", "buffered"] = "none"
 
 
+@quick_init
 @dataclass(frozen=True)
 class CacheWrite:
     """Embedding vectors to store once the answer carrying this is sent (it never waits for it)."""
@@ -45,6 +48,7 @@ Descriptor = tuple[tuple[str, str], ...]
 """One rate-limit descriptor: its (key, value) entries in order."""
 
 
+@quick_init
 @dataclass(frozen=True)
 class Settlement:
     """A finished request's token reservation, which extproc may settle itself (batched, see
@@ -58,6 +62,7 @@ class Settlement:
     descriptors: tuple[Descriptor, ...]
 
 
+@quick_init
 @dataclass(frozen=True)
 class Continue:
     """Let the message through, with optional header and body changes."""
@@ -110,6 +115,7 @@ def evolve(action: Continue, **changes: Any) -> Continue:
     return out
 
 
+@quick_init
 @dataclass(frozen=True)
 class Reply:
     """Answer the client now (ImmediateResponse); nothing reaches the upstream."""
@@ -131,6 +137,7 @@ Found = tuple[bytes | None, ...] | None
 answer in time, and the request bypasses the cache."""
 
 
+@quick_init
 @dataclass(frozen=True)
 class Lookup:
     """Not an answer yet: the stream needs the cached values of ``keys`` first.
@@ -143,6 +150,7 @@ class Lookup:
     resume: Callable[[Found], Step]
 
 
+@quick_init
 @dataclass(frozen=True)
 class LimitStatus:
     """One descriptor's status in a rate-limit answer (what Envoy's x-ratelimit-* read)."""
@@ -155,6 +163,7 @@ class LimitStatus:
     reset_s: int
 
 
+@quick_init
 @dataclass(frozen=True)
 class Verdict:
     """The rate-limit service's answer: ``ok``; ``over_limit`` with the body and headers of
@@ -166,6 +175,7 @@ class Verdict:
     statuses: tuple[LimitStatus, ...] = ()
 
 
+@quick_init
 @dataclass(frozen=True)
 class RateCheck:
     """Not an answer yet: the rate-limit service must admit this request first (a request

@@ -12,10 +12,12 @@ from typing import Any, Literal
 import orjson
 
 from extproc.errors import ClientError, bad_request
+from extproc.quick_init import quick_init
 
 Api = Literal["chat", "completions", "embeddings"]
 
 
+@quick_init
 @dataclass(frozen=True)
 class PromptParts:
     """The prompt as the token counter sees it: texts, explicit token ids and message count."""
@@ -25,6 +27,7 @@ class PromptParts:
     messages: int
 
 
+@quick_init
 @dataclass(frozen=True)
 class GenerationBody:
     """A chat or completions request, reduced to what routing and the reservation need."""

@@ -9,6 +9,7 @@ from typing import Protocol
 from extproc.canary.policy import OPEN_CANARIES, CanaryPolicy
 from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
+from extproc.quick_init import quick_init
 from routing.compiled import Snapshot
 from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
 
@@ -22,6 +23,7 @@ class EndpointPicking(Protocol):
     def done(self, cluster: str, address: str) -> None: ...
 
 
+@quick_init
 @dataclass(frozen=True)
 class RequestContext:
     snapshot: Snapshot
@@ -52,5 +54,8 @@ def spoofed_headers(headers: Mapping[str, str]) -> tuple[str, ...]:
     ``x-llm-envoy-usage`` (a client's copy is gone before Envoy adds it; a spoofed one could
     only leave the spoofer's own stream unsettled, its reservation standing)."""
     return tuple(name for name in headers
-                 if (name.startswith(LLM_HEADER_PREFIX) and name != ENVOY_USAGE_HEADER)
-                 or name.startswith(DESTINATION_ENDPOINT))
+                 if name.startswith(_SPOOFABLE) and name != ENVOY_USAGE_HEADER)
+
+
+_SPOOFABLE = (LLM_HEADER_PREFIX, DESTINATION_ENDPOINT)
+"""One ``startswith`` per header (Envoy's usage header starts with the first only)."""

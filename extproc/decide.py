@@ -10,11 +10,13 @@ import hashlib
 from dataclasses import dataclass
 
 from extproc.errors import ClientError, bad_request, context_length_exceeded
+from extproc.quick_init import quick_init
 from routing.compiled import Canary, ModelRoute, Pool
 
 CANARY_BUCKETS = 10_000
 
 
+@quick_init
 @dataclass(frozen=True)
 class Demand:
     """What one request asks of a pool, counted."""
@@ -28,6 +30,7 @@ class Demand:
     """Sequences generated per prompt (``n``, or ``best_of`` when larger)."""
 
 
+@quick_init
 @dataclass(frozen=True)
 class Decision:
     cluster: str

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from extproc.errors import bad_request, invalid_api_key
+from extproc.quick_init import quick_init
 from routing.compiled import Snapshot
 from routing.schema import TENANT_RULE, is_tenant
 
@@ -23,6 +24,7 @@ ANONYMOUS = "anonymous"
 DEFAULT_TENANT = "default"
 
 
+@quick_init
 @dataclass(frozen=True)
 class Identity:
     key_id: str
@@ -42,8 +44,22 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return key.strip() if key and key.strip() else None
 
 
+_KEY_IDS = 4096
+"""Unlisted keys' ids kept (by secret and key digest, never the key): an HMAC is ~1.7 µs, and
+an open-mode gateway computes one per request of the same few keys. Past this many the
+cache starts afresh, so a client sending endless made-up keys grows nothing."""
+_key_ids: dict[tuple[bytes, str], str] = {}
+
+
 def unlisted_key_id(secret: bytes, key_sha256: str) -> str:
-    return "u" + hmac.new(secret, key_sha256.encode(), hashlib.sha256).hexdigest()[:20]
+    cached = _key_ids.get((secret, key_sha256))
+    if cached is not None:
+        return cached
+    if len(_key_ids) >= _KEY_IDS:
+        _key_ids.clear()
+    key_id = _key_ids[secret, key_sha256] = \
+        "u" + hmac.new(secret, key_sha256.encode(), hashlib.sha256).hexdigest()[:20]
+    return key_id
 
 
 def claimed_tenant(snapshot: Snapshot, value: str | None) -> str:

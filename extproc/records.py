@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from extproc.quick_init import quick_init
+
 Outcome = Literal["ok", "error", "client_error", "rate_limited", "aborted"]
 """How a request ended: the ``outcome`` of its log line and metric labels (a fixed set)."""
 
 
+@quick_init
 @dataclass(frozen=True)
 class RequestRecord:
     """One routed request (chat, completions or embeddings) as the gateway saw it end.

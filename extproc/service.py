@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -16,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc import wire
-from extproc.actions import Continue, Lookup, Phase, Reply, Step, evolve
+from extproc.actions import NO_METADATA, Continue, Lookup, Phase, Reply, Step, evolve
 from extproc.cache.guard import VectorCache, open_vector_cache
 from extproc.cache.metrics import CacheMetrics
 from extproc.cache.store import MemoryVectorStore
@@ -44,6 +45,9 @@ from sidecar_runtime.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
 log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 _USAGE_KEYS = frozenset({TOKENS_METADATA_KEY, DONE_METADATA_KEY})
+_ANSWERS = (Continue, Reply)
+"""A step that is an answer (a tuple made once: ``Continue | Reply`` would build a union per
+message)."""
 LINGER_S = 2.0
 """How long a finished stream waits for Envoy to reset it before closing it itself."""
 
@@ -85,7 +89,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 if phase is None:
                     continue  # response trailers: not requested by our processing mode
                 step = state.handle(phase, headers, body, end)
-                while not isinstance(step, Continue | Reply):
+                while not isinstance(step, _ANSWERS):
                     if isinstance(step, Lookup):
                         step = state.resume(step, await self._cache.lookup(step.keys))
                     else:
@@ -131,8 +135,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         if self._settlements is None or step.settle is None \
                 or not self._settlements.offer(step.settle):
             return step
-        return evolve(step, settle=None, metadata={
-            key: value for key, value in step.metadata.items() if key not in _USAGE_KEYS})
+        kept = {key: value for key, value in step.metadata.items() if key not in _USAGE_KEYS}
+        # Read-only already (evolve would copy a dict into one); usually nothing is left.
+        return evolve(step, settle=None, metadata=MappingProxyType(kept) if kept else NO_METADATA)
 
 
 def _record_aborted(telemetry: Telemetry, state: StreamState) -> None:

@@ -7,15 +7,17 @@ falls back to the request's estimate), and an SSE event above ``MAX_EVENT_BYTES`
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import orjson
+
+from extproc.quick_init import quick_init
 
 MAX_JSON_BYTES = 8 * 1024 * 1024
 MAX_EVENT_BYTES = 1024 * 1024
 
 
+@quick_init
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int | None
@@ -127,8 +129,11 @@ class UsageMeter:
 
     def finish(self) -> Usage:
         if not self.streaming and self._buffer and not self._overflow:
-            with contextlib.suppress(orjson.JSONDecodeError):
-                doc = orjson.loads(bytes(self._buffer))
+            try:  # orjson reads the bytearray as it is: no copy
+                doc = orjson.loads(self._buffer)
+            except orjson.JSONDecodeError:
+                pass
+            else:
                 self._usage = _usage_of(doc)
                 self.errored = isinstance(doc, dict) and "error" in doc
             self._buffer.clear()

@@ -6,11 +6,13 @@ action into the matching ProcessingResponse.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
 
 from extproc.actions import Action, Continue, Headers, ModeOverride, Phase
 from sidecar_runtime import protowire
@@ -56,6 +58,7 @@ _OPTION_CACHE = 1024
 """Encoded header options kept: the routing headers repeat (pool, model, tenant, key id...); past
 this many the cache starts afresh."""
 _options: dict[tuple[str, str], bytes] = {}
+_removals: dict[str, bytes] = {}
 _OVERWRITE_FIELD = protowire.enum(3, _OVERWRITE)
 
 
@@ -77,8 +80,13 @@ def _header_mutation(target: pb.HeaderMutation, set_headers: Headers,
             header = protowire.string(1, key) + protowire.blob(3, value.encode())
             raw = options[pair] = protowire.field(1, protowire.field(1, header) + _OVERWRITE_FIELD)
         parts.append(raw)
-    for name in remove:
-        parts.append(protowire.field(2, name.encode()))
+    for name in remove:  # the client's credentials, on every routed request
+        raw = _removals.get(name)
+        if raw is None:
+            if len(_removals) >= _OPTION_CACHE:
+                _removals.clear()
+            raw = _removals[name] = protowire.field(2, name.encode())
+        parts.append(raw)
     if parts:  # merging nothing would still mark an absent mutation present
         target.MergeFromString(b"".join(parts))
 
@@ -111,7 +119,27 @@ def _endpoints(action: Continue) -> str:
     return ",".join(dict.fromkeys(action.lb_endpoints))
 
 
+_PLAIN: dict[tuple[str, bool, str] | str, bytes] = {}
+"""The answers that only continue (at most with a mode override), by phase and mode, encoded:
+three of a chat request's four answers. Parsed from these bytes a fresh answer costs a fifth
+of building it (issue 16)."""
+_PARSE = pb.ProcessingResponse.FromString
+
+
 def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
+    if type(action) is Continue and not action.set_headers and not action.remove_headers \
+            and action.body is None and not action.clear_route_cache and not action.metadata \
+            and not action.lb_endpoints:
+        mode = action.mode
+        key = phase if mode is None else (phase, mode.response_headers, mode.response_body)
+        raw = _PLAIN.get(key)
+        if raw is None:
+            raw = _PLAIN[key] = _build(phase, action).SerializeToString()
+        return _PARSE(raw)
+    return _build(phase, action)
+
+
+def _build(phase: Phase, action: Action) -> pb.ProcessingResponse:
     response = pb.ProcessingResponse()
     if not isinstance(action, Continue):
         immediate = response.immediate_response
@@ -143,11 +171,26 @@ def build(phase: Phase, action: Action) -> pb.ProcessingResponse:
         common.clear_route_cache = True
     if action.mode is not None:
         response.mode_override.CopyFrom(_mode(action.mode))
-    metadata: dict[str, Any] = {}
     if action.metadata:
-        metadata[METADATA_NAMESPACE] = dict(action.metadata)  # Struct.update takes dicts
+        _set_struct(response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value,
+                    action.metadata)
     if action.lb_endpoints:
-        metadata[LB_METADATA_NAMESPACE] = {DESTINATION_ENDPOINT: _endpoints(action)}
-    if metadata:
-        response.dynamic_metadata.update(metadata)  # in place: no Struct built to be copied
+        _set_struct(response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value,
+                    {DESTINATION_ENDPOINT: _endpoints(action)})
     return response
+
+
+def _set_struct(target: struct_pb2.Struct, values: Mapping[str, Any]) -> None:
+    """``target.update(values)`` for a fresh ``target``, with the strings and numbers extproc's
+    metadata holds set directly: ``Struct.update`` walks an isinstance chain per value, ~0.5 µs
+    each (issue 16: 3.6 -> 2.0 µs for a routed request's metadata). Other values (bools,
+    None, nested) go through ``update`` as before, in the same order."""
+    fields = target.fields
+    for key, value in values.items():
+        kind = type(value)
+        if kind is str:
+            fields[key].string_value = value
+        elif kind is int or kind is float:  # not bool: a subclass of int, it is a bool_value
+            fields[key].number_value = value
+        else:
+            target.update({key: value})

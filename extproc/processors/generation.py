@@ -42,6 +42,10 @@ from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
 from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER, STRIP_USAGE_METADATA_KEY
 
+_NO_RESPONSE_BODY = ModeOverride(response_headers=True, response_body="none")
+_READ_RESPONSE = Continue(mode=ModeOverride(response_headers=True, response_body="streamed"))
+"""The answer to every request's headers (values are frozen: one serves every request)."""
+
 
 class GenerationProcessor(BaseProcessor):
     """``/v1/chat/completions`` and ``/v1/completions``.
@@ -64,7 +68,7 @@ class GenerationProcessor(BaseProcessor):
     def on_request_headers(self, end_of_stream: bool) -> Action:
         if end_of_stream:
             return body_required()
-        return Continue(mode=ModeOverride(response_headers=True, response_body="streamed"))
+        return _READ_RESPONSE
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
         routed = self.phase
@@ -95,11 +99,9 @@ class GenerationProcessor(BaseProcessor):
         charged = 0 if reading.status >= 400 else None
         record = self._report(reading, Usage(None, None, None, 0), charged, sampled=False)
         if charged is None:
-            return Continue(mode=ModeOverride(response_headers=True, response_body="none"),
-                            record=record)
-        return Continue(mode=ModeOverride(response_headers=True, response_body="none"),
-                        metadata=usage_metadata(0), settle=self._settlement(reading.routed, 0),
-                        record=record)
+            return Continue(mode=_NO_RESPONSE_BODY, record=record)
+        return Continue(mode=_NO_RESPONSE_BODY, metadata=usage_metadata(0),
+                        settle=self._settlement(reading.routed, 0), record=record)
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
         reading = self.phase

@@ -18,6 +18,7 @@ from extproc.bodies import EmbeddingsBody
 from extproc.cache.keys import KeyPlan
 from extproc.cache.merge import Resolution
 from extproc.decide import Decision
+from extproc.quick_init import quick_init
 from extproc.usage import UsageMeter
 from routing.compiled import CachePolicy, ModelRoute
 
@@ -77,7 +78,8 @@ class TokenTimes:
     last: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@quick_init  # built per request: no slots, so its __init__ can be the quick one
+@dataclass(frozen=True)
 class Routed:
     """Sent upstream; no response yet."""
 
@@ -95,7 +97,8 @@ class Routed:
     stream."""
 
 
-@dataclass(frozen=True, slots=True)
+@quick_init  # built per request: no slots, so its __init__ can be the quick one
+@dataclass(frozen=True)
 class Reading:
     """The response is streaming through extproc, which meters it."""
 

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from extproc import identity
 from extproc.errors import ClientError
 from extproc.identity import ANONYMOUS, Identity, identify, presented_key, unlisted_key_id
 from routing.compiled import Snapshot
@@ -181,3 +182,18 @@ def test_listed_and_unlisted_ids_cannot_collide() -> None:
     assert all(re.fullmatch(r"k[0-9a-f]{20}", key_id) for key_id in listed)
     unlisted = {identify(OPEN, {"x-api-key": f"sk-{i}"}, SECRET).key_id for i in range(200)}
     assert len(unlisted) == 200 and not unlisted & listed and ANONYMOUS not in unlisted
+
+
+def test_remembered_key_ids_are_the_keyed_hash_and_stay_bounded() -> None:
+    """The ids kept for unlisted keys are the ones computed fresh (first use, again, under
+    another secret), and a client sending endless made-up keys cannot grow the memory."""
+    def fresh(secret: bytes, digest: str) -> str:
+        return "u" + hmac.new(secret, digest.encode(), hashlib.sha256).hexdigest()[:20]
+
+    digests = [sha(f"sk-made-up-{i}") for i in range(identity._KEY_IDS + 10)]
+    for digest in digests:
+        assert unlisted_key_id(SECRET, digest) == fresh(SECRET, digest)
+        assert len(identity._key_ids) <= identity._KEY_IDS
+    for digest in (digests[0], digests[-1]):
+        assert unlisted_key_id(SECRET, digest) == fresh(SECRET, digest)
+        assert unlisted_key_id(b"another-secret", digest) == fresh(b"another-secret", digest)

@@ -3,6 +3,7 @@ response extproc does not read (its headers only)."""
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import Any
 
@@ -28,6 +29,18 @@ def test_sampling_takes_the_configured_share_of_request_ids() -> None:
     share = sum(sampled(i, 0.1) for i in ids) / len(ids)
     assert 0.08 < share < 0.12
     assert [sampled(i, 0.1) for i in ids[:50]] == [sampled(i, 0.1) for i in ids[:50]]
+
+
+def test_sampling_is_the_same_keyed_hash_on_every_replica() -> None:
+    """Replicas (of this version or the last) sample the same request ids: blake2b of 8 bytes
+    personalised ``llm-sample``, mod 10,000, below the share's ten-thousandths."""
+    for i in range(2000):
+        request_id = str(uuid.UUID(int=i * 104729 + 3))
+        digest = hashlib.blake2b(request_id.encode(), digest_size=8,
+                                 person=b"llm-sample").digest()
+        for share in (0.001, 0.05, 0.5, 0.9999):
+            want = int.from_bytes(digest, "big") % 10_000 < round(share * 10_000)
+            assert sampled(request_id, share) == want
 
 
 @pytest.mark.parametrize(("sample", "percent", "share"), [

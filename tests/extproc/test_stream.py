@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from extproc.actions import Continue, Reply
+from extproc.context import spoofed_headers
 from extproc.records import Rejection, RouteChosen
 from extproc.stream import StreamState
 from tests.extproc.helpers import snapshot
@@ -76,6 +77,17 @@ def test_spoofed_llm_headers_are_removed_and_ignored() -> None:
     assert isinstance(action, Continue)
     assert dict(action.set_headers)["x-llm-cluster"] == "vllm-short"
     assert dict(action.set_headers)["x-llm-tenant"] == "default"
+
+
+def test_which_inbound_headers_count_as_spoofed() -> None:
+    """Only extproc may send x-llm-* and the endpoint picker's headers upstream; Envoy's own
+    x-llm-envoy-usage is not one of them (see :func:`extproc.context.spoofed_headers`)."""
+    names = ["x-llm-cluster", "x-llm-", "x-llm-envoy-usage", "x-llm-envoy-usage-2",
+             "x-gateway-destination-endpoint", "x-gateway-destination-endpoint-served",
+             "x-gateway-destination", "x-llmcluster", "authorization", ":path", "x-api-key"]
+    assert spoofed_headers(dict.fromkeys(names, "v")) == (
+        "x-llm-cluster", "x-llm-", "x-llm-envoy-usage-2", "x-gateway-destination-endpoint",
+        "x-gateway-destination-endpoint-served")
 
 
 @pytest.mark.parametrize(("raw", "status", "code"), [

@@ -5,7 +5,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import wire
-from extproc.actions import Continue, ModeOverride, Phase, Reply
+from extproc.actions import Continue, ModeOverride, Phase, Reply, evolve
 from sidecar_runtime.wire_names import (
     DESTINATION_ENDPOINT,
     LB_METADATA_NAMESPACE,
@@ -224,3 +224,69 @@ def test_every_mode_is_the_same_each_time(mode: ModeOverride) -> None:
     assert again.mode_override.response_header_mode == (1 if mode.response_headers else 2)
     assert again.mode_override.response_body_mode == {"none": 0, "streamed": 1,
                                                       "buffered": 2}[mode.response_body]
+
+
+# --- dynamic metadata is set field by field: the same answer Struct.update built -------------
+
+METADATA: dict[str, dict[str, object]] = {
+    "a routed request's": {"llm_reservation": 124, "llm_lease": "67fb7b79cc0050f52b0af389",
+                           "cluster": "vllm-short"},
+    "usage": {"llm_tokens": "60", "llm_done": "1"},
+    "numbers": {"zero": 0, "negative": -7, "big": 2**53 + 1, "past a double": 2**70,
+                "float": 0.25, "inf": float("inf")},
+    "bool, None, empty": {"yes": True, "no": False, "none": None, "empty": "", "é日": "ü"},
+    "nested and lists": {"inner": {"a": 1, "b": {"c": "d"}}, "list": [1, "two", None, {"x": 3}]},
+    "mixed order": {"z": "1", "a": True, "m": 2, "b": None, "y": "y"},
+}
+
+
+def struct_updated(phase: Phase, action: Continue) -> bytes:
+    """The answer as wire.build wrote it before it set metadata field by field: one
+    ``Struct.update`` of both namespaces."""
+    response = pb.ProcessingResponse()
+    getattr(response, phase).SetInParent()
+    metadata: dict[str, object] = {}
+    if action.metadata:
+        metadata[METADATA_NAMESPACE] = dict(action.metadata)
+    if action.lb_endpoints:
+        metadata[LB_METADATA_NAMESPACE] = {DESTINATION_ENDPOINT: ",".join(action.lb_endpoints)}
+        response.request_body.response.header_mutation.MergeFrom(
+            wire.build(phase, evolve(action, metadata={})).request_body.response.header_mutation)
+    response.dynamic_metadata.update(metadata)
+    raw: bytes = response.SerializeToString()
+    return raw
+
+
+@pytest.mark.parametrize("metadata", METADATA.values(), ids=METADATA.keys())
+@pytest.mark.parametrize("endpoints", [(), ("10.0.0.5:8000", "10.0.0.6:8000")])
+def test_metadata_is_the_bytes_struct_update_built(metadata: dict[str, object],
+                                                   endpoints: tuple[str, ...]) -> None:
+    action = Continue(metadata=metadata, lb_endpoints=endpoints)
+    built = wire.build("request_body", action)
+    assert built.SerializeToString() == struct_updated("request_body", action)
+    assert built == pb.ProcessingResponse.FromString(struct_updated("request_body", action))
+
+
+PHASES: tuple[Phase, ...] = ("request_headers", "request_body", "request_trailers",
+                             "response_headers", "response_body")
+PLAIN = [None] + [ModeOverride(headers, body) for headers in (True, False)
+                  for body in ("none", "streamed", "buffered")]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_answers_that_only_continue_are_the_ones_built_each_time(phase: Phase) -> None:
+    """Parsed from the bytes kept for their phase and mode: the answer built afresh, and a
+    fresh message each time (a change to one answer reaches no other)."""
+    for mode in PLAIN:
+        for _ in range(2):
+            action = Continue(mode=mode)
+            answer = wire.build(phase, action)
+            assert answer.SerializeToString() == wire._build(phase, action).SerializeToString()
+            assert answer is not wire.build(phase, action)
+    if phase == "request_trailers":
+        return  # its answer holds nothing more
+    # Anything more than a mode is built, not taken from what was kept.
+    for action in (Continue(body=b""), Continue(clear_route_cache=True),
+                   Continue(metadata={"a": "1"}), Continue(set_headers=(("x-a", "1"),)),
+                   Continue(remove_headers=("x-a",))):
+        assert wire.build(phase, action) != wire.build(phase, Continue())
