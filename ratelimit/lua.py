@@ -22,6 +22,15 @@ id. A marker is read and deleted in one step, so a reservation is settled at mos
 ``REFUND`` takes back an admitted group's charges when another Cluster slot group denied the
 request: ``ARGV`` = margin in ms, the number of hits, then per hit: key index, capacity, rate,
 hits, flags, marker key index, lease id. Reply: the number of buckets refunded.
+
+Old and new replicas share Redis during a rolling upgrade, so what the scripts read and write
+(the keys above, their values to the ``%.17g`` text, their TTLs) is a wire format:
+``tests/integration/test_lua_versions.py`` runs these scripts, the ones released before them
+and the two interleaved on the same clock and requires the same replies and state. Redis CPU is
+most of a decision's cost at saturation: ``DECIDE`` makes one pass over the hits, parses each
+bucket's capacity and rate once, formats the stamp once per script and reuses a stored level's
+text in the reply (``python -m bench.lua_redis``). Commands newer than Redis 6.0 (``GETDEL``)
+are not used: no version above that is promised.
 """
 
 from __future__ import annotations
