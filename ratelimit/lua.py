@@ -22,6 +22,15 @@ id. A marker is read and deleted in one step, so a reservation is settled at mos
 ``REFUND`` takes back an admitted group's charges when another Cluster slot group denied the
 request: ``ARGV`` = margin in ms, the number of hits, then per hit: key index, capacity, rate,
 hits, flags, marker key index, lease id. Reply: the number of buckets refunded.
+
+Old and new replicas share Redis during a rolling upgrade, so what the scripts read and write
+(the keys above, their values to the ``%.17g`` text, their TTLs) is a wire format:
+``tests/integration/test_lua_versions.py`` runs these scripts, the ones released before them
+and the two interleaved on the same clock and requires the same replies and state. Redis CPU is
+most of a decision's cost at saturation: ``DECIDE`` makes one pass over the hits, parses each
+bucket's capacity and rate once, formats the stamp once per script and reuses a stored level's
+text in the reply (``python -m bench.lua_redis``). Commands newer than Redis 6.0 (``GETDEL``)
+are not used: no version above that is promised.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end
 local EPS = 1e-9
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now_text = string.format('%.17g', now)
 local margin_ms = tonumber(ARGV[1])
 local n = tonumber(ARGV[2])
 
@@ -44,10 +54,12 @@ local function load(k, cap, rate)
 end
 
 local function store(k, level, cap, rate)
-  redis.call('HSET', KEYS[k], 'l', string.format('%.17g', level), 't', string.format('%.17g', now))
+  local text = string.format('%.17g', level)
+  redis.call('HSET', KEYS[k], 'l', text, 't', now_text)
   local ttl = margin_ms
   if rate > 0 then ttl = ttl + math.ceil(math.max(0, cap - level) / rate * 1000) end
   redis.call('PEXPIRE', KEYS[k], math.max(1, ttl))
+  return text
 end
 """
 
@@ -56,77 +68,75 @@ DECIDE = (
     + """
 local ttl_ms = tonumber(ARGV[3])
 local now_ms = math.floor(now / 1000)
-local base, cap, rate, conc = {}, {}, {}, {}
-local hk, hcap, hrate, hflags, hhits, hmark, hlease = {}, {}, {}, {}, {}, {}, {}
-for i = 1, n do
-  local o = 3 + (i - 1) * 7
-  local k = tonumber(ARGV[o + 1])
-  hk[i] = k
-  hcap[i] = tonumber(ARGV[o + 2])
-  hrate[i] = tonumber(ARGV[o + 3])
-  hflags[i] = tonumber(ARGV[o + 4])
-  hhits[i] = tonumber(ARGV[o + 5])
-  hmark[i] = tonumber(ARGV[o + 6])
-  hlease[i] = ARGV[o + 7]
-  if base[k] == nil then
-    if math.floor(hflags[i] / 4) % 2 == 1 then
-      redis.call('ZREMRANGEBYSCORE', KEYS[k], '-inf', now_ms)
-      base[k] = hcap[i] - redis.call('ZCARD', KEYS[k])
-      conc[k] = true
-    else
-      base[k] = load(k, hcap[i], hrate[i])
-    end
-    cap[k] = hcap[i]
-    rate[k] = hrate[i]
-  end
-end
-
-local tentative = {}
-for k, level in pairs(base) do tentative[k] = level end
-local ok = {}
+local base, cap, rate, conc, level = {}, {}, {}, {}, {}
+local order, nk = {}, 0
+local hk, hflags, hhits, ok = {}, {}, {}, {}
 local admitted = 1
 for i = 1, n do
-  local k = hk[i]
-  local level = tentative[k]
-  local debt = hflags[i] % 2 == 1
-  local shadow = math.floor(hflags[i] / 2) % 2 == 1
+  local o = i * 7 - 4
+  local k = tonumber(ARGV[o + 1])
+  local flags = tonumber(ARGV[o + 4])
+  local hits = tonumber(ARGV[o + 5])
+  hk[i], hflags[i], hhits[i] = k, flags, hits
+  local l = level[k]
+  if l == nil then
+    local c, r = tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3])
+    if flags >= 4 then
+      redis.call('ZREMRANGEBYSCORE', KEYS[k], '-inf', now_ms)
+      l = c - redis.call('ZCARD', KEYS[k])
+      conc[k] = true
+    else
+      l = load(k, c, r)
+    end
+    base[k], cap[k], rate[k] = l, c, r
+    nk = nk + 1
+    order[nk] = k
+  end
   local pass
-  if debt then
-    pass = hhits[i] > 0 or level > EPS
+  if flags % 2 == 1 then
+    pass = hits > 0 or l > EPS
   else
-    pass = level + EPS >= math.max(hhits[i], 1)
+    pass = l + EPS >= math.max(hits, 1)
   end
   ok[i] = pass
   if pass then
-    tentative[k] = level - hhits[i]
-  elseif not shadow then
-    admitted = 0
+    level[k] = l - hits
+  else
+    level[k] = l
+    if flags % 4 < 2 then admitted = 0 end
   end
 end
 
-local final = tentative
 if admitted == 0 then
-  final = {}
-  for k, level in pairs(base) do final[k] = level end
+  for j = 1, nk do level[order[j]] = base[order[j]] end
   for i = 1, n do
     if hflags[i] % 2 == 1 and hhits[i] > 0 then
-      final[hk[i]] = final[hk[i]] - hhits[i]
+      level[hk[i]] = level[hk[i]] - hhits[i]
     end
   end
 end
 
-for k, level in pairs(final) do
-  if not conc[k] and level ~= base[k] then store(k, level, cap[k], rate[k]) end
+local text = {}
+for j = 1, nk do
+  local k = order[j]
+  if not conc[k] and level[k] ~= base[k] then text[k] = store(k, level[k], cap[k], rate[k]) end
 end
 if admitted == 1 then
   for i = 1, n do
-    if ok[i] and hlease[i] ~= '' then
-      local k = hk[i]
-      if conc[k] then
-        redis.call('ZADD', KEYS[k], now_ms + ttl_ms, hlease[i])
-        redis.call('PEXPIRE', KEYS[k], ttl_ms)
-      elseif hmark[i] > 0 and hhits[i] > 0 then
-        redis.call('SET', KEYS[hmark[i]], string.format('%.17g', hhits[i]), 'PX', ttl_ms)
+    if ok[i] then
+      local o = i * 7 - 4
+      local lease = ARGV[o + 7]
+      if lease ~= '' then
+        local k = hk[i]
+        if conc[k] then
+          redis.call('ZADD', KEYS[k], now_ms + ttl_ms, lease)
+          redis.call('PEXPIRE', KEYS[k], ttl_ms)
+        else
+          local m = tonumber(ARGV[o + 6])
+          if m > 0 and hhits[i] > 0 then
+            redis.call('SET', KEYS[m], string.format('%.17g', hhits[i]), 'PX', ttl_ms)
+          end
+        end
       end
     end
   end
@@ -134,8 +144,14 @@ end
 
 local reply = {admitted}
 for i = 1, n do
-  reply[#reply + 1] = ok[i] and 1 or 0
-  reply[#reply + 1] = string.format('%.17g', final[hk[i]])
+  local k = hk[i]
+  local s = text[k]
+  if s == nil then
+    s = string.format('%.17g', level[k])
+    text[k] = s
+  end
+  reply[2 * i] = ok[i] and 1 or 0
+  reply[2 * i + 1] = s
 end
 return reply
 """

@@ -83,3 +83,13 @@ def test_extproc_python_bench_times_a_chat_request_and_a_settlement_batch() -> N
     stages = [line.split("|")[1].strip() for line in done.stdout.splitlines()
               if line.startswith("| ") and not line.startswith("| stage")]
     assert stages == ["chat request, 4 messages", "settlement batch of 5"]
+
+
+def test_lua_bench_measures_both_scripts_and_settles_every_marker() -> None:
+    old = ROOT / "tests" / "integration" / "lua_before_issue16.py"
+    for scripts in ([], ["--scripts", str(old)]):  # this tree's scripts, then the frozen old ones
+        done = subprocess.run([sys.executable, "-m", "bench.lua_redis", "--requests", "30", *scripts],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert re.fullmatch(r"DECIDE [\d.]+ µs/call, SETTLE [\d.]+ µs/call, "
+                            r"Redis µs/request [\d.]+ \(30 requests\)\n", done.stdout)
