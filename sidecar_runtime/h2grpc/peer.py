@@ -17,6 +17,8 @@ from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST
 
+_unpack_header = f.HEADER.unpack_from
+
 
 class PeerStream(Protocol):
     """What the shared mechanics read and change of a stream."""
@@ -151,16 +153,17 @@ class H2Peer(asyncio.Protocol, Generic[S]):
                 return
             offset = self._read_preface(data)
             self._preface = True
+        unpack = _unpack_header
         while size - offset >= 9:
-            length = int.from_bytes(data[offset:offset + 3], "big")
+            high, low, kind, flags, stream = unpack(data, offset)
+            length = (high << 16) | low
             if length > f.DEFAULT_MAX_FRAME:
                 raise ConnectionError_(f.FRAME_SIZE_ERROR, "frame above SETTINGS_MAX_FRAME_SIZE")
             end = offset + 9 + length
             if end > size:
                 self._keep(data[offset:], 9 + length)
                 return
-            kind, flags = data[offset + 3], data[offset + 4]
-            stream = int.from_bytes(data[offset + 5:offset + 9], "big") & f.MAX_WINDOW
+            stream &= f.MAX_WINDOW  # the reserved bit is ignored (RFC 9113 §4.1)
             payload = data[offset + 9:end]
             offset = end
             if self._headers_open is not None and kind != f.CONTINUATION:

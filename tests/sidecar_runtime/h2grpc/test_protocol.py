@@ -147,6 +147,23 @@ async def test_empty_header_name_resets_only_its_stream() -> None:
         await client.close()
 
 
+async def test_the_reserved_bit_of_a_stream_id_is_ignored() -> None:
+    """RFC 9113 §4.1: a frame's stream id is 31 bits; the bit above is the sender's to set
+    and ours to ignore, on HEADERS and DATA alike."""
+    async with running_server() as running:
+        client = await FrameClient.open(running.port)
+        reserved = 0x8000_0000
+        # Set on one frame of a stream and not the other: still one stream.
+        client.send(raw(0x1, 0x4, reserved | 1, _request_block(client)),
+                    raw(0x0, 0x1, 1, message(b"one")),
+                    raw(0x1, 0x4, 3, _request_block(client)),
+                    raw(0x0, 0x1, reserved | 3, message(b"three")))
+        for stream, expected in ((1, b"one"), (3, b"three")):
+            body, trailers = await _answer(client, stream)
+            assert body == [expected] and trailers["grpc-status"] == "0"
+        await client.close()
+
+
 async def test_ping_is_answered() -> None:
     async with running_server() as running:
         client = await FrameClient.open(running.port)
