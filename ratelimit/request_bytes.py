@@ -67,6 +67,11 @@ def request_from_bytes(raw: bytes) -> LimitRequest:
     return request_from_proto(message)
 
 
+# Each reader below reads a length-delimited field's span inline (tag, length, bounds): one
+# helper for the three copies cost 1.5 µs per admission and ~30 µs per settlement batch of 60
+# (bench.ratelimit_python, 9.4 -> 10.9 and 195 -> 225 µs to read them), more than upb's reading.
+
+
 def _varint(raw: bytes, pos: int, end: int) -> tuple[int, int]:
     """A varint of at most 5 bytes (what a length or a uint32 needs) ending before ``end``:
     (value, position after it). Longer ones, and truncated ones, are left to upb."""
