@@ -82,8 +82,8 @@ class ExtprocMetrics:
             "llm_sidecar_extproc_message_seconds",
             "Time extproc spends on one ext_proc message, by phase.",
             ["phase"], buckets=PHASE_BUCKETS, registry=registry)
-        # Observed on every ext_proc message; five phases: each child's observe, kept.
-        self._phase: dict[str, Callable[[float], None]] = {}
+        # Observed on every ext_proc message; five phases.
+        self._phase = Children(self.phases)
         # Every routed request: labels from the config (tenants bounded to the listed ones and
         # "other") and the fixed outcomes, so the children are as bounded as the metrics'.
         self._requests = Children(self.requests)
@@ -134,7 +134,4 @@ class ExtprocMetrics:
         self._routes(model, cluster, variant).inc()
 
     def phase(self, phase: str, seconds: float) -> None:
-        observe = self._phase.get(phase)
-        if observe is None:
-            observe = self._phase[phase] = self.phases.labels(phase).observe
-        observe(seconds)
+        self._phase(phase).observe(seconds)
