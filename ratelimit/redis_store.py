@@ -160,15 +160,10 @@ class RedisStore:
     async def _run(self, hits: Sequence[Hit], group: _Group) -> tuple[bool, list[BucketResult]]:
         """Decide one group; its results in the order of its positions."""
         args: list[str] = [self._margin_ms, str(len(group.positions)), self._lease_ttl_ms]
-        texts = self._spec_texts
         for i, (key_ref, marker_ref) in zip(group.positions, group.refs, strict=True):
             hit = hits[i]
-            spec = hit.spec
-            found = texts.get(id(spec))
-            if found is None or found[0] is not spec:
-                found = self._spec_text(spec)
-            args += [key_ref, found[1], found[2], found[3], str(hit.hits), marker_ref,
-                     hit.lease or ""]
+            _, capacity, rate, flags = self._spec_text(hit.spec)
+            args += [key_ref, capacity, rate, flags, str(hit.hits), marker_ref, hit.lease or ""]
         reply = await self._eval(DECIDE_SHA, DECIDE, group.keys, args)
         results = [BucketResult(int(reply[1 + 2 * n]) == 1, float(reply[2 + 2 * n]))
                    for n in range(len(group.positions))]
@@ -258,15 +253,17 @@ def _group(hits: Sequence[Hit], positions: tuple[int, ...]) -> _Group:
             if index is None:
                 index = keys[mark] = len(keys) + 1
             if lease:  # an empty lease: its marker unused (but its key sent, as ever)
-                marker = _INDEXES[index] if index < len(_INDEXES) else str(index)
-        key_index = keys[hit.key]
-        refs.append((_INDEXES[key_index] if key_index < len(_INDEXES) else str(key_index),
-                     marker))
+                marker = _index_text(index)
+        refs.append((_index_text(keys[hit.key]), marker))
     return _Group(positions, tuple(keys), tuple(refs))
 
 
 _INDEXES = tuple(str(n) for n in range(64))
 """``KEYS`` indexes as the scripts read them, made once."""
+
+
+def _index_text(index: int) -> str:
+    return _INDEXES[index] if index < len(_INDEXES) else str(index)
 
 
 def _refunded(hit: Hit, result: BucketResult) -> BucketResult:
