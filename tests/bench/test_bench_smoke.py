@@ -93,3 +93,27 @@ def test_lua_bench_measures_both_scripts_and_settles_every_marker() -> None:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert re.fullmatch(r"DECIDE [\d.]+ µs/call, SETTLE [\d.]+ µs/call, "
                             r"Redis µs/request [\d.]+ \(30 requests\)\n", done.stdout)
+
+
+def test_saturation_pairs_alternate_bare_and_gateway_and_summarise_each_pair(
+        tmp_path: Path) -> None:
+    try:
+        envoy_binary()
+    except FileNotFoundError:
+        unavailable("envoy")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.saturation_pairs", "--pairs", "2", "--duration", "1",
+         "--saturation-connections", "4", "--loadgen", "python", "--json",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert len(summary["pairs"]) == 2
+    for pair in summary["pairs"]:
+        assert pair["bare_rps"] > 0 and pair["gateway_rps"] > 0
+        assert pair["errors"] == 0
+        assert set(pair["cpu_us"]) == {"envoy", "extproc", "ratelimit", "redis"}
+        assert pair["share"] == round(pair["gateway_rps"] / pair["bare_rps"], 4)
+    assert summary["share_min"] <= summary["share_median"] <= summary["share_max"]
+    doc = json.loads((tmp_path / "saturation-pairs.json").read_text(encoding="utf-8"))
+    assert [p["scenario"] for p in doc["points"]] == ["bare/chat", "full-redis/chat"] * 2
