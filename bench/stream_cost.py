@@ -19,6 +19,12 @@ service's ``ratelimit_requests_total``: Envoy's admissions and stream-done calls
 settlement batches), and the load average of the machine (shared: other processes' CPU shows up
 as load, not in these numbers). ``--settle-batch-ms 0,5`` runs each sample twice: Envoy settling
 every request (0), and extproc batching the settlements of what it read (5, the default).
+
+By default each workload runs closed-loop (``--concurrency`` requests in flight), so the short
+answers come at many times the rate of the streams (each ~0.27 s long), and a service's CPU
+per request falls with its load (several messages per read, write and loop iteration).
+``--rate R`` paces every workload at R requests/s instead (``--concurrency`` threads must be
+enough to keep it: R times a request's duration), so the workloads are compared at one load.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -102,22 +109,44 @@ def _wait(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def measure(gw: Gateway, body: dict[str, Any], count: int, concurrency: int) -> dict[str, float]:
-    with ThreadPoolExecutor(concurrency) as pool:  # warm-up: connections, code paths
-        list(pool.map(lambda _: _one(gw, body), range(concurrency * 2)))
-    _wait(lambda: _settled(gw) >= 3 * concurrency)  # the warm-up's settles are in
+@dataclass(frozen=True)
+class Load:
+    concurrency: int
+    rate: float = 0.0
+    """Requests per second to pace at; 0: closed loop, ``concurrency`` in flight."""
+
+
+def send(gw: Gateway, body: dict[str, Any], count: int, load: Load) -> float:
+    """``count`` requests as ``load`` says; the seconds they took."""
+    started = time.monotonic()
+
+    def one(i: int) -> None:
+        if load.rate > 0:
+            delay = started + i / load.rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        _one(gw, body)
+
+    with ThreadPoolExecutor(load.concurrency) as pool:
+        list(pool.map(one, range(count)))
+    return time.monotonic() - started
+
+
+def measure(gw: Gateway, body: dict[str, Any], count: int, load: Load) -> dict[str, float]:
+    send(gw, body, load.concurrency * 2, Load(load.concurrency))  # warm-up: connections, code
+    _wait(lambda: _settled(gw) >= 3 * load.concurrency)  # the warm-up's settles are in
     pids = _pids(gw)
     settled0 = _settled(gw)
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
     msgs0, calls0 = _msgs(gw), _rls_calls(gw)
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(lambda _: _one(gw, body), range(count)))
+    elapsed = send(gw, body, count, load)
     _wait(lambda: _settled(gw) >= settled0 + count)  # a batch may still be on its way
     out = {f"{name}_ms": (cpu_seconds(pid) - cpu0[name]) * 1000 / count
            for name, pid in pids.items()}
     out["ext_proc_msgs"] = (_msgs(gw) - msgs0) / count
     out["rls_calls"] = (_rls_calls(gw) - calls0) / count
     out["load1"] = os.getloadavg()[0]
+    out["rate"] = count / elapsed
     return out
 
 
@@ -126,6 +155,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="non-streamed requests")
     parser.add_argument("--streams", type=int, default=60, help="streamed requests")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="pace every workload at this many requests/s (0: closed loop)")
     parser.add_argument("--samples", default="1,0.1,0.02,0",
                         help="telemetry.sample of each run; 1 reads every response, as before")
     parser.add_argument("--settle-batch-ms", default="5",
@@ -140,14 +171,15 @@ def main() -> None:
                     running_gateway(_doc(sample), work, env=env) as gw:
                 for name, body in WORKLOADS.items():
                     count = args.requests if not body.get("stream") else args.streams
-                    rows.append((label, name, measure(gw, body, count, args.concurrency)))
-    print("| run | workload | extproc ms/req | ratelimit ms/req | Envoy ms/req | ext_proc msgs/req"
-          " | RLS calls/req | load avg (1 min) |")
-    print("|---|---|---|---|---|---|---|---|")
+                    rows.append((label, name, measure(gw, body, count,
+                                                      Load(args.concurrency, args.rate))))
+    print("| run | workload | req/s | extproc ms/req | ratelimit ms/req | Envoy ms/req "
+          "| ext_proc msgs/req | RLS calls/req | load avg (1 min) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, name, r in rows:
-        print(f"| {label} | {name} | {r['extproc_ms']:.2f} | {r['ratelimit_ms']:.2f} | "
-              f"{r['envoy_ms']:.2f} | {r['ext_proc_msgs']:.1f} | {r['rls_calls']:.2f} | "
-              f"{r['load1']:.2f} |")
+        print(f"| {label} | {name} | {r['rate']:.0f} | {r['extproc_ms']:.2f} | "
+              f"{r['ratelimit_ms']:.2f} | {r['envoy_ms']:.2f} | {r['ext_proc_msgs']:.1f} | "
+              f"{r['rls_calls']:.2f} | {r['load1']:.2f} |")
     for label in dict.fromkeys(label for label, _, _ in rows):
         by = {name: r for lab, name, r in rows if lab == label}
         print(f"{label}: extproc sse256 / json16 = "

@@ -117,3 +117,22 @@ def test_saturation_pairs_alternate_bare_and_gateway_and_summarise_each_pair(
     assert summary["share_min"] <= summary["share_median"] <= summary["share_max"]
     doc = json.loads((tmp_path / "saturation-pairs.json").read_text(encoding="utf-8"))
     assert [p["scenario"] for p in doc["points"]] == ["bare/chat", "full-redis/chat"] * 2
+
+
+def test_stream_cost_paces_every_workload_at_the_given_rate() -> None:
+    try:
+        envoy_binary()
+    except FileNotFoundError:
+        unavailable("envoy")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.stream_cost", "--samples", "0", "--requests", "10",
+         "--streams", "6", "--concurrency", "4", "--rate", "20"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split("|") for line in done.stdout.splitlines()
+            if line.startswith("| sample 0, ")]
+    assert [row[2].strip() for row in rows] == ["json16", "sse256", "sse256+usage"]
+    for row in rows:
+        # Paced: never faster than asked (the first request goes at once, so a little above).
+        assert 0 < float(row[3]) <= 25
+        assert float(row[7]) == (4.0 if row[2].strip() == "json16" else 3.0)
