@@ -21,17 +21,23 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_runs_one_tiny_scenario(tmp_path: Path) -> None:
+def run_with_envoy(*args: str) -> str:
+    """``python -m ARGS`` from the repository's root, which starts Envoy: its stdout, once it
+    exited 0."""
     try:
         envoy_binary()
     except FileNotFoundError:
         unavailable("envoy")
-    done = subprocess.run(
-        [sys.executable, "-m", "bench", "--only", "full-memory/chat", "--rates", "20",
-         "--duration", "1", "--repeats", "1", "--no-saturation", "--loadgen", "python",
-         "--quiet-wait", "0", "--no-results-md", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_bench_runs_one_tiny_scenario(tmp_path: Path) -> None:
+    run_with_envoy("bench", "--only", "full-memory/chat", "--rates", "20", "--duration", "1",
+                   "--repeats", "1", "--no-saturation", "--loadgen", "python",
+                   "--quiet-wait", "0", "--no-results-md", "--out", str(tmp_path))
     [results] = list(tmp_path.glob("*/results.json"))
     doc = json.loads(results.read_text(encoding="utf-8"))
     cell = doc["scenarios"]["full-memory/chat"]["rates"]["20"]
@@ -97,17 +103,10 @@ def test_lua_bench_measures_both_scripts_and_settles_every_marker() -> None:
 
 def test_saturation_pairs_alternate_bare_and_gateway_and_summarise_each_pair(
         tmp_path: Path) -> None:
-    try:
-        envoy_binary()
-    except FileNotFoundError:
-        unavailable("envoy")
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.saturation_pairs", "--pairs", "2", "--duration", "1",
-         "--saturation-connections", "4", "--loadgen", "python", "--json",
-         "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary = json.loads(done.stdout.splitlines()[-1])
+    out = run_with_envoy("bench.saturation_pairs", "--pairs", "2", "--duration", "1",
+                         "--saturation-connections", "4", "--loadgen", "python", "--json",
+                         "--out", str(tmp_path))
+    summary = json.loads(out.splitlines()[-1])
     assert len(summary["pairs"]) == 2
     for pair in summary["pairs"]:
         assert pair["bare_rps"] > 0 and pair["gateway_rps"] > 0
@@ -120,16 +119,9 @@ def test_saturation_pairs_alternate_bare_and_gateway_and_summarise_each_pair(
 
 
 def test_stream_cost_paces_every_workload_at_the_given_rate() -> None:
-    try:
-        envoy_binary()
-    except FileNotFoundError:
-        unavailable("envoy")
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.stream_cost", "--samples", "0", "--requests", "10",
-         "--streams", "6", "--concurrency", "4", "--rate", "20"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line.split("|") for line in done.stdout.splitlines()
+    out = run_with_envoy("bench.stream_cost", "--samples", "0", "--requests", "10",
+                         "--streams", "6", "--concurrency", "4", "--rate", "20")
+    rows = [line.split("|") for line in out.splitlines()
             if line.startswith("| sample 0, ")]
     assert [row[2].strip() for row in rows] == ["json16", "sse256", "sse256+usage"]
     for row in rows:
