@@ -88,11 +88,12 @@ async def test_a_full_cache_redis_evicts_the_oldest_vectors_and_keeps_storing(
         client.close()
     assert evicted > 0
     # Redis's LRU is approximate (it evicts the idlest of a few sampled keys), so which key goes
-    # is not fixed: in 12 runs the survivors were 14 keys, all but 0-2 of them among the newest
-    # half, and once key 1 or key 5 outlived most of the rest (the first key is no exception).
-    # What holds: every write was taken, room was made from the old writes, the newest stays.
-    # (The role's policy itself is the one ``configure`` set from the rendered role.)
+    # is not fixed: key 0 itself sometimes outlives most of the rest. In 40 runs 14 keys
+    # survived, of them 0, 1, 2 or 3 from the older half 18, 14, 5 and 3 times (Poisson-like,
+    # mean 0.8: 7 or more about once in 50,000 runs). What holds: every write was taken, the
+    # room came from the old writes, the newest stays. (The role's policy is the one
+    # ``configure`` set from the rendered role.)
     survivors = [n for n, value in enumerate(found) if value is not None]
     old = [n for n in survivors if n < len(keys) // 2]
-    assert len(old) <= 4 < len(survivors) - len(old), survivors  # the old ones made room
+    assert len(old) <= 6 < len(survivors) - len(old), survivors  # the old ones made room
     assert found[-1] == b"v" * 65536  # the last one is there
