@@ -293,3 +293,79 @@ def test_an_internal_error_is_no_client_rejection() -> None:
     # A second body is a message the request's phase does not expect: a bug, not the client's.
     again = body(state, chat_doc())
     assert isinstance(again, Reply) and again.status == 500 and again.rejection is None
+
+
+JSON_ANSWER = {"x-llm-json-answer": "1", "x-llm-envoy-usage": "1"}
+"""What the rendered bootstrap adds to a small non-streamed chat request."""
+ANSWER = b'{"choices": [{"message": {"content": "hi"}}], "usage": {"total_tokens": 17}}'
+
+
+def one_message(recorder: Recorder, **headers: str) -> tuple[Served, Continue]:
+    state = Served(StreamState(snapshot(rate_limits={"tenant": {"default": {
+        "tokens": "1000/m"}}}), SECRET), recorder)
+    first = state.handle("request_headers", {":path": "/v1/chat/completions",
+                                             ":method": "POST", **headers}, b"", False)
+    assert isinstance(first, Continue)
+    return state, first
+
+
+@pytest.mark.parametrize(("headers", "skipped"), [
+    (JSON_ANSWER, True),
+    ({"x-llm-json-answer": "1"}, False),  # an Envoy without the usage filters has no Lua mark
+    ({"x-llm-envoy-usage": "1"}, False),
+    ({}, False),
+])
+def test_only_envoys_json_answer_mark_skips_the_response_headers(
+        headers: dict[str, str], skipped: bool) -> None:
+    _, first = one_message(Recorder(), **headers)
+    assert first.mode is not None
+    assert first.mode.response_headers is not skipped
+    assert first.mode.response_body == ("buffered_partial" if skipped else "streamed")
+
+
+@pytest.mark.parametrize(("status", "details", "charged", "limited"), [
+    ("200", "via_upstream", 17, False),
+    ("500", "via_upstream", 0, False),
+    ("429", "request_rate_limited", 0, True),
+])
+def test_a_json_answer_in_one_message_is_read_with_its_status_as_attributes(
+        status: str, details: str, charged: int, limited: bool) -> None:
+    recorder = Recorder()
+    state, _ = one_message(recorder, **JSON_ANSWER)
+    body(state, chat_doc(max_tokens=5))
+    done = state.handle("response_body", {":status": status, "response.code_details": details},
+                        ANSWER if status == "200" else b'{"error": {}}', True)
+    assert isinstance(done, Continue) and done.mode is None
+    assert done.metadata["llm_tokens"] == str(charged)
+    (record,) = recorder.records
+    assert (record.status, record.limited, record.aborted) == (int(status), limited, False)
+    assert record.charged_tokens == charged
+
+
+def test_a_json_answer_above_envoys_buffer_keeps_its_reservation() -> None:
+    """Envoy sends only the first part of an answer above its buffer (BUFFERED_PARTIAL, end of
+    stream false) and no more: recorded then, not as aborted; its usage is not known, so
+    nothing is settled and the reservation stands, as for a body above the meter's bound."""
+    recorder = Recorder()
+    state, _ = one_message(recorder, **JSON_ANSWER)
+    body(state, chat_doc(max_tokens=5))
+    done = state.handle("response_body", {":status": "200"}, ANSWER[:20], False)
+    assert isinstance(done, Continue) and "llm_tokens" not in done.metadata
+    (record,) = recorder.records
+    assert (record.status, record.aborted) == (200, False)
+    assert record.charged_tokens == record.prompt_tokens + 5  # the reservation: prompt + max
+    state.close()  # the stream's end after it records nothing more
+    assert len(recorder.records) == 1
+
+
+def test_a_stream_wrongly_marked_a_json_answer_is_still_read_whole() -> None:
+    """A stream Envoy buffered (a wrong mark): its SSE is read as a stream, settled once."""
+    recorder = Recorder()
+    state, _ = one_message(recorder, **JSON_ANSWER)
+    body(state, chat_doc(max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    sse = (b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
+           b'data: {"choices": [], "usage": {"total_tokens": 9}}\n\ndata: [DONE]\n\n')
+    done = state.handle("response_body", {":status": "200"}, sse, True)
+    assert isinstance(done, Continue)
+    (record,) = recorder.records
+    assert record.streamed and record.status == 200
