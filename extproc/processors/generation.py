@@ -58,6 +58,12 @@ its response comes in one body message, the status with it as attributes. An ans
 Envoy's buffer comes as its first part, and no more."""
 
 
+def _status(headers: Mapping[str, str]) -> int:
+    """``:status`` of response headers or of the attributes that stand for them; 0 if none."""
+    status = headers.get(":status", "0")
+    return int(status) if status.isdigit() else 0
+
+
 class GenerationProcessor(BaseProcessor):
     """``/v1/chat/completions`` and ``/v1/completions``.
 
@@ -100,9 +106,8 @@ class GenerationProcessor(BaseProcessor):
                 self.phase = advance(GENERATION, routed, "response_headers", DONE)
                 return envoys_own_answer()
             raise refuse(routed, "response_headers")
-        status = headers.get(":status", "0")
         streamed = headers.get("content-type", "").startswith("text/event-stream")
-        reading = Reading(routed, int(status) if status.isdigit() else 0, streamed,
+        reading = Reading(routed, _status(headers), streamed,
                           # The rate limiter's own replies (429, or 503 when its store is
                           # down) mark themselves.
                           "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers,
@@ -162,9 +167,8 @@ class GenerationProcessor(BaseProcessor):
         status and details as attributes (``one_message``), else a body of unknown status.
         Streamed when it is SSE (a stream wrongly marked a JSON answer still comes whole)."""
         attributes = self.attributes
-        status = attributes.get(":status", "0")
         streamed = chunk.startswith(b"data:")
-        return Reading(routed, int(status) if status.isdigit() else 0, streamed,
+        return Reading(routed, _status(attributes), streamed,
                        attributes.get(RESPONSE_DETAILS_ATTRIBUTE) == RATE_LIMITED_DETAILS,
                        UsageMeter(streamed))
 
