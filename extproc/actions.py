@@ -32,7 +32,7 @@ class ModeOverride:
     """Processing-mode change for the rest of this stream (needs ``allow_mode_override``)."""
 
     response_headers: bool = True
-    response_body: Literal["none", "streamed", "buffered", "buffered_partial"] = "none"
+    response_body: Literal["none", "streamed", "buffered"] = "none"
 
 
 @quick_init

@@ -11,7 +11,7 @@ from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
 from extproc.quick_init import quick_init
 from routing.compiled import Snapshot
-from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER, JSON_ANSWER_HEADER
+from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
 
 LLM_HEADER_PREFIX = "x-llm-"
 
@@ -51,13 +51,11 @@ class RequestContext:
 def spoofed_headers(headers: Mapping[str, str]) -> tuple[str, ...]:
     """Inbound ``x-llm-*`` and endpoint-picker (``x-gateway-destination-endpoint*``) headers:
     only extproc may set them, so they are removed first. Not Envoy's own
-    ``x-llm-envoy-usage`` and ``x-llm-json-answer`` (a client's copy is gone before Envoy adds
-    them; a spoofed one could only leave the spoofer's own stream unsettled, its reservation
-    standing, or hold the spoofer's own stream to its end)."""
+    ``x-llm-envoy-usage`` (a client's copy is gone before Envoy adds it; a spoofed one could
+    only leave the spoofer's own stream unsettled, its reservation standing)."""
     return tuple(name for name in headers
-                 if name.startswith(_SPOOFABLE) and name not in _ENVOYS_OWN)
+                 if name.startswith(_SPOOFABLE) and name != ENVOY_USAGE_HEADER)
 
 
 _SPOOFABLE = (LLM_HEADER_PREFIX, DESTINATION_ENDPOINT)
-"""One ``startswith`` per header (Envoy's own headers start with the first only)."""
-_ENVOYS_OWN = frozenset({ENVOY_USAGE_HEADER, JSON_ANSWER_HEADER})
+"""One ``startswith`` per header (Envoy's usage header starts with the first only)."""

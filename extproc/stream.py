@@ -164,8 +164,6 @@ class StreamState:
             return PASS if self.body_seen else body_required()
         if phase == "response_headers":
             return processor.on_response_headers(dict(headers or {}), end_of_stream)
-        if headers is not None:  # its headers skipped, the response's status came as attributes
-            processor.on_response_attributes(headers)
         return processor.on_response_body(body, end_of_stream)
 
     def _start(self, headers: Mapping[str, str], end_of_stream: bool) -> Action:

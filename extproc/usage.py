@@ -86,13 +86,6 @@ class UsageMeter:
             return 0
         return self._drain_events()
 
-    def give_up(self) -> None:
-        """The rest of the response will not be seen (Envoy sent only its first part): its
-        usage is not known."""
-        self._overflow = True
-        self._buffer.clear()
-        self._usage = (None, None, None)
-
     def _drain_events(self) -> int:
         found = 0
         while True:

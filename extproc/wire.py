@@ -16,20 +16,13 @@ from google.protobuf import struct_pb2
 
 from extproc.actions import Action, Continue, Headers, ModeOverride, Phase
 from sidecar_runtime import protowire
-from sidecar_runtime.wire_names import (
-    DESTINATION_ENDPOINT,
-    LB_METADATA_NAMESPACE,
-    METADATA_NAMESPACE,
-    RESPONSE_CODE_ATTRIBUTE,
-    RESPONSE_DETAILS_ATTRIBUTE,
-)
+from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, LB_METADATA_NAMESPACE, METADATA_NAMESPACE
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _BODY_MODES = {
     "none": processing_mode_pb2.ProcessingMode.NONE,
     "streamed": processing_mode_pb2.ProcessingMode.STREAMED,
     "buffered": processing_mode_pb2.ProcessingMode.BUFFERED,
-    "buffered_partial": processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL,
 }
 
 _PICK_PHASES = ("request_headers", "request_body")
@@ -55,26 +48,10 @@ def read(request: pb.ProcessingRequest) -> tuple[Phase | None, dict[str, str] | 
         return which, header_dict(msg), b"", msg.end_of_stream
     if which == "request_body" or which == "response_body":
         msg = getattr(request, which)
-        if which == "response_body" and request.attributes:
-            # The response's first message, its headers skipped: the status comes as attributes.
-            return which, response_attributes(request), msg.body, msg.end_of_stream
         return which, None, msg.body, msg.end_of_stream
     if which == "request_trailers":  # always the request's last message
         return which, None, b"", True
     return None, None, b"", False
-
-
-def response_attributes(request: pb.ProcessingRequest) -> dict[str, str]:
-    """The ``response_attributes`` Envoy sent (under its filter's name), as response headers
-    would say them: ``:status``, and :data:`RESPONSE_DETAILS_ATTRIBUTE` (who answered)."""
-    out: dict[str, str] = {}
-    for struct in request.attributes.values():
-        fields = struct.fields
-        if RESPONSE_CODE_ATTRIBUTE in fields:
-            out[":status"] = str(int(fields[RESPONSE_CODE_ATTRIBUTE].number_value))
-        if RESPONSE_DETAILS_ATTRIBUTE in fields:
-            out[RESPONSE_DETAILS_ATTRIBUTE] = fields[RESPONSE_DETAILS_ATTRIBUTE].string_value
-    return out
 
 
 _OPTION_CACHE = 1024

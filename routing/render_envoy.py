@@ -24,8 +24,6 @@ from sidecar_runtime.wire_names import (
     LB_METADATA_NAMESPACE,
     METADATA_NAMESPACE,
     RESERVATION_METADATA_KEY,
-    RESPONSE_CODE_ATTRIBUTE,
-    RESPONSE_DETAILS_ATTRIBUTE,
 )
 
 RATELIMIT_DOMAIN = DOMAIN
@@ -204,9 +202,6 @@ def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
             "allow_mode_override": True,
             "mutation_rules": {"allow_all_routing": True},
             "metadata_options": {"receiving_namespaces": {"untyped": namespaces}},
-            # With a response's first message (its body, when extproc skipped its headers for
-            # a JSON answer): the status, and whether the rate-limit filter answered itself.
-            "response_attributes": [RESPONSE_CODE_ATTRIBUTE, RESPONSE_DETAILS_ATTRIBUTE],
         },
     }
 

@@ -38,7 +38,6 @@ from typing import Any
 from routing.render_clusters import API, TYPE
 from sidecar_runtime.wire_names import (
     DONE_METADATA_KEY,
-    JSON_ANSWER_HEADER,
     METADATA_NAMESPACE,
     STRIP_USAGE_METADATA_KEY,
     TOKENS_METADATA_KEY,
@@ -114,38 +113,10 @@ end
 """
 
 
-JSON_ANSWER_MAX_BYTES = 65536
-"""The largest request body the Lua filter reads for :data:`JSON_ANSWER_HEADER`: a chat request
-is a few kB; a longer one (a 200 kB prompt) keeps the two response messages rather than cost a
-scan, and its body is never held by the Lua filter (ext_proc's own buffer limit answers 413)."""
-
-JSON_ANSWER_LUA = rf"""
-function envoy_on_request(handle)
-  local headers = handle:headers()
-  if headers:get(":method") ~= "POST" then return end
-  local path = string.match(headers:get(":path") or "", "^[^?]*")
-  if path ~= "/v1/chat/completions" and path ~= "/v1/completions" then return end
-  local length = tonumber(headers:get("content-length") or "")
-  if length == nil or length <= 0 or length > {JSON_ANSWER_MAX_BYTES} then return end
-  local body = handle:body()
-  if body == nil then return end
-  local text = body:getBytes(0, body:length())
-  -- A stream is asked for by a "stream" key set to true, at any depth (a wrong guess costs a
-  -- message, never a wrong answer); JSON can spell a key's letters only as \u00XX escapes.
-  if string.find(text, '"stream"%s*:%s*true') ~= nil then return end
-  if string.find(text, "\\u00", 1, true) ~= nil then return end
-  handle:headers():replace("{JSON_ANSWER_HEADER}", "1")  -- a headers object lives until a yield
-end
-"""
-"""Marks a small chat/completions request that cannot be a stream (issue 16): extproc then asks
-for its answer in one buffered body message, with the status as an attribute, instead of a
-response-headers message and a body message."""
-
-
 def strip_usage_filter() -> dict[str, Any]:
     return {"name": LUA_FILTER, "typed_config": {
         TYPE: API + "extensions.filters.http.lua.v3.Lua",
-        "default_source_code": {"inline_string": JSON_ANSWER_LUA + STRIP_USAGE_LUA}}}
+        "default_source_code": {"inline_string": STRIP_USAGE_LUA}}}
 
 
 def usage_filters_before_ext_proc() -> list[dict[str, Any]]:

@@ -50,20 +50,6 @@ its Envoy carries the usage filters (``telemetry.envoy_usage``): only then does 
 an unsampled stream's usage to Envoy. An Envoy without them (Istio's EnvoyFilter) sends no
 marker, so extproc reads those streams itself, whatever the YAML says."""
 
-JSON_ANSWER_HEADER = "x-llm-json-answer"
-"""Set to ``1`` by the bootstrap's Lua filter (after every client ``x-llm-*`` header is gone) on
-a small chat/completions request whose body cannot ask for a stream: extproc then takes its
-response in one body message, status included, instead of a headers message and a body message
-(issue 16). Honoured only beside :data:`ENVOY_USAGE_HEADER` (the filter exists only there); a
-wrong ``1`` on a stream holds only that stream until its end, and extproc still reads it."""
-
-RESPONSE_CODE_ATTRIBUTE = "response.code"
-RESPONSE_DETAILS_ATTRIBUTE = "response.code_details"
-"""The ext_proc ``response_attributes`` Envoy sends with a response's first message: its status,
-and who answered (``via_upstream``; the rate-limit filter's own reply says
-``request_rate_limited``)."""
-RATE_LIMITED_DETAILS = "request_rate_limited"
-
 GRPC_MAX_CONCURRENT_STREAMS = 100
 """Streams one HTTP/2 connection to extproc or ratelimit carries at once: the services' gRPC
 server advertises it (and refuses a stream beyond it), and the rendered Envoy clusters keep to

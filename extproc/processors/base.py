@@ -8,7 +8,6 @@ state in :mod:`extproc.stream` calls it, and :mod:`extproc.wire` builds the prot
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Protocol
 
@@ -26,7 +25,6 @@ class Processor(Protocol):
     def on_request_headers(self, end_of_stream: bool) -> Action: ...
     def on_request_body(self, body: bytes) -> Step: ...
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action: ...
-    def on_response_attributes(self, attributes: Mapping[str, str]) -> None: ...
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action: ...
     def on_close(self) -> RequestRecord | None: ...
 
@@ -43,10 +41,6 @@ class BaseProcessor:
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
         return PASS
-
-    def on_response_attributes(self, attributes: Mapping[str, str]) -> None:
-        """The response's status and details, sent with its first body message when its
-        headers were skipped (``:status`` and ``response.code_details``)."""
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
         return PASS

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import cast
 
 import orjson
@@ -41,27 +40,11 @@ from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.settlements import settlement_for
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
-from sidecar_runtime.wire_names import (
-    ENVOY_USAGE_HEADER,
-    JSON_ANSWER_HEADER,
-    RATE_LIMITED_DETAILS,
-    RESPONSE_DETAILS_ATTRIBUTE,
-    STRIP_USAGE_METADATA_KEY,
-)
+from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER, STRIP_USAGE_METADATA_KEY
 
 _NO_RESPONSE_BODY = ModeOverride(response_headers=True, response_body="none")
 _READ_RESPONSE = Continue(mode=ModeOverride(response_headers=True, response_body="streamed"))
-"""The answer to a request's headers (values are frozen: one serves every request)."""
-_ONE_MESSAGE = Continue(mode=ModeOverride(response_headers=False, response_body="buffered_partial"))
-"""The answer to the headers of a request Envoy marked a JSON answer (:data:`JSON_ANSWER_HEADER`):
-its response comes in one body message, the status with it as attributes. An answer above
-Envoy's buffer comes as its first part, and no more."""
-
-
-def _status(headers: Mapping[str, str]) -> int:
-    """``:status`` of response headers or of the attributes that stand for them; 0 if none."""
-    status = headers.get(":status", "0")
-    return int(status) if status.isdigit() else 0
+"""The answer to every request's headers (values are frozen: one serves every request)."""
 
 
 class GenerationProcessor(BaseProcessor):
@@ -81,23 +64,11 @@ class GenerationProcessor(BaseProcessor):
         self.picked: tuple[str, str] | None = None
         """The pool and pod the endpoint picker sent this request to (told at the stream's
         end, whatever the phase: the pod has one request less open from this replica)."""
-        self.one_message = False
-        """The response comes as one body message, without a headers message."""
-        self.attributes: Mapping[str, str] = {}
-        """The response's status and details, when they came as attributes."""
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
         if end_of_stream:
             return body_required()
-        headers = self.ctx.headers
-        # Both set by the rendered bootstrap only (a client's x-llm-* are removed before).
-        if headers.get(JSON_ANSWER_HEADER) == "1" and headers.get(ENVOY_USAGE_HEADER) == "1":
-            self.one_message = True
-            return _ONE_MESSAGE
         return _READ_RESPONSE
-
-    def on_response_attributes(self, attributes: Mapping[str, str]) -> None:
-        self.attributes = attributes
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
         routed = self.phase
@@ -106,8 +77,9 @@ class GenerationProcessor(BaseProcessor):
                 self.phase = advance(GENERATION, routed, "response_headers", DONE)
                 return envoys_own_answer()
             raise refuse(routed, "response_headers")
+        status = headers.get(":status", "0")
         streamed = headers.get("content-type", "").startswith("text/event-stream")
-        reading = Reading(routed, _status(headers), streamed,
+        reading = Reading(routed, int(status) if status.isdigit() else 0, streamed,
                           # The rate limiter's own replies (429, or 503 when its store is
                           # down) mark themselves.
                           "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers,
@@ -119,18 +91,16 @@ class GenerationProcessor(BaseProcessor):
         self.phase = advance(GENERATION, routed, "response_headers", reading)
         return PASS
 
-    def _headers_only(self, reading: Reading, event: Event = "response_headers") -> Action:
+    def _headers_only(self, reading: Reading) -> Action:
         """A response extproc does not read: recorded now, without timings or token counts
         (``sampled`` false); no body is asked for. An error status settles 0 here: an error
         body carries no usage chunk for Envoy to read."""
-        self.phase = advance(GENERATION, reading.routed, event, DONE)
+        self.phase = advance(GENERATION, reading.routed, "response_headers", DONE)
         charged = 0 if reading.status >= 400 else None
         record = self._report(reading, Usage(None, None, None, 0), charged, sampled=False)
-        # A mode override answers a headers message only (Envoy ignores it on a body's answer).
-        mode = _NO_RESPONSE_BODY if event == "response_headers" else None
         if charged is None:
-            return Continue(mode=mode, record=record)
-        return Continue(mode=mode, metadata=usage_metadata(0),
+            return Continue(mode=_NO_RESPONSE_BODY, record=record)
+        return Continue(mode=_NO_RESPONSE_BODY, metadata=usage_metadata(0),
                         settle=self._settlement(reading.routed, 0), record=record)
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> Action:
@@ -140,15 +110,9 @@ class GenerationProcessor(BaseProcessor):
                 return PASS  # chunks after the end pass (Done stays Done: no check needed)
             if not isinstance(reading, Routed):
                 raise refuse(reading, "response_body")
-            first = self._first_body_message(reading, chunk)
-            if not reading.reads_body:
-                return self._headers_only(first, "response_body")
-            reading = self.phase = advance(GENERATION, reading, "response_body", first)
-            if self.one_message and not end_of_stream:
-                # Above Envoy's buffer: only this first part comes. Its usage is not known,
-                # so its reservation stands (as for a body above the meter's own bound).
-                reading.meter.give_up()
-                return self._finish(reading, reading, "response_body")
+            # No response headers seen: read as a non-streamed answer of unknown status.
+            reading = self.phase = advance(GENERATION, reading, "response_body",
+                                           Reading(reading, 0, False, False, UsageMeter(False)))
         if reading.meter.feed(chunk):
             now = self.ctx.clock()
             times = reading.times
@@ -161,16 +125,6 @@ class GenerationProcessor(BaseProcessor):
         if end_of_stream or reading.meter.done:
             return self._finish(reading, reading, "response_body")
         return PASS
-
-    def _first_body_message(self, routed: Routed, chunk: bytes) -> Reading:
-        """A response whose headers extproc did not see: a JSON answer in one message, its
-        status and details as attributes (``one_message``), else a body of unknown status.
-        Streamed when it is SSE (a stream wrongly marked a JSON answer still comes whole)."""
-        attributes = self.attributes
-        streamed = chunk.startswith(b"data:")
-        return Reading(routed, _status(attributes), streamed,
-                       attributes.get(RESPONSE_DETAILS_ATTRIBUTE) == RATE_LIMITED_DETAILS,
-                       UsageMeter(streamed))
 
     def _finish(self, reading: Reading, phase: Routed | Reading, event: Event) -> Action:
         """At end of stream: the tokens the response used, for the rate limiter to settle the

@@ -290,32 +290,3 @@ def test_answers_that_only_continue_are_the_ones_built_each_time(phase: Phase) -
                    Continue(metadata={"a": "1"}), Continue(set_headers=(("x-a", "1"),)),
                    Continue(remove_headers=("x-a",))):
         assert wire.build(phase, action) != wire.build(phase, Continue())
-
-
-def test_a_response_body_with_attributes_reads_them_as_its_status() -> None:
-    """The response's first message when its headers were skipped: Envoy's
-    ``response_attributes`` under the filter's name, read as ``:status`` and the details."""
-    request = pb.ProcessingRequest()
-    request.response_body.body = b"{}"
-    request.response_body.end_of_stream = True
-    fields = request.attributes["envoy.filters.http.ext_proc"].fields
-    fields["response.code"].number_value = 429
-    fields["response.code_details"].string_value = "request_rate_limited"
-    assert wire.read(request) == (
-        "response_body", {":status": "429", "response.code_details": "request_rate_limited"},
-        b"{}", True)
-
-
-def test_a_response_body_without_attributes_has_no_status() -> None:
-    request = pb.ProcessingRequest()
-    request.response_body.body = b"x"
-    assert wire.read(request) == ("response_body", None, b"x", False)
-
-
-def test_the_one_message_mode_skips_response_headers_and_buffers_partially() -> None:
-    answer = wire.build("request_headers", Continue(
-        mode=ModeOverride(response_headers=False, response_body="buffered_partial")))
-    mode = answer.mode_override
-    assert mode.response_header_mode == mode.SKIP
-    assert mode.response_body_mode == mode.BUFFERED_PARTIAL
-    assert (mode.request_header_mode, mode.request_body_mode) == (mode.SEND, mode.BUFFERED)
