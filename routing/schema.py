@@ -149,6 +149,11 @@ class SimulateSpec(Strict):
     prefill_ms_per_token: float = Field(default=0.0, ge=0, le=1000)
     decode_ms_per_token: float = Field(default=2.0, ge=0, le=10_000)
     default_output_tokens: int = Field(default=16, ge=1, le=1_000_000)
+    """Tokens a simulated answer runs to when its request sets no max_tokens."""
+    natural_stop: bool = False
+    """Every answer ends at ``default_output_tokens`` (finish ``stop``) even when its
+    ``max_tokens`` allows more, as a real model's end-of-sequence token ends it; false: a
+    request's ``max_tokens`` is always reached."""
     embedding_dim: int = Field(default=256, ge=1, le=65_536)
     speed: float = Field(default=1.0, gt=0, le=1000)
     """GPU speed factor of the cluster's simulated pods: prefill and decode times are divided
@@ -167,6 +172,8 @@ class SimulateSpec(Strict):
                  "--speed", str(self.speed)]
         if self.kv_cache_tokens is not None:
             flags += ["--kv-cache-tokens", str(self.kv_cache_tokens)]
+        if self.natural_stop:
+            flags.append("--natural-stop")
         return flags
 
 
@@ -253,7 +260,8 @@ class ModelSpec(Strict):
     clusters: Annotated[list[str], Field(min_length=1)]
     """Pools serving the model; the one with the smallest max_context that fits wins."""
     default_max_tokens: int = Field(default=256, ge=0, le=10_000_000)
-    """Output budget assumed when a request sets no max_tokens."""
+    """Output budget assumed when a request sets no max_tokens; under an enforcing token limit
+    it is also written into the request vLLM gets, so the reservation bounds the answer."""
     tokenizer: str | None = None
     """Path to a Hugging Face tokenizer.json; without it prompts are estimated (high)."""
     canary: CanarySpec | None = None

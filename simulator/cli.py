@@ -34,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=16,
         help="tokens generated when a request sets no max_tokens (default 16)",
     )
+    parser.add_argument(
+        "--natural-stop",
+        action="store_true",
+        help="answers end at --default-output-tokens (finish stop) even when max_tokens allows "
+        "more, as a real model's end-of-sequence token ends them (default: max_tokens is always "
+        "reached)",
+    )
     parser.add_argument("--embedding-dim", type=int, default=256, help="embedding vector size (default 256)")
     parser.add_argument(
         "--tokenizer", default=None, help="tokenizer.json to count tokens with (default: estimate)"
@@ -78,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_ms_per_token=args.prefill_ms_per_token,
         decode_ms_per_token=args.decode_ms_per_token,
         default_output_tokens=args.default_output_tokens,
+        natural_stop=args.natural_stop,
         embedding_dim=args.embedding_dim,
         tokenizer=args.tokenizer,
         max_num_seqs=args.max_num_seqs,

@@ -20,6 +20,8 @@ class SimConfig:
     sequence's prompt and output budget plus its own fit in it. ``prefix_block_size`` is the
     block of the prefix cache in tokens. ``speed`` divides prefill and decode times (2.0: a GPU
     twice as fast). ``dcgm`` serves DCGM-exporter-style GPU gauges at ``/dcgm/metrics``.
+    ``natural_stop``: answers end at ``default_output_tokens`` even when ``max_tokens`` allows
+    more (``simulator.generation``).
     """
 
     name: str
@@ -28,6 +30,7 @@ class SimConfig:
     prefill_ms_per_token: float = 0.0
     decode_ms_per_token: float = 2.0
     default_output_tokens: int = 16
+    natural_stop: bool = False
     embedding_dim: int = 256
     tokenizer: str | None = None
     max_num_seqs: int = 256

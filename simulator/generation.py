@@ -3,7 +3,9 @@
 Output length (``plan_output``): a request that sets ``max_tokens`` gets exactly that many tokens
 and finish reason ``length`` (the simulated model never stops early, so the budget is always what
 cuts it); one that sets none gets ``default_output_tokens`` and ``stop``, unless the context
-window leaves fewer, in which case it gets what is left and ``length``.
+window leaves fewer, in which case it gets what is left and ``length``. With ``natural_stop``
+every answer is ``default_output_tokens`` long (``stop``) unless the budget or the window cuts it
+shorter (``length``), as a real model's end-of-sequence token ends its answer.
 
 Text: one word per token, chosen from a small vocabulary by a hash of the prompt, so the same
 prompt always produces the same text in every process.
@@ -92,13 +94,14 @@ def plan_output(
     default_output_tokens: int,
     max_model_len: int,
     prefix_blocks: tuple[bytes, ...] | None = None,
+    natural_stop: bool = False,
 ) -> SequencePlan:
     """The output of one prompt (see module docstring); checks the context window first."""
     check_context(prompt_tokens, max_tokens, max_model_len)
     room = max_model_len - prompt_tokens
     count: int
     finish: FinishReason
-    if max_tokens is not None:
+    if max_tokens is not None and not (natural_stop and default_output_tokens < max_tokens):
         count, finish = max_tokens, "length"
     elif default_output_tokens <= room:
         count, finish = default_output_tokens, "stop"

@@ -217,6 +217,7 @@ async def _generate(request: web.Request, parsed: GenerationRequest, *, chat: bo
             config.default_output_tokens,
             config.max_model_len,
             prompt_blocks(prompt, state.tokenizer, config.prefix_block_size),
+            config.natural_stop,
         )
         for prompt in parsed.prompts
     )

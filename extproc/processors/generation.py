@@ -13,6 +13,7 @@ from extproc.bodies import Api, GenerationBody, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand
 from extproc.errors import server_overloaded
+from extproc.output_budget import upstream_max_tokens
 from extproc.picker.pick import Priority
 from extproc.processors.base import (
     BaseProcessor,
@@ -235,9 +236,17 @@ class GenerationProcessor(BaseProcessor):
         # A client's own ``priority`` never reaches vLLM: with priority scheduling it would jump
         # the queue (lower is served first), so it is replaced by the tier, or dropped.
         client_priority = "priority" in parsed.doc
+        # A request that sets no output budget gets the one its reservation assumed, when a
+        # token bucket charges it: vLLM would otherwise give it the rest of the context window.
+        budget = upstream_max_tokens(snapshot.config, self.api, parsed.doc,
+                                     model.default_max_tokens,
+                                     {"api_key": self.ctx.identity.key_id,
+                                      "tenant": self.ctx.identity.tenant, "model": model.name})
         if decision.upstream_model != parsed.model or snapshot.inject_priority or inject \
-                or client_priority:
+                or client_priority or budget is not None:
             doc = dict(parsed.doc)
+            if budget is not None:
+                doc["max_tokens"] = budget
             doc["model"] = decision.upstream_model
             if snapshot.inject_priority:
                 doc["priority"] = ("high", "medium", "low").index(decision.priority)

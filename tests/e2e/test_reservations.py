@@ -36,10 +36,12 @@ MESSAGES = user("hi")
 def doc() -> dict[str, Any]:
     d = default_doc()
     # Slow enough that a stream is still running when the test acts on it.
-    d["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 20}
+    # natural_stop: a request without max_tokens is sent on with the 256 it reserved (README:
+    # Rate limits), and the model still ends its answer at 16, as a real one would.
+    d["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 20, "natural_stop": True}
     # A slow prefill (~4 s for a short prompt): requests sent together are all in flight
     # together, whatever the machine's load. X-Context-Length sends a request here.
-    d["clusters"]["vllm-long"]["simulate"] = {"prefill_ms_per_token": 500}
+    d["clusters"]["vllm-long"]["simulate"] = {"prefill_ms_per_token": 500, "natural_stop": True}
     d["rate_limits"] = {
         "tenant": {"overrides": {
             "roomy": {"tokens": f"{ROOMY}/h"},
@@ -88,17 +90,20 @@ def remaining_tokens(gw: Gateway, tenant: str) -> int:
 
 
 def open_stream(gw: Gateway, tenant: str, max_tokens: int | None = None,
-                lines: int = 1) -> http.client.HTTPConnection:
+                lines: int = 1, context_length: int | None = None) -> http.client.HTTPConnection:
     """A streamed chat, admitted and read for ``lines`` SSE lines; close the connection to
-    hang up mid-stream as a client would."""
+    hang up mid-stream as a client would. ``context_length`` (X-Context-Length) above 2048
+    sends it to the long pool's slow prefill."""
     url = urlsplit(gw.url)
     conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=30)
     body: dict[str, Any] = {"model": "llama-2-13b", "messages": MESSAGES, "stream": True}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"authorization": f"Bearer sk-{tenant}", "x-tenant-id": tenant,
-                  "content-type": "application/json"})
+    headers = {"authorization": f"Bearer sk-{tenant}", "x-tenant-id": tenant,
+               "content-type": "application/json"}
+    if context_length is not None:
+        headers["x-context-length"] = str(context_length)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
     response = conn.getresponse()
     assert response.status == 200, response.read()
     read = 0
@@ -160,15 +165,16 @@ def test_an_abandoned_stream_keeps_its_reservation(gw: Gateway) -> None:
 def test_a_finished_stream_is_settled_to_its_usage(gw: Gateway) -> None:
     reserved = reservation(gw)
     stream = client(gw, "roomy").chat.completions.create(
-        model="llama-2-13b", messages=MESSAGES, max_tokens=20, stream=True)
-    assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) == 20
+        model="llama-2-13b", messages=MESSAGES, max_tokens=12, stream=True)
+    assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].delta.content) == 12
     # After the settle, the roomy bucket is down by the real usage of everything sent so far,
     # far less than the reservations.
     wait_until(lambda: ROOMY - remaining_tokens(gw, "roomy") < 3 * reserved, 10, 0.05)
 
 
 def test_concurrency_cap_counts_streams_and_frees_slots_of_aborted_ones(gw: Gateway) -> None:
-    streams = [open_stream(gw, "paced", max_tokens=500) for _ in range(2)]
+    # In the long pool's prefill (~4 s or more): both are in flight while the test acts.
+    streams = [open_stream(gw, "paced", lines=0, context_length=4000) for _ in range(2)]
     try:
         with pytest.raises(openai.RateLimitError) as caught:
             chat(gw, "paced", max_tokens=1)

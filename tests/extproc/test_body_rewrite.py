@@ -1,5 +1,6 @@
 """The request body extproc sends on to vLLM: unchanged unless the canary renames the model,
-``priority.inject`` adds vLLM's ``priority``, or an unread stream gets ``include_usage`` added
+``priority.inject`` adds vLLM's ``priority``, an unread stream gets ``include_usage`` added, or a
+request a token bucket charges gets the output budget it reserved for
 (``GenerationProcessor.on_request_body``). Every rewrite keeps the client's other fields and
 sets a ``content-length`` that matches the new body."""
 
@@ -24,6 +25,8 @@ INJECT = {"high_below": 1, "low_from": 100, "inject": True}
 """A prompt of "hi" counts 17 tokens: 1 of text and the chat template's allowance of 16."""
 UNREAD = {"rate_limits": {"tenant": {"default": {"tokens": "1M/h"}}},
           "telemetry": {"sample": 0, "envoy_usage": True}}
+TOKENS = {"rate_limits": {"tenant": {"default": {"tokens": "1M/h"}}}}
+"""A token bucket charges every request: one that sets no budget gets ``default_max_tokens``."""
 EXTRA = {"temperature": 0.5, "user": "u-1", "logit_bias": {"42": -100}}
 """Fields the rewrite must pass on untouched."""
 
@@ -74,10 +77,28 @@ def changes(body: dict[str, Any] | None, doc: dict[str, Any]) -> dict[str, Any] 
     ({"max_tokens": 6000, "priority": -100}, {"priority": INJECT}, {"priority": 2}),
     ({"max_tokens": 6000, "priority": "0"}, {"priority": INJECT}, {"priority": 2}),
     # An unread stream gets the usage chunk Envoy reads (and strips again).
-    ({"stream": True}, UNREAD, {"stream_options": {"include_usage": True}}),
-    ({"stream": True, "stream_options": {"include_usage": False}}, UNREAD,
+    ({"stream": True, "max_tokens": 9}, UNREAD, {"stream_options": {"include_usage": True}}),
+    ({"stream": True, "max_tokens": 9, "stream_options": {"include_usage": False}}, UNREAD,
      {"stream_options": {"include_usage": True}}),
-    ({"stream": True, "stream_options": {"include_usage": True}}, UNREAD, None),  # asked itself
+    ({"stream": True, "max_tokens": 9, "stream_options": {"include_usage": True}}, UNREAD,
+     None),  # asked itself
+    # Charged by a token bucket and no budget of its own: vLLM would give it the rest of the
+    # context window, so it gets the one its reservation assumed.
+    ({}, TOKENS, {"max_tokens": 256}),
+    ({"max_tokens": None}, TOKENS, {"max_tokens": 256}),
+    ({"max_completion_tokens": 0}, TOKENS, {"max_tokens": 256}),  # vLLM: 0 or None
+    ({"max_completion_tokens": None, "max_tokens": None}, TOKENS, {"max_tokens": 256}),
+    ({"stream": True}, UNREAD, {"stream_options": {"include_usage": True}, "max_tokens": 256}),
+    # Its own budget, or vLLM's 400 for a 0, is left as the client sent it.
+    ({"max_tokens": 40}, TOKENS, None),
+    ({"max_completion_tokens": 40}, TOKENS, None),
+    ({"max_completion_tokens": 40, "max_tokens": None}, TOKENS, None),
+    ({"max_tokens": 0}, TOKENS, None),
+    # No token bucket charges it: vLLM decides the length, as without the gateway.
+    ({}, {}, None),
+    ({}, {"rate_limits": {"tenant": {"default": {"requests": "5/s"}}}}, None),
+    ({}, {"rate_limits": {"tenant": {"default": {"tokens": "1M/h", "shadow": True}}}}, None),
+    ({}, {"rate_limits": {"tenant": {"overrides": {"acme": {"tokens": "1M/h"}}}}}, None),
     # All three at once.
     ({"stream": True, "max_tokens": 1}, {**UNREAD, "priority": INJECT, "models": CANARY},
      {"model": "llama-2-13b-v2", "priority": 0}),
@@ -94,3 +115,26 @@ def test_without_injection_a_clients_priority_is_dropped(value: object) -> None:
     body = sent(routed({"max_tokens": 10, "priority": value}))
     assert body is not None and "priority" not in body
     assert body["model"] == "llama-2-13b"
+
+
+@pytest.mark.parametrize(("doc", "changed"), [
+    ({"prompt": "hi"}, None),  # vLLM's own default for completions is 16 tokens
+    ({"prompt": "hi", "max_tokens": None}, {"max_tokens": 256}),  # null: the rest of the window
+    ({"prompt": "hi", "max_tokens": 40}, None),
+    # Completions has no max_completion_tokens: vLLM ignores it, and so does the rewrite.
+    ({"prompt": "hi", "max_tokens": None, "max_completion_tokens": 5}, {"max_tokens": 256}),
+])
+def test_a_completion_gets_a_budget_only_where_vllm_would_give_it_the_window(
+        doc: dict[str, Any], changed: dict[str, Any] | None) -> None:
+    state = StreamState(snapshot(**TOKENS), SECRET)
+    state.handle("request_headers", {":path": "/v1/completions", ":method": "POST"}, b"", False)
+    action = state.handle("request_body", None,
+                          orjson.dumps({"model": "llama-2-13b", **doc}), True)
+    assert isinstance(action, Continue)
+    if changed is None:
+        assert action.body is None
+        return
+    assert action.body is not None
+    body = orjson.loads(action.body)
+    assert {k: v for k, v in body.items() if doc.get(k, "<absent>") != v and k != "model"} \
+        == changed

@@ -93,7 +93,7 @@ def routed(doc: dict[str, Any], *, marker: bool = True, **sections: Any
 UNREAD: dict[str, Any] = {"rate_limits": LIMITS, "telemetry": {"sample": 0, "envoy_usage": True}}
 
 
-ASKED = {"stream": True, "stream_options": {"include_usage": True}}
+ASKED = {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 256}
 NO_BODY = Continue(mode=ModeOverride(response_headers=True, response_body="none"))
 SSE = {":status": "200", "content-type": "text/event-stream"}
 
@@ -111,7 +111,7 @@ def test_an_unsampled_stream_leaves_its_usage_to_envoy_and_asks_for_no_body() ->
 def test_without_envoys_marker_extproc_reads_the_stream_itself() -> None:
     """An Envoy without the usage filters (Istio's EnvoyFilter) says nothing: extproc does not
     leave the usage to it, whatever the YAML says, and adds nothing to strip."""
-    state, action, _ = routed({"stream": True}, marker=False, **UNREAD)
+    state, action, _ = routed({"stream": True, "max_tokens": 9}, marker=False, **UNREAD)
     assert action.body is None and "strip_usage" not in action.metadata
     answer = state.handle("response_headers", SSE, b"", False)
     assert answer != NO_BODY  # it goes on reading the body

@@ -41,6 +41,23 @@ def test_output_length_and_finish_reason(
 
 
 @pytest.mark.parametrize(
+    ("prompt_tokens", "max_tokens", "count", "reason"),
+    [
+        (10, None, 16, "stop"),
+        (10, 100, 16, "stop"),  # the model ends before the budget
+        (10, 16, 16, "length"),  # the budget and the end meet: the budget cut it
+        (10, 5, 5, "length"),
+        (2040, None, 8, "length"),  # the window cuts it first
+    ],
+)
+def test_a_natural_stop_ends_every_answer_at_its_natural_length(
+    prompt_tokens: int, max_tokens: int | None, count: int, reason: str
+) -> None:
+    plan = plan_output("p", prompt_tokens, max_tokens, 16, 2048, natural_stop=True)
+    assert (len(plan.pieces), plan.finish_reason) == (count, reason)
+
+
+@pytest.mark.parametrize(
     ("prompt_tokens", "max_tokens", "max_len", "message"),
     [
         (

@@ -1,0 +1,73 @@
+"""The output budget written into a generation request that sets none (README: Rate limits).
+
+A request's token reservation assumes ``default_max_tokens`` of output when it sets no
+``max_tokens``, but vLLM gives such a chat request the rest of its context window. When the
+usage is never known (the client hangs up before the usage chunk) the reservation stands, so a
+client that set no budget could receive thousands of tokens and pay for 256. So when an
+enforcing token bucket charges the request, extproc writes the budget it reserved for into the
+body as ``max_tokens``: the reservation is then a true bound on what vLLM generates.
+
+Pure: which buckets charge a request is read off the same limit entries the rate-limit service
+and the rendered descriptors are built from (:func:`routing.ratelimits.limit_entries`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from extproc.bodies import Api
+from extproc.hit_limits import once_per_config
+from routing.ratelimits import LEVEL_HEADERS, limit_entries
+from routing.schema import RoutingConfig
+
+
+@once_per_config
+def _token_limits(config: RoutingConfig) -> Mapping[tuple[str, str | None], bool]:
+    """(level, value or None for the level's default) → does that token limit deny (it is not
+    ``shadow``)."""
+    return MappingProxyType({(entry.level, entry.value): not entry.shadow
+                             for entry in limit_entries(config) if entry.kind == "tokens"})
+
+
+def charged_for_tokens(config: RoutingConfig, values: Mapping[str, str]) -> bool:
+    """Does an enforcing token limit charge a request whose level values (``api_key``: its key
+    id, ``tenant``, ``model``) are ``values``? A level's override for the value applies when
+    there is one (it inherits the default's fields), else the level's default."""
+    if config.rate_limits is None:
+        return False
+    limits = _token_limits(config)
+    for level in LEVEL_HEADERS:
+        value = values.get(level)
+        enforcing = limits.get((level, value)) if value is not None else None
+        if enforcing is None:
+            enforcing = limits.get((level, None), False)
+        if enforcing:
+            return True
+    return False
+
+
+def budget_unset(api: Api, doc: Mapping[str, Any]) -> bool:
+    """Would vLLM choose the output length of this request itself?
+
+    Chat: vLLM reads ``max_completion_tokens or max_tokens`` and, when that is None, gives the
+    rest of the context window. Completions: an absent ``max_tokens`` is vLLM's default of 16
+    (the reservation already covers it); only an explicit ``null`` leaves the window. A 0 or a
+    negative budget is vLLM's 400, and is left for it to answer.
+    """
+    if api == "chat":
+        return (doc.get("max_completion_tokens") or doc.get("max_tokens")) is None
+    return "max_tokens" in doc and doc["max_tokens"] is None
+
+
+def upstream_max_tokens(config: RoutingConfig, api: Api, doc: Mapping[str, Any],
+                        default_max_tokens: int, values: Mapping[str, str]) -> int | None:
+    """The ``max_tokens`` to write into the request sent upstream, or None to leave its body's
+    budget as the client set it."""
+    if default_max_tokens < 1 or not budget_unset(api, doc):
+        return None
+    return default_max_tokens if charged_for_tokens(config, values) else None
+
+
+__all__ = ["budget_unset", "charged_for_tokens", "upstream_max_tokens"]
