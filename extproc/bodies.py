@@ -153,7 +153,8 @@ def _chat_prompt(doc: dict[str, Any]) -> PromptParts:
         for extra in ("name", "tool_calls", "function_call"):
             if extra in message and message[extra] is not None:
                 texts.append(orjson.dumps(message[extra]).decode())
-    for extra in ("tools", "functions", "response_format"):
+    # So are vLLM's ``documents`` (RAG templates render them into the prompt).
+    for extra in ("tools", "functions", "response_format", "documents"):
         if doc.get(extra) is not None:
             texts.append(orjson.dumps(doc[extra]).decode())
     return PromptParts(tuple(texts), 0, len(messages))

@@ -130,6 +130,15 @@ def test_a_chat_body_is_one_prompt() -> None:
     assert (parsed.choices, parsed.max_output_tokens) == (3, 7)
 
 
+@pytest.mark.parametrize("field", ["tools", "functions", "response_format", "documents"])
+def test_what_the_chat_template_renders_beside_the_messages_is_counted(field: str) -> None:
+    """A client cannot hide a long prompt in a field the template renders: vLLM counts it."""
+    value = [{"title": "t", "text": "long " * 50}]
+    parsed = parse_generation("chat", orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}))
+    assert parsed.prompts == (PromptParts(("hi", orjson.dumps(value).decode()), 0, 1),)
+
+
 @pytest.mark.parametrize(("prompt", "ok"), [
     (["a"] * MAX_PROMPTS, True),
     (["a"] * (MAX_PROMPTS + 1), False),
