@@ -47,6 +47,8 @@ class GenerationBody:
     stream: bool
     include_usage: bool
     doc: dict[str, Any]
+    min_output_tokens: int = 0
+    """vLLM's ``min_tokens``: the least output per sequence (0: not set)."""
 
 
 @dataclass(frozen=True)
@@ -231,8 +233,10 @@ def parse_generation(api: Api, raw: bytes) -> GenerationBody:
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object.", param="stream_options")
     include_usage = bool(options and options.get("include_usage") is True)
+    min_tokens = _int_field(doc, "min_tokens", 0) or 0
     prompts = (_chat_prompt(doc),) if api == "chat" else _completion_prompts(doc)
-    return GenerationBody(api, model, prompts, max_tokens, choices, stream, include_usage, doc)
+    return GenerationBody(api, model, prompts, max_tokens, choices, stream, include_usage, doc,
+                          min_tokens)
 
 
 MAX_EMBEDDING_INPUTS = 2048

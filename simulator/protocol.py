@@ -102,6 +102,13 @@ def _generation(
 ) -> GenerationRequest:
     if max_tokens is not None and max_tokens < 1:
         raise validation_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
+    min_tokens = _optional_int(fields, "min_tokens") or 0
+    if min_tokens < 0:
+        raise validation_error(f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
+                               "min_tokens", min_tokens)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise validation_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                               f"got {min_tokens}.", "min_tokens", min_tokens)
     n = _optional_int(fields, "n")
     if n is not None and n != 1:
         raise validation_error("The vLLM simulator only supports n=1.", "n", n)

@@ -11,7 +11,7 @@ from extproc.actions import PASS, Action, Continue, ModeOverride, Settlement
 from extproc.admission import admission_metadata, new_lease, usage_metadata
 from extproc.bodies import Api, GenerationBody, parse_generation
 from extproc.context import RequestContext
-from extproc.decide import Decision, Demand
+from extproc.decide import Decision, Demand, output_per_sequence
 from extproc.errors import server_overloaded
 from extproc.output_budget import upstream_max_tokens
 from extproc.picker.pick import Priority
@@ -209,8 +209,11 @@ class GenerationProcessor(BaseProcessor):
         model = resolve_model(self.ctx, parsed.model, "chat")
         counter = counter_for(model.tokenizer)
         counts = tuple(count_prompt(counter, prompt) for prompt in parsed.prompts)
-        decision = decide_demand_for(
-            self.ctx, model, Demand(counts, parsed.max_output_tokens, parsed.choices))
+        asked = parsed.max_output_tokens
+        if asked is None and parsed.min_output_tokens > model.default_max_tokens:
+            asked = parsed.min_output_tokens  # vLLM's min_tokens: at least this long
+        demand = Demand(counts, asked, parsed.choices)
+        decision = decide_demand_for(self.ctx, model, demand)
         pods = self._pick(decision, parsed)
         snapshot = self.ctx.snapshot
         canary = self.ctx.canaries.canary_for(model)
@@ -239,7 +242,7 @@ class GenerationProcessor(BaseProcessor):
         # A request that sets no output budget gets the one its reservation assumed, when a
         # token bucket charges it: vLLM would otherwise give it the rest of the context window.
         budget = upstream_max_tokens(snapshot.config, self.api, parsed.doc,
-                                     model.default_max_tokens,
+                                     output_per_sequence(demand, model.default_max_tokens),
                                      {"api_key": self.ctx.identity.key_id,
                                       "tenant": self.ctx.identity.tenant, "model": model.name})
         if decision.upstream_model != parsed.model or snapshot.inject_priority or inject \

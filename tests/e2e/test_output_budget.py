@@ -107,3 +107,13 @@ def test_without_an_enforcing_token_limit_vllm_decides_the_length(gw: Gateway,
     assert answer.usage is not None and answer.usage.completion_tokens == NATURAL
     assert answer.choices[0].finish_reason == "stop"
     assert upstream_budget(gw, marker) == "absent"
+
+
+def test_min_tokens_above_the_default_is_the_budget_written_in(gw: Gateway) -> None:
+    """vLLM refuses a min_tokens above max_tokens: the budget written in (and reserved) is the
+    request's own minimum, so the request is served as it would be without the gateway."""
+    answer = client(gw, "metered").chat.completions.create(
+        model="llama-2-13b", messages=user("min-1 write a long essay"),
+        extra_body={"min_tokens": 400})
+    assert answer.usage is not None and answer.usage.completion_tokens == 400
+    assert upstream_budget(gw, "min-1") == 400

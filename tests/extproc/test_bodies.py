@@ -130,6 +130,18 @@ def test_a_chat_body_is_one_prompt() -> None:
     assert (parsed.choices, parsed.max_output_tokens) == (3, 7)
 
 
+@pytest.mark.parametrize(("value", "expected"), [(None, 0), (0, 0), (300, 300)])
+def test_min_tokens(value: object, expected: int) -> None:
+    assert chat(min_tokens=value).min_output_tokens == expected
+
+
+@pytest.mark.parametrize("value", [-1, "5", 2.5, True])
+def test_a_bad_min_tokens_is_refused_before_vllm(value: object) -> None:
+    with pytest.raises(ClientError) as caught:
+        chat(min_tokens=value)
+    assert caught.value.param == "min_tokens"
+
+
 @pytest.mark.parametrize("field", ["tools", "functions", "response_format", "documents"])
 def test_what_the_chat_template_renders_beside_the_messages_is_counted(field: str) -> None:
     """A client cannot hide a long prompt in a field the template renders: vLLM counts it."""

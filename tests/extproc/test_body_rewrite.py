@@ -13,7 +13,7 @@ import pytest
 
 from extproc.actions import Continue
 from extproc.stream import StreamState
-from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER
+from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER, RESERVATION_METADATA_KEY
 from tests.extproc.helpers import snapshot
 
 SECRET = b"test-secret"
@@ -89,6 +89,10 @@ def changes(body: dict[str, Any] | None, doc: dict[str, Any]) -> dict[str, Any] 
     ({"max_completion_tokens": 0}, TOKENS, {"max_tokens": 256}),  # vLLM: 0 or None
     ({"max_completion_tokens": None, "max_tokens": None}, TOKENS, {"max_tokens": 256}),
     ({"stream": True}, UNREAD, {"stream_options": {"include_usage": True}, "max_tokens": 256}),
+    # vLLM's min_tokens above the default: the budget (and the reservation) is that minimum.
+    ({"min_tokens": 400}, TOKENS, {"max_tokens": 400}),
+    ({"min_tokens": 100}, TOKENS, {"max_tokens": 256}),
+    ({"min_tokens": 400, "max_tokens": 500}, TOKENS, None),
     # Its own budget, or vLLM's 400 for a 0, is left as the client sent it.
     ({"max_tokens": 40}, TOKENS, None),
     ({"max_completion_tokens": 40}, TOKENS, None),
@@ -138,3 +142,17 @@ def test_a_completion_gets_a_budget_only_where_vllm_would_give_it_the_window(
     body = orjson.loads(action.body)
     assert {k: v for k, v in body.items() if doc.get(k, "<absent>") != v and k != "model"} \
         == changed
+
+
+@pytest.mark.parametrize(("doc", "reserved"), [
+    ({}, 17 + 256),
+    ({"min_tokens": 400}, 17 + 400),      # what vLLM will at least generate
+    ({"min_tokens": 400, "n": 2}, 17 + 800),
+    ({"max_tokens": 30, "min_tokens": 10}, 17 + 30),
+])
+def test_the_reservation_is_the_budget_written_in(doc: dict[str, Any], reserved: int) -> None:
+    action = routed(doc, **TOKENS)
+    assert action.metadata[RESERVATION_METADATA_KEY] == reserved
+    body = sent(action)
+    budget = (body or {}).get("max_tokens", doc.get("max_tokens"))
+    assert 17 + budget * doc.get("n", 1) == reserved

@@ -134,6 +134,17 @@ CHAT_ERRORS = [
         "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
     ),
     (
+        {"messages": HELLO, "max_tokens": 10, "min_tokens": 11},
+        "min_tokens",
+        "min_tokens must be less than or equal to max_tokens=10, got 11. "
+        "(parameter=min_tokens, value=11)",
+    ),
+    (
+        {"messages": HELLO, "min_tokens": -1},
+        "min_tokens",
+        "min_tokens must be greater than or equal to 0, got -1. (parameter=min_tokens, value=-1)",
+    ),
+    (
         {"messages": HELLO, "n": 2},
         "n",
         "The vLLM simulator only supports n=1. (parameter=n, value=2)",
