@@ -99,6 +99,13 @@ def internal_error() -> SimError:
     return SimError(500, "Internal server error", err_type="InternalServerError")
 
 
+def engine_dead() -> SimError:
+    """The 500 every generation gets while ``POST /sim/state`` says ``fail_requests`` (vLLM's
+    answer once its engine core has died)."""
+    return SimError(500, "EngineCore encountered an issue. See stack trace (above) for the "
+                    "root cause.", err_type="InternalServerError")
+
+
 def metrics_failure() -> SimError:
     """The 500 a metrics endpoint answers while ``POST /sim/state`` makes it fail."""
     return SimError(500, "Metrics are failing (simulated).", err_type="InternalServerError")

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from simulator import embeddings, sse
 from simulator.dcgm import simulated_reading
-from simulator.errors import bad_request, metrics_failure, validation_error
+from simulator.errors import bad_request, engine_dead, metrics_failure, validation_error
 from simulator.generation import SequencePlan, check_pooling_context, plan_output
 from simulator.metrics import CONTENT_TYPE
 from simulator.overrides import parse_overrides
@@ -207,6 +207,8 @@ def _request_id(request: web.Request, prefix: str) -> str:
 
 async def _generate(request: web.Request, parsed: GenerationRequest, *, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
+    if state.metrics.overrides.fail_requests:
+        raise engine_dead()
     config = state.config
     model = state.resolve_model(parsed.model)
     plans = tuple(

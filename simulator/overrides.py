@@ -7,11 +7,14 @@ busy, full, hot or broken without loading it. The JSON object replaces every ear
     {"waiting": 40, "running": 3, "kv_usage": 0.99,          # /metrics gauges
      "gpu_temp_c": 92, "fb_used_mib": 80000, "fb_free_mib": 1920,
      "throttled": true, "throttle_reasons": 96,               # /dcgm/metrics gauges
-     "fail_metrics": true, "fail_dcgm": true}                 # answer 500 instead
+     "fail_metrics": true, "fail_dcgm": true,                 # answer 500 instead
+     "fail_requests": true}                                   # every generation: a 500
 
 ``throttled: true`` reports SW and HW thermal slowdown (0x20 | 0x40), ``false`` no reason;
 ``throttle_reasons`` gives the exact bitmask (only one of the two). Only what is reported
-changes: admission, pacing and the prefix cache keep running on the real state.
+changes: admission, pacing and the prefix cache keep running on the real state, except with
+``fail_requests``: each chat and completions request then gets vLLM's 500 for a dead engine at
+once, while ``/metrics`` goes on reporting (an idle pod, as a broken engine's pod looks).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class SimOverrides:
     throttle_reasons: int | None = None
     fail_metrics: bool = False
     fail_dcgm: bool = False
+    fail_requests: bool = False
 
     def gpu(self, real: GpuReading) -> GpuReading:
         """What ``/dcgm/metrics`` reports: ``real`` with the GPU overrides applied."""
@@ -111,6 +115,7 @@ def parse_overrides(body: object) -> SimOverrides:
         throttle_reasons=reasons,
         fail_metrics=_flag("fail_metrics", given.get("fail_metrics", False)),
         fail_dcgm=_flag("fail_dcgm", given.get("fail_dcgm", False)),
+        fail_requests=_flag("fail_requests", given.get("fail_requests", False)),
     )
 
 

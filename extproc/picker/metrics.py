@@ -83,6 +83,14 @@ class EndpointMetrics(Collector):
             "llm_sidecar_endpoint_scrape_failures",
             "Failed scrapes of the pod's metrics (unreachable, HTTP error, not vLLM's).",
             labels=LABELS)
+        ejections = CounterMetricFamily(
+            "llm_sidecar_endpoint_ejections",
+            "Times the picker took the pod out for answering picked requests with 5xx in a row.",
+            labels=LABELS)
+        ejected = GaugeMetricFamily(
+            "llm_sidecar_endpoint_ejected",
+            "1 while the pod is ejected (picked only when every other pod fails to connect).",
+            labels=LABELS)
         picks = CounterMetricFamily(
             "llm_sidecar_endpoint_picks", "Requests the picker sent to the pod, by reason.",
             labels=[*LABELS, "reason"])
@@ -92,6 +100,8 @@ class EndpointMetrics(Collector):
                 labels = [cluster, endpoint]
                 present.add((cluster, endpoint))
                 failures.add_metric(labels, pod.failures_total)
+                ejections.add_metric(labels, pod.ejections_total)
+                ejected.add_metric(labels, 1.0 if now < pod.ejected_until else 0.0)
                 in_flight.add_metric(labels, pod.in_flight)
                 if pod.scraped_at is not None:
                     age.add_metric(labels, max(0.0, now - pod.scraped_at))
@@ -110,7 +120,7 @@ class EndpointMetrics(Collector):
         self._picks = {k: v for k, v in self._picks.items() if k[:2] in present}
         for (cluster, endpoint, reason), count in self._picks.items():
             picks.add_metric([cluster, endpoint, reason], count)
-        yield from (*gauges, hit_rate, tpot, age, in_flight, failures, picks)
+        yield from (*gauges, hit_rate, tpot, age, in_flight, failures, ejections, ejected, picks)
 
 
     def describe(self) -> Iterator[Metric]:

@@ -70,7 +70,8 @@ def choose(candidates: Sequence[Candidate], weights: PickerWeights, saturation: 
 def choose_reachable(addresses: Sequence[str], rows: Sequence[Row], unreachable: Sequence[bool],
                      weights: PickerWeights, saturation: SaturationSpec | None,
                      priority: Priority, rng: random.Random) -> Pick:
-    """:func:`choose_rows` among the pods not ``unreachable[i]``; unreachable pods only fill
+    """:func:`choose_rows` among the pods not ``unreachable[i]`` (unreachable, or ejected for
+    failing their answers: :meth:`PodState.avoided`); those only fill
     the fallbacks the reachable ones leave free (best first), so Envoy tries them last. Envoy
     tries a named pod whatever its health checks say, so naming a dead pod first costs every
     such request a failed connect (up to the cluster's connect timeout when packets are
@@ -220,8 +221,8 @@ class EndpointPicker:
         rows: list[Row] = [(pool.fresh(pod, now), pod.sent_since_scrape, pod.in_flight,
                             matches.get(address, 0.0), pod.tpot_s)
                            for address, pod in pool.pods.items()]
-        unreachable = [pod.unreachable for pod in pool.pods.values()]
-        result = choose_reachable(addresses, rows, unreachable, spec.weights, spec.saturation,
+        avoided = [pod.avoided(now) for pod in pool.pods.values()]
+        result = choose_reachable(addresses, rows, avoided, spec.weights, spec.saturation,
                                   priority, self._rng)
         if result.endpoint is not None:
             if blocks:
@@ -234,3 +235,15 @@ class EndpointPicker:
         pool = self.pools.get(cluster)
         if pool is not None:
             pool.done(address)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def answered(self, cluster: str, address: str, status: int) -> bool:
+        """The response to a request :meth:`pick` sent to ``address`` began with ``status``
+        (the rate limiter's own replies never reached a pod: not told). True: the pod is now
+        ejected (:meth:`PoolState.record_answer`)."""
+        pool = self.pools.get(cluster)
+        if pool is None:
+            return False
+        return pool.record_answer(address, status >= 500, self._clock())

@@ -15,6 +15,9 @@ from extproc.picker.metrics import EndpointMetrics
 from extproc.picker.pick import EndpointPicker, Pick, Priority
 from extproc.picker.scrape import Scraper
 from routing.schema import RoutingConfig
+from sidecar_runtime.logs import get_logger
+
+log = get_logger("extproc.picker")
 
 
 class PickerRuntime:
@@ -36,6 +39,16 @@ class PickerRuntime:
 
     def done(self, cluster: str, address: str) -> None:
         self.picker.done(cluster, address)
+
+    def answered(self, cluster: str, address: str, status: int) -> bool:
+        """The picked pod's answer began with ``status``; True (and a warning) when that
+        ejected it."""
+        if not self.picker.answered(cluster, address, status):
+            return False
+        pod = self.picker.pools[cluster].pods[address]
+        log.warning("picker_pod_ejected", cluster=cluster, endpoint=address, status=status,
+                    seconds=round(pod.ejected_until - self.picker.now(), 1))
+        return True
 
     def follow(self, config: RoutingConfig) -> None:
         """Adopt a reloaded ``config`` (the config reloader calls this on the event loop; the

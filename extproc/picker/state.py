@@ -10,6 +10,11 @@ candidate, scored neutrally. A pod the scraper could not even connect to on
 :data:`UNREACHABLE_AFTER` scrapes in a row is *unreachable*: still a candidate, but the picker
 names it first only when no pod is reachable, because Envoy tries a picked pod whatever its
 health checks say (docs/endpoint-picker.md), so a dead first pick costs a failed connect.
+
+A pod that answers :data:`EJECT_AFTER` picked requests in a row with a 5xx is *ejected* for a
+while (``record_answer``), and ranked as an unreachable one meanwhile: a pod whose engine
+fails every request fails fast, so its queue looks empty and the scorers would otherwise send
+it the most traffic. At most :data:`MAX_EJECTED_SHARE` of a pool's pods are out at once.
 """
 
 from __future__ import annotations
@@ -23,6 +28,19 @@ prefill stalling the batch) and still follow a pod that slows down under load in
 
 MIN_TPOT_S = 1e-6
 """Floor of a measured time per output token: the speed scorer divides by it."""
+
+EJECT_AFTER = 5
+"""Picked requests in a row a pod answers with a 5xx before it is ejected (Envoy's outlier
+detection defaults to the same five)."""
+
+EJECT_BASE_S = 10.0
+"""The first ejection's length; each next one in a row doubles it, up to :data:`EJECT_MAX_S`."""
+
+EJECT_MAX_S = 300.0
+
+MAX_EJECTED_SHARE = 0.5
+"""Most of a pool's pods ejected at once (at least one): requests that make every pod fail
+(a bad model, or a client that found a prompt vLLM answers 500) cannot empty the pool."""
 
 UNREACHABLE_AFTER = 2
 """Connection failures in a row that make a pod unreachable: one can be a blip (a pod
@@ -99,11 +117,22 @@ class PodState:
     """Seconds per output token, an EWMA (:data:`TPOT_ALPHA`) of the mean between good scrapes
     that saw new tokens; None until one has. Kept while the pod idles (its speed is still
     its speed) and across failed scrapes."""
+    failed_answers: int = 0
+    """Picked requests in a row the pod answered with a 5xx."""
+    ejections: int = 0
+    """Ejections in a row (no good answer since): the next one lasts twice as long."""
+    ejections_total: int = 0
+    ejected_until: float = 0.0
+    """Clock time the pod's ejection ends (0: never ejected)."""
 
     @property
     def unreachable(self) -> bool:
         """The scraper could not connect on the last :data:`UNREACHABLE_AFTER` scrapes."""
         return self.connect_failures >= UNREACHABLE_AFTER
+
+    def avoided(self, now: float) -> bool:
+        """Ranked after every other pod: unreachable, or ejected for failing its answers."""
+        return self.connect_failures >= UNREACHABLE_AFTER or now < self.ejected_until
 
 
 @dataclass
@@ -152,6 +181,29 @@ class PoolState:
         if pod.scraped_at is None or now - pod.scraped_at > self.stale_s:
             return None
         return pod.metrics
+
+    def record_answer(self, address: str, failed: bool, now: float) -> bool:
+        """The pod answered a picked request, with a 5xx (``failed``) or not; True when this
+        answer ejected it. A good answer ends the run of failures and of ejections."""
+        pod = self.pods.get(address)
+        if pod is None:
+            return False
+        if not failed:
+            pod.failed_answers = 0
+            if now >= pod.ejected_until:
+                pod.ejections = 0
+            return False
+        pod.failed_answers += 1
+        if pod.failed_answers < EJECT_AFTER or now < pod.ejected_until:
+            return False
+        out = sum(1 for p in self.pods.values() if now < p.ejected_until)
+        if out + 1 > max(1, int(len(self.pods) * MAX_EJECTED_SHARE)):
+            return False  # the run goes on: ejected as soon as another pod comes back
+        pod.failed_answers = 0
+        pod.ejections += 1
+        pod.ejections_total += 1
+        pod.ejected_until = now + min(EJECT_MAX_S, EJECT_BASE_S * 2 ** (pod.ejections - 1))
+        return True
 
     def sent(self, address: str) -> None:
         """This replica sent the pod a request (counted until its next scrape, and open)."""

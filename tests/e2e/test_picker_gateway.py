@@ -231,6 +231,29 @@ def test_the_pods_control_paths_are_not_reachable_through_the_gateway(gateway: G
                          for p in PODS), timeout=10, what="every pod's queue read as empty")
 
 
+def test_a_pod_that_fails_every_request_is_ejected_after_five(gateway: Gateway,
+                                                             client: openai.OpenAI) -> None:
+    """Pod C's engine is dead: it answers each request 500 at once, and its metrics go on
+    saying it is idle, beside two busy pods. Without ejection it would draw nearly every
+    request; with it, five fail and the rest are served. (C, because the last test stops it:
+    its ejection outlasts this test.)"""
+    sim_state(A, BUSY)
+    sim_state(B, BUSY)
+    sim_state(C, {"fail_requests": True})
+    for port in (A, B):
+        wait_for(reported(gateway, port, 40), timeout=10, what=f"extproc to read {port}'s queue")
+    failed = 0
+    for i in range(30):
+        try:
+            assert chat(client, f"engine {i} {uuid.uuid4()}")
+        except openai.InternalServerError:
+            failed += 1
+    assert failed == 5, failed  # EJECT_AFTER: the picks before C was taken out
+    assert extproc_metric(gateway, "llm_sidecar_endpoint_ejected", C) == 1
+    assert extproc_metric(gateway, "llm_sidecar_endpoint_ejections_total", C) == 1
+    assert len(journal(A)) + len(journal(B)) == 25
+
+
 def test_failing_metrics_and_a_dead_pod_cost_no_client_errors(gateway: Gateway,
                                                               client: openai.OpenAI) -> None:
     """Last in the module: it stops pod C for good."""

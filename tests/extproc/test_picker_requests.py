@@ -8,10 +8,11 @@ import random
 from typing import Any
 
 import orjson
+import pytest
 
 from extproc.actions import Continue, Reply
 from extproc.picker.pick import EndpointPicker
-from extproc.picker.state import PodMetrics
+from extproc.picker.state import EJECT_AFTER, PodMetrics
 from extproc.stream import StreamState
 from tests.extproc.helpers import BASE, snapshot
 
@@ -104,3 +105,26 @@ def test_a_client_header_naming_a_pod_is_removed_and_steers_nothing() -> None:
     assert set(spoof) <= set(first.remove_headers)
     _, action = send(picker, extra=spoof)
     assert isinstance(action, Continue) and action.lb_endpoints[0] != PODS[0]
+
+
+@pytest.mark.parametrize(("answer", "ejects"), [
+    ({":status": "500", "content-type": "application/json"}, True),
+    ({":status": "503", "content-type": "application/json"}, True),   # Envoy could not get one
+    ({":status": "200", "content-type": "text/event-stream"}, False),
+    ({":status": "400", "content-type": "application/json"}, False),  # the client's fault
+    # The rate limiter's own replies never reached the pod.
+    ({":status": "429", "x-envoy-ratelimited": "true"}, False),
+    ({":status": "503", "x-llm-ratelimit-backend": "redis"}, False),
+])
+def test_the_picked_pods_answers_decide_its_ejection(answer: dict[str, str], ejects: bool) -> None:
+    """Five picked requests in a row answered with a 5xx take the pod out of the picks."""
+    picker = picker_with({PODS[0]: 40, PODS[1]: 20})  # the free pod is picked first
+    for _ in range(EJECT_AFTER):
+        state, action = send(picker)
+        assert isinstance(action, Continue) and action.lb_endpoints[0] == PODS[2]
+        state.handle("response_headers", answer, b"", True)
+        state.close()
+    _, action = send(picker)
+    assert isinstance(action, Continue)
+    assert (action.lb_endpoints[0] != PODS[2]) is ejects
+    assert picker.pools["vllm-short"].pods[PODS[2]].ejections_total == int(ejects)

@@ -28,6 +28,7 @@ from simulator.overrides import NONE, SimOverrides, parse_overrides
         ({"gpu_temp_c": 92, "fb_used_mib": 80000, "fb_free_mib": 1920.5},
          SimOverrides(gpu_temp_c=92.0, fb_used_mib=80000.0, fb_free_mib=1920.5)),
         ({"fail_metrics": True, "fail_dcgm": False}, SimOverrides(fail_metrics=True)),
+        ({"fail_requests": True}, SimOverrides(fail_requests=True)),
     ],
 )  # fmt: skip
 def test_accepted_bodies(body: dict[str, Any], expected: SimOverrides) -> None:

@@ -320,3 +320,22 @@ async def test_without_dcgm_the_path_is_404(start_sim: StartSim, http: aiohttp.C
     sim = await start_sim(dcgm=False)
     async with http.get(sim.url + "/dcgm/metrics") as response:
         assert response.status == 404
+
+
+async def test_fail_requests_answers_vllms_500_while_the_metrics_look_idle(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    """A dead engine fails each request at once; its pod still reports, and looks idle."""
+    sim = await start_sim()
+    await _set_state(http, sim, {"fail_requests": True})
+    for path, body in (("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions",
+                        {"model": "m", "messages": [{"role": "user", "content": "hi"}]})):
+        async with http.post(sim.url + path, json=body) as response:
+            assert response.status == 500
+            error = (await response.json())["error"]
+        assert error["type"] == "InternalServerError" and "EngineCore" in error["message"]
+    vllm = await _vllm(http, sim)
+    assert vllm["vllm:num_requests_running"] == vllm["vllm:num_requests_waiting"] == 0
+    await _set_state(http, sim, {})
+    await _complete(http, sim, [1, 2, 3], 1)
