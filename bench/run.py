@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -57,9 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 @contextmanager
-def started(name: StackName, env: stack.Shared, args: argparse.Namespace,
-            tag: str) -> Iterator[tuple[str, dict[str, int], str]]:
-    """Start stack ``name``: yields its base URL, its processes' pids and the bearer token."""
+def started(name: StackName, env: stack.Shared, args: argparse.Namespace, tag: str,
+            patch: Callable[[dict[str, Any], dict[str, Any]], None] | None = None
+            ) -> Iterator[tuple[str, dict[str, int], str]]:
+    """Start stack ``name``: yields its base URL, its processes' pids and the bearer token
+    (``patch``: see :func:`bench.stack.gateway`)."""
     spec = STACKS[name]
     if name == "direct":
         yield f"http://127.0.0.1:{env.upstream_port}", {}, BEARER
@@ -70,7 +72,7 @@ def started(name: StackName, env: stack.Shared, args: argparse.Namespace,
         return
     assert spec.variant is not None
     with stack.gateway(env, spec.variant, spec.store, envoy_concurrency=args.envoy_concurrency,
-                       tag=tag) as gw:
+                       tag=tag, patch=patch) as gw:
         pids = gw.pids()
         if spec.store == "redis":
             pids["redis"] = env.pid("redis")

@@ -13,10 +13,10 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
@@ -144,9 +144,12 @@ class Stack:
 
 @contextlib.contextmanager
 def gateway(env: Shared, variant: front.Variant, store: Store | None, *,
-            envoy_concurrency: int, tag: str) -> Iterator[Stack]:
+            envoy_concurrency: int, tag: str,
+            patch: Callable[[dict[str, Any], dict[str, Any]], None] | None = None
+            ) -> Iterator[Stack]:
     """Front Envoy for ``variant`` and the services it needs; ``store`` picks the rate-limit
-    backend (and gives extproc the Redis URL too, as a deployment would)."""
+    backend (and gives extproc the Redis URL too, as a deployment would). ``patch(bootstrap,
+    routing_doc)`` changes the front bootstrap in place before Envoy starts (``bench.ab``)."""
     listen, admin = free_port(), free_port()
     doc = front.routing_doc(listen=listen, admin=admin, extproc=free_port(),
                             ratelimit=free_port(), upstream=env.upstream_ports,
@@ -156,8 +159,11 @@ def gateway(env: Shared, variant: front.Variant, store: Store | None, *,
         yaml.safe_dump(doc, handle, sort_keys=False)
     config = load_config(config_path)
     envoy_path = os.path.join(env.workdir, f"front-{tag}.yaml")
+    front_doc = front.front_bootstrap(config, variant)
+    if patch is not None:
+        patch(front_doc, doc)
     with open(envoy_path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(front.front_bootstrap(config, variant), handle, sort_keys=False)
+        yaml.safe_dump(front_doc, handle, sort_keys=False)
     service_env = {"LLM_SIDECAR_REDIS_URL": env.redis_url} if store == "redis" else {}
     children: list[Child] = []
 
