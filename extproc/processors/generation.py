@@ -85,8 +85,10 @@ class GenerationProcessor(BaseProcessor):
                           # down) mark themselves.
                           "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers,
                           UsageMeter(streamed))
-        if self.picked is not None and self.ctx.picker is not None and not reading.limited:
+        if self.picked is not None and self.ctx.picker is not None and not reading.limited \
+                and "x-envoy-overloaded" not in headers:
             # The pod's answer (or Envoy's 5xx for failing to get one): a run of 5xx ejects it.
+            # Envoy's own circuit breaker (x-envoy-overloaded) says nothing of the pod.
             self.ctx.picker.answered(*self.picked, reading.status)
         if not routed.reads_body:
             return self._headers_only(reading)

@@ -115,6 +115,8 @@ def test_a_client_header_naming_a_pod_is_removed_and_steers_nothing() -> None:
     # The rate limiter's own replies never reached the pod.
     ({":status": "429", "x-envoy-ratelimited": "true"}, False),
     ({":status": "503", "x-llm-ratelimit-backend": "redis"}, False),
+    # Envoy's circuit breaker on the pool dropped it: nothing to do with the pod.
+    ({":status": "503", "x-envoy-overloaded": "true"}, False),
 ])
 def test_the_picked_pods_answers_decide_its_ejection(answer: dict[str, str], ejects: bool) -> None:
     """Five picked requests in a row answered with a 5xx take the pod out of the picks."""
