@@ -20,7 +20,8 @@ from typing import Any
 from bench import front, loadgen, stack
 from bench.measure import Point, measure
 from bench.run import HERE, started
-from bench.scenarios import request_headers, workloads
+from bench.saturation_pairs import saturation_load
+from bench.scenarios import workloads
 
 Patch = Callable[[dict[str, Any], dict[str, Any]], None]
 LUA = "envoy.filters.http.lua"
@@ -143,20 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     with stack.shared(str(workdir)) as env, \
             started("full-redis", env, args, "ab-a") as a, \
             started("full-redis", env, args, "ab-b", patch=patch) as b:
-        loads: dict[str, tuple[loadgen.Load, dict[str, int]]] = {}
-        for side, (url, pids, bearer) in (("A", a), ("B", b)):
-            headers = request_headers("full-redis", work, bearer)
-            status, _answer, _ = stack.probe(url + work.path, work.body, dict(headers))
-            if status != 200:
-                raise RuntimeError(f"{side}: probe answered {status}")
-            warm = loadgen.Load(url + work.path, body_path, headers, 200, 2.0,
-                                loadgen.connections_for(200, 0, work.latency_s),
-                                drain_s=work.latency_s * 2)
-            loadgen.run(tool, warm, str(workdir), f"{side}-warmup")
-            loads[side] = (loadgen.Load(url + work.path, body_path, headers, None,
-                                        args.duration, args.saturation_connections,
-                                        drain_s=work.latency_s * 2), pids)
+        loads = {side: (saturation_load(side, "full-redis", end, work, body_path, tool, workdir,
+                                        args), end[1])
+                 for side, end in (("A", a), ("B", b))}
         every = {f"{s}:{k}": v for s, (_, pids) in loads.items() for k, v in pids.items()}
+        every.update({f"shared:{c.name}": c.process.pid for c in env.children})
         for r in range(args.rounds):
             for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
                 load, pids = loads[side]

@@ -23,7 +23,7 @@ from typing import Any
 from bench import loadgen, stack
 from bench.measure import Point, measure
 from bench.run import HERE, started
-from bench.scenarios import StackName, request_headers, workloads
+from bench.scenarios import StackName, Workload, request_headers, workloads
 
 STACKS: tuple[StackName, ...] = ("bare", "full-redis")
 
@@ -38,6 +38,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON")
     p.add_argument("--json", action="store_true", help="print the summary as JSON, not markdown")
     return p.parse_args(argv)
+
+
+def saturation_load(label: str, name: StackName, end: tuple[str, dict[str, int], str],
+                    work: Workload, body_path: str, tool: loadgen.Tool, workdir: Path,
+                    args: argparse.Namespace) -> loadgen.Load:
+    """Probe stack ``name`` at ``end`` once (a ``RuntimeError`` unless 200), warm it for 2 s at
+    200 req/s, and return its closed-loop saturation load (``args.duration`` s,
+    ``args.saturation_connections`` connections)."""
+    url, _pids, bearer = end
+    headers = request_headers(name, work, bearer)
+    status, _answer, _ = stack.probe(url + work.path, work.body, dict(headers))
+    if status != 200:
+        raise RuntimeError(f"{label}: probe answered {status}")
+    warm = loadgen.Load(url + work.path, body_path, headers, 200, 2.0,
+                        loadgen.connections_for(200, 0, work.latency_s),
+                        drain_s=work.latency_s * 2)
+    loadgen.run(tool, warm, str(workdir), f"{label}-warmup")
+    return loadgen.Load(url + work.path, body_path, headers, None, args.duration,
+                        args.saturation_connections, drain_s=work.latency_s * 2)
 
 
 def summary(points: list[Point]) -> dict[str, Any]:
@@ -102,18 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             started("full-redis", env, args, "pairs-full") as full:
         ends: dict[StackName, tuple[str, dict[str, int], str]] = {"bare": bare,
                                                                  "full-redis": full}
-        loads: dict[StackName, loadgen.Load] = {}
-        for name, (url, _pids, bearer) in ends.items():
-            headers = request_headers(name, work, bearer)
-            status, _answer, _ = stack.probe(url + work.path, work.body, dict(headers))
-            if status != 200:
-                raise RuntimeError(f"{name}/chat: probe answered {status}")
-            warm = loadgen.Load(url + work.path, body_path, headers, 200, 2.0,
-                                loadgen.connections_for(200, 0, work.latency_s),
-                                drain_s=work.latency_s * 2)
-            loadgen.run(tool, warm, str(workdir), f"{name}-warmup")
-            loads[name] = loadgen.Load(url + work.path, body_path, headers, None, args.duration,
-                                       args.saturation_connections, drain_s=work.latency_s * 2)
+        loads = {name: saturation_load(f"{name}/chat", name, end, work, body_path, tool,
+                                       workdir, args) for name, end in ends.items()}
         every = {f"{n}:{k}": v for n, (_, pids, _) in ends.items() for k, v in pids.items()}
         every.update({f"shared:{c.name}": c.process.pid for c in env.children})
         for pair in range(args.pairs):
