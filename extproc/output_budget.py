@@ -48,26 +48,33 @@ def charged_for_tokens(config: RoutingConfig, values: Mapping[str, str]) -> bool
     return False
 
 
-def budget_unset(api: Api, doc: Mapping[str, Any]) -> bool:
-    """Would vLLM choose the output length of this request itself?
+VLLM_COMPLETIONS_DEFAULT = 16
+"""vLLM's ``max_tokens`` for a completions request that has none (OpenAI's legacy default)."""
+
+
+def budget_unset(api: Api, doc: Mapping[str, Any], budget: int = VLLM_COMPLETIONS_DEFAULT) -> bool:
+    """Would vLLM give this request more output than ``budget`` of its own accord?
 
     Chat: vLLM reads ``max_completion_tokens or max_tokens`` and, when that is None, gives the
-    rest of the context window. Completions: an absent ``max_tokens`` is vLLM's default of 16
-    (the reservation already covers it); only an explicit ``null`` leaves the window. A 0 or a
-    negative budget is vLLM's 400, and is left for it to answer.
+    rest of the context window. Completions: an explicit ``null`` leaves the window; an absent
+    ``max_tokens`` is vLLM's 16, more than a ``budget`` below 16 only. A 0 or a negative budget
+    is vLLM's 400, and is left for it to answer.
     """
     if api == "chat":
         return (doc.get("max_completion_tokens") or doc.get("max_tokens")) is None
-    return "max_tokens" in doc and doc["max_tokens"] is None
+    if "max_tokens" in doc:
+        return doc["max_tokens"] is None
+    return budget < VLLM_COMPLETIONS_DEFAULT
 
 
 def upstream_max_tokens(config: RoutingConfig, api: Api, doc: Mapping[str, Any],
                         default_max_tokens: int, values: Mapping[str, str]) -> int | None:
     """The ``max_tokens`` to write into the request sent upstream, or None to leave its body's
     budget as the client set it."""
-    if default_max_tokens < 1 or not budget_unset(api, doc):
+    if default_max_tokens < 1 or not budget_unset(api, doc, default_max_tokens):
         return None
     return default_max_tokens if charged_for_tokens(config, values) else None
 
 
-__all__ = ["budget_unset", "charged_for_tokens", "upstream_max_tokens"]
+__all__ = ["VLLM_COMPLETIONS_DEFAULT", "budget_unset", "charged_for_tokens",
+           "upstream_max_tokens"]

@@ -5,7 +5,9 @@ and finish reason ``length`` (the simulated model never stops early, so the budg
 cuts it); one that sets none gets ``default_output_tokens`` and ``stop``, unless the context
 window leaves fewer, in which case it gets what is left and ``length``. With ``natural_stop``
 every answer is ``default_output_tokens`` long (``stop``) unless the budget or the window cuts it
-shorter (``length``), as a real model's end-of-sequence token ends its answer.
+shorter (``length``), as a real model's end-of-sequence token ends its answer. A request's
+``min_tokens`` lengthens the natural answer to at least that, as vLLM holds back the
+end-of-sequence token until then.
 
 Text: one word per token, chosen from a small vocabulary by a hash of the prompt, so the same
 prompt always produces the same text in every process.
@@ -95,16 +97,18 @@ def plan_output(
     max_model_len: int,
     prefix_blocks: tuple[bytes, ...] | None = None,
     natural_stop: bool = False,
+    min_tokens: int = 0,
 ) -> SequencePlan:
     """The output of one prompt (see module docstring); checks the context window first."""
     check_context(prompt_tokens, max_tokens, max_model_len)
     room = max_model_len - prompt_tokens
+    natural = max(default_output_tokens, min_tokens)
     count: int
     finish: FinishReason
-    if max_tokens is not None and not (natural_stop and default_output_tokens < max_tokens):
+    if max_tokens is not None and not (natural_stop and natural < max_tokens):
         count, finish = max_tokens, "length"
-    elif default_output_tokens <= room:
-        count, finish = default_output_tokens, "stop"
+    elif natural <= room:
+        count, finish = natural, "stop"
     else:
         count, finish = room, "length"
     return SequencePlan(prompt_tokens, output_pieces(prompt_seed(prompt), count), finish, prefix_blocks)

@@ -220,6 +220,7 @@ async def _generate(request: web.Request, parsed: GenerationRequest, *, chat: bo
             config.max_model_len,
             prompt_blocks(prompt, state.tokenizer, config.prefix_block_size),
             config.natural_stop,
+            parsed.min_tokens,
         )
         for prompt in parsed.prompts
     )

@@ -14,7 +14,8 @@ busy, full, hot or broken without loading it. The JSON object replaces every ear
 ``throttle_reasons`` gives the exact bitmask (only one of the two). Only what is reported
 changes: admission, pacing and the prefix cache keep running on the real state, except with
 ``fail_requests``: each chat and completions request then gets vLLM's 500 for a dead engine at
-once, while ``/metrics`` goes on reporting (an idle pod, as a broken engine's pod looks).
+once, while ``/metrics`` goes on reporting (an idle pod: vLLM kept up after its engine died,
+``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH``, or a server that fails every request for another cause).
 """
 
 from __future__ import annotations

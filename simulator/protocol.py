@@ -23,7 +23,7 @@ class GenerationRequest:
 
     ``prompts`` has one ``ChatPrompt`` for chat, one or more text/token prompts for completions.
     ``max_tokens`` is a chat request's ``max_completion_tokens`` when set and not 0, else
-    ``max_tokens``.
+    ``max_tokens``; ``min_tokens`` is vLLM's (0: not set).
     """
 
     model: str | None
@@ -33,6 +33,7 @@ class GenerationRequest:
     include_usage: bool
     continuous_usage: bool
     priority: int
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ def _generation(
         include_usage=include_usage,
         continuous_usage=continuous,
         priority=_priority(fields),
+        min_tokens=min_tokens,
     )
 
 

@@ -120,7 +120,8 @@ class PodState:
     failed_answers: int = 0
     """Picked requests in a row the pod answered with a 5xx."""
     ejections: int = 0
-    """Ejections in a row (no good answer since): the next one lasts twice as long."""
+    """Ejections in a row (no good answer since): the next one lasts twice as long. A pod back
+    from one needs :data:`EJECT_AFTER` new failures to go again (those while out do not count)."""
     ejections_total: int = 0
     ejected_until: float = 0.0
     """Clock time the pod's ejection ends (0: never ejected)."""
@@ -193,8 +194,10 @@ class PoolState:
             if now >= pod.ejected_until:
                 pod.ejections = 0
             return False
+        if now < pod.ejected_until:
+            return False  # answers to requests picked before (or as a last fallback): not counted
         pod.failed_answers += 1
-        if pod.failed_answers < EJECT_AFTER or now < pod.ejected_until:
+        if pod.failed_answers < EJECT_AFTER:
             return False
         out = sum(1 for p in self.pods.values() if now < p.ejected_until)
         if out + 1 > max(1, int(len(self.pods) * MAX_EJECTED_SHARE)):
@@ -202,7 +205,7 @@ class PoolState:
         pod.failed_answers = 0
         pod.ejections += 1
         pod.ejections_total += 1
-        pod.ejected_until = now + min(EJECT_MAX_S, EJECT_BASE_S * 2 ** (pod.ejections - 1))
+        pod.ejected_until = now + min(EJECT_MAX_S, EJECT_BASE_S * 2 ** min(pod.ejections - 1, 16))
         return True
 
     def sent(self, address: str) -> None:

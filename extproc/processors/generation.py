@@ -43,6 +43,9 @@ from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
 from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER, STRIP_USAGE_METADATA_KEY
 
+UPSTREAM_ANSWERED = "x-envoy-upstream-service-time"
+"""Envoy's router adds it to a response an upstream sent, never to a local reply."""
+
 _NO_RESPONSE_BODY = ModeOverride(response_headers=True, response_body="none")
 _READ_RESPONSE = Continue(mode=ModeOverride(response_headers=True, response_body="streamed"))
 """The answer to every request's headers (values are frozen: one serves every request)."""
@@ -85,10 +88,11 @@ class GenerationProcessor(BaseProcessor):
                           # down) mark themselves.
                           "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers,
                           UsageMeter(streamed))
-        if self.picked is not None and self.ctx.picker is not None and not reading.limited \
-                and "x-envoy-overloaded" not in headers:
-            # The pod's answer (or Envoy's 5xx for failing to get one): a run of 5xx ejects it.
-            # Envoy's own circuit breaker (x-envoy-overloaded) says nothing of the pod.
+        if self.picked is not None and self.ctx.picker is not None \
+                and UPSTREAM_ANSWERED in headers:
+            # The pod's own answer: a run of 5xx ejects it. Envoy's local replies (the rate
+            # limiter's 429 and its 503 when its service fails, a circuit breaker's 503, a
+            # timeout's 504) carry no upstream service time and say nothing of the pod.
             self.ctx.picker.answered(*self.picked, reading.status)
         if not routed.reads_body:
             return self._headers_only(reading)

@@ -75,6 +75,17 @@ def test_when_vllm_would_choose_the_length_itself(api: Any, doc: dict[str, Any],
     assert budget_unset(api, doc) is unset
 
 
+@pytest.mark.parametrize(("budget", "unset"), [(16, False), (256, False), (15, True), (1, True)])
+def test_an_absent_completions_budget_is_vllms_16(budget: int, unset: bool) -> None:
+    """vLLM gives a completion without max_tokens 16 tokens: more than a default below 16
+    reserves, so such a default is written."""
+    assert budget_unset("completions", {}, budget) is unset
+    assert budget_unset("completions", {"max_tokens": 3}, budget) is False
+    config = snapshot(rate_limits={"tenant": {"default": {"tokens": "1M/h"}}}).config
+    assert upstream_max_tokens(config, "completions", {}, budget, values()) \
+        == (budget if unset else None)
+
+
 def test_a_zero_default_writes_nothing() -> None:
     """``default_max_tokens: 0`` reserves the prompt only; writing 0 would be vLLM's 400."""
     config = snapshot(rate_limits={"tenant": {"default": {"tokens": "1M/h"}}}).config

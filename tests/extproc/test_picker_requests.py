@@ -107,16 +107,21 @@ def test_a_client_header_naming_a_pod_is_removed_and_steers_nothing() -> None:
     assert isinstance(action, Continue) and action.lb_endpoints[0] != PODS[0]
 
 
+FROM_POD = {"x-envoy-upstream-service-time": "3", "content-type": "application/json"}
+"""What Envoy's router adds to every answer an upstream sent (never to a local reply)."""
+
+
 @pytest.mark.parametrize(("answer", "ejects"), [
-    ({":status": "500", "content-type": "application/json"}, True),
-    ({":status": "503", "content-type": "application/json"}, True),   # Envoy could not get one
-    ({":status": "200", "content-type": "text/event-stream"}, False),
-    ({":status": "400", "content-type": "application/json"}, False),  # the client's fault
-    # The rate limiter's own replies never reached the pod.
-    ({":status": "429", "x-envoy-ratelimited": "true"}, False),
+    ({":status": "500", **FROM_POD}, True),
+    ({":status": "503", **FROM_POD}, True),
+    ({":status": "200", **FROM_POD, "content-type": "text/event-stream"}, False),
+    ({":status": "400", **FROM_POD}, False),  # the client's fault
+    # Envoy's local replies say nothing of the pod: the rate limiter's 503 when its service
+    # fails or its store is down, a circuit breaker's 503, an idle timeout's 504.
+    ({":status": "503", "content-type": "application/json"}, False),
     ({":status": "503", "x-llm-ratelimit-backend": "redis"}, False),
-    # Envoy's circuit breaker on the pool dropped it: nothing to do with the pod.
     ({":status": "503", "x-envoy-overloaded": "true"}, False),
+    ({":status": "504", "content-type": "application/json"}, False),
 ])
 def test_the_picked_pods_answers_decide_its_ejection(answer: dict[str, str], ejects: bool) -> None:
     """Five picked requests in a row answered with a 5xx take the pod out of the picks."""

@@ -41,6 +41,23 @@ def test_output_length_and_finish_reason(
 
 
 @pytest.mark.parametrize(
+    ("max_tokens", "natural_stop", "count", "reason"),
+    [
+        (None, False, 40, "stop"),
+        (None, True, 40, "stop"),
+        (100, True, 40, "stop"),
+        (100, False, 100, "length"),
+        (30, True, 30, "length"),  # (vLLM refuses min_tokens above max_tokens before this)
+    ],
+)
+def test_min_tokens_lengthens_the_natural_answer(
+    max_tokens: int | None, natural_stop: bool, count: int, reason: str
+) -> None:
+    plan = plan_output("p", 10, max_tokens, 16, 2048, natural_stop=natural_stop, min_tokens=40)
+    assert (len(plan.pieces), plan.finish_reason) == (count, reason)
+
+
+@pytest.mark.parametrize(
     ("prompt_tokens", "max_tokens", "count", "reason"),
     [
         (10, None, 16, "stop"),

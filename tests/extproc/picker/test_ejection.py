@@ -50,11 +50,23 @@ def test_ejections_in_a_row_double_up_to_the_cap_and_a_good_answer_resets_them()
     assert pool.pods[BAD].ejected_until - now == EJECT_BASE_S
 
 
-def test_failures_while_ejected_do_not_lengthen_it() -> None:
+def test_failures_while_ejected_neither_lengthen_it_nor_count_after_it() -> None:
+    """Answers to requests picked before the ejection (or sent as a last fallback) arrive while
+    it is out: back, the pod needs five new failures to go again (for twice as long)."""
     pool = pool_of(4)
     fail(pool, BAD, EJECT_AFTER, 0.0)
     assert fail(pool, BAD, 3 * EJECT_AFTER, 1.0) == [False] * (3 * EJECT_AFTER)
     assert pool.pods[BAD].ejected_until == EJECT_BASE_S
+    back = EJECT_BASE_S
+    assert fail(pool, BAD, EJECT_AFTER, back) == [False] * (EJECT_AFTER - 1) + [True]
+    assert pool.pods[BAD].ejected_until == back + 2 * EJECT_BASE_S
+
+
+def test_a_pod_failing_for_days_stays_at_the_longest_ejection() -> None:
+    pool = pool_of(4)
+    pool.pods[BAD].ejections = 5000  # ~17 days of 5-minute ejections in a row
+    assert fail(pool, BAD, EJECT_AFTER, 0.0)[-1]
+    assert pool.pods[BAD].ejected_until == EJECT_MAX_S
 
 
 @pytest.mark.parametrize(("pods", "most_out"), [(1, 1), (2, 1), (3, 1), (4, 2)])
