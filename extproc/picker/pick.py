@@ -236,13 +236,10 @@ class EndpointPicker:
         if pool is not None:
             pool.done(address)
 
-    def now(self) -> float:
-        return self._clock()
-
     def answered(self, cluster: str, address: str, status: int) -> bool:
-        """The response to a request :meth:`pick` sent to ``address`` began with ``status``
-        (the rate limiter's own replies never reached a pod: not told). True: the pod is now
-        ejected (:meth:`PoolState.record_answer`)."""
+        """The pod ``address``, picked for a request, itself answered it with ``status`` (Envoy's
+        local replies are not told). True: the pod is now ejected
+        (:meth:`PoolState.record_answer`)."""
         pool = self.pools.get(cluster)
         if pool is None:
             return False

@@ -23,7 +23,7 @@ log = get_logger("extproc.picker")
 class PickerRuntime:
     def __init__(self, config: RoutingConfig, registry: CollectorRegistry) -> None:
         self._config = config
-        loop_time = asyncio.get_running_loop().time
+        loop_time = self._clock = asyncio.get_running_loop().time
         self.picker = EndpointPicker(self._config, clock=loop_time)
         self.scraper = Scraper(self.picker.pools, self._config, clock=loop_time)
         self.metrics = EndpointMetrics(registry, self.picker.pools, loop_time)
@@ -47,7 +47,7 @@ class PickerRuntime:
             return False
         pod = self.picker.pools[cluster].pods[address]
         log.warning("picker_pod_ejected", cluster=cluster, endpoint=address, status=status,
-                    seconds=round(pod.ejected_until - self.picker.now(), 1))
+                    seconds=round(pod.ejected_until - self._clock(), 1))
         return True
 
     def follow(self, config: RoutingConfig) -> None:

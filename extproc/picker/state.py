@@ -133,7 +133,7 @@ class PodState:
 
     def avoided(self, now: float) -> bool:
         """Ranked after every other pod: unreachable, or ejected for failing its answers."""
-        return self.connect_failures >= UNREACHABLE_AFTER or now < self.ejected_until
+        return self.unreachable or now < self.ejected_until
 
 
 @dataclass
