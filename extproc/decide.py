@@ -28,6 +28,8 @@ class Demand:
     """Output tokens per sequence the client asked for; None: the model's default."""
     choices: int = 1
     """Sequences generated per prompt (``n``, or ``best_of`` when larger)."""
+    min_output_tokens: int = 0
+    """vLLM's ``min_tokens``: with no ``max_output_tokens``, the output assumed is at least this."""
 
 
 @quick_init
@@ -50,7 +52,11 @@ class Decision:
 
 
 def output_per_sequence(demand: Demand, default_max_tokens: int) -> int:
-    return default_max_tokens if demand.max_output_tokens is None else demand.max_output_tokens
+    """The client's budget, else the model's default (or ``min_tokens`` when larger: vLLM
+    generates at least that)."""
+    if demand.max_output_tokens is None:
+        return max(default_max_tokens, demand.min_output_tokens)
+    return demand.max_output_tokens
 
 
 def requested_output(demand: Demand, default_max_tokens: int) -> int:

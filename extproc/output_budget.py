@@ -8,7 +8,8 @@ enforcing token bucket charges the request, extproc writes the budget it reserve
 body as ``max_tokens``: the reservation is then a true bound on what vLLM generates.
 
 Pure: which buckets charge a request is read off the same limit entries the rate-limit service
-and the rendered descriptors are built from (:func:`routing.ratelimits.limit_entries`).
+and the rendered descriptors are built from (:func:`routing.ratelimits.limit_entries`), for the
+level values of the ``x-llm-*`` headers Envoy rate-limits the request on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from extproc.actions import Headers
 from extproc.bodies import Api
 from extproc.hit_limits import once_per_config
 from routing.ratelimits import LEVEL_HEADERS, limit_entries
@@ -31,15 +33,16 @@ def _token_limits(config: RoutingConfig) -> Mapping[tuple[str, str | None], bool
                              for entry in limit_entries(config) if entry.kind == "tokens"})
 
 
-def charged_for_tokens(config: RoutingConfig, values: Mapping[str, str]) -> bool:
-    """Does an enforcing token limit charge a request whose level values (``api_key``: its key
-    id, ``tenant``, ``model``) are ``values``? A level's override for the value applies when
-    there is one (it inherits the default's fields), else the level's default."""
+def charged_for_tokens(config: RoutingConfig, headers: Mapping[str, str]) -> bool:
+    """Does an enforcing token limit charge a request routed with ``headers`` (each level's
+    value in its :data:`~routing.ratelimits.LEVEL_HEADERS` header, as Envoy's descriptors read
+    it)? A level's override for the value applies when there is one (it inherits the default's
+    fields), else the level's default."""
     if config.rate_limits is None:
         return False
     limits = _token_limits(config)
-    for level in LEVEL_HEADERS:
-        value = values.get(level)
+    for level, header in LEVEL_HEADERS.items():
+        value = headers.get(header)
         enforcing = limits.get((level, value)) if value is not None else None
         if enforcing is None:
             enforcing = limits.get((level, None), False)
@@ -68,12 +71,12 @@ def budget_unset(api: Api, doc: Mapping[str, Any], budget: int = VLLM_COMPLETION
 
 
 def upstream_max_tokens(config: RoutingConfig, api: Api, doc: Mapping[str, Any],
-                        default_max_tokens: int, values: Mapping[str, str]) -> int | None:
-    """The ``max_tokens`` to write into the request sent upstream, or None to leave its body's
-    budget as the client set it."""
+                        default_max_tokens: int, headers: Headers) -> int | None:
+    """The ``max_tokens`` to write into the request sent upstream (``headers``: the routing
+    headers extproc sets on it), or None to leave its body's budget as the client set it."""
     if default_max_tokens < 1 or not budget_unset(api, doc, default_max_tokens):
         return None
-    return default_max_tokens if charged_for_tokens(config, values) else None
+    return default_max_tokens if charged_for_tokens(config, dict(headers)) else None
 
 
 __all__ = ["VLLM_COMPLETIONS_DEFAULT", "budget_unset", "charged_for_tokens",

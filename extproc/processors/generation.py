@@ -218,10 +218,7 @@ class GenerationProcessor(BaseProcessor):
         model = resolve_model(self.ctx, parsed.model, "chat")
         counter = counter_for(model.tokenizer)
         counts = tuple(count_prompt(counter, prompt) for prompt in parsed.prompts)
-        asked = parsed.max_output_tokens
-        if asked is None and parsed.min_output_tokens > model.default_max_tokens:
-            asked = parsed.min_output_tokens  # vLLM's min_tokens: at least this long
-        demand = Demand(counts, asked, parsed.choices)
+        demand = Demand(counts, parsed.max_output_tokens, parsed.choices, parsed.min_output_tokens)
         decision = decide_demand_for(self.ctx, model, demand)
         pods = self._pick(decision, parsed)
         snapshot = self.ctx.snapshot
@@ -252,8 +249,7 @@ class GenerationProcessor(BaseProcessor):
         # token bucket charges it: vLLM would otherwise give it the rest of the context window.
         budget = upstream_max_tokens(snapshot.config, self.api, parsed.doc,
                                      output_per_sequence(demand, model.default_max_tokens),
-                                     {"api_key": self.ctx.identity.key_id,
-                                      "tenant": self.ctx.identity.tenant, "model": model.name})
+                                     headers)
         if decision.upstream_model != parsed.model or snapshot.inject_priority or inject \
                 or client_priority or budget is not None:
             doc = dict(parsed.doc)

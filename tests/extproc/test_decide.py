@@ -88,6 +88,10 @@ def test_canary_is_sticky_and_monotonic_in_percent() -> None:
     (Demand((100, 50), None, choices=2), 150 + 256 * 2 * 2),
     (Demand((1,) * 2048, 1, choices=128), 2048 + 2048 * 128),
     (Demand((5,), 0), 5),  # an explicit 0 is "no output" (embeddings); parsing maps <= 0 to None
+    # vLLM's min_tokens: the output assumed without a budget is at least that.
+    (Demand((100,), None, min_output_tokens=400), 500),
+    (Demand((100,), None, min_output_tokens=100), 356),
+    (Demand((100,), 30, min_output_tokens=400), 130),  # with a budget (vLLM's 400 follows)
 ])
 def test_reservation_table(demand: Demand, expected: int) -> None:
     assert reservation(demand, LLAMA.default_max_tokens) == expected

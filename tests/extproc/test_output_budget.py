@@ -19,7 +19,9 @@ KEYS = {"api_keys": [{"name": "bot", "sha256": BOT_SHA, "tenant": "acme"}]}
 
 
 def values(key: str = "k-anon", tenant: str = "default", model: str = "llama-2-13b") -> dict[str, str]:
-    return {"api_key": key, "tenant": tenant, "model": model}
+    """The routing headers Envoy's descriptors read each level's value from."""
+    return {"x-llm-key-id": key, "x-llm-tenant": tenant, "x-llm-model": model,
+            "x-llm-cluster": "vllm-short"}
 
 
 @pytest.mark.parametrize(("limits", "request_values", "charged"), [
@@ -82,12 +84,12 @@ def test_an_absent_completions_budget_is_vllms_16(budget: int, unset: bool) -> N
     assert budget_unset("completions", {}, budget) is unset
     assert budget_unset("completions", {"max_tokens": 3}, budget) is False
     config = snapshot(rate_limits={"tenant": {"default": {"tokens": "1M/h"}}}).config
-    assert upstream_max_tokens(config, "completions", {}, budget, values()) \
+    assert upstream_max_tokens(config, "completions", {}, budget, tuple(values().items())) \
         == (budget if unset else None)
 
 
 def test_a_zero_default_writes_nothing() -> None:
     """``default_max_tokens: 0`` reserves the prompt only; writing 0 would be vLLM's 400."""
     config = snapshot(rate_limits={"tenant": {"default": {"tokens": "1M/h"}}}).config
-    assert upstream_max_tokens(config, "chat", {}, 0, values()) is None
-    assert upstream_max_tokens(config, "chat", {}, 64, values()) == 64
+    assert upstream_max_tokens(config, "chat", {}, 0, tuple(values().items())) is None
+    assert upstream_max_tokens(config, "chat", {}, 64, tuple(values().items())) == 64
