@@ -19,8 +19,8 @@ from typing import Any
 
 from bench import front, loadgen, stack
 from bench.measure import Point, measure
-from bench.run import HERE, started
-from bench.saturation_pairs import saturation_load
+from bench.run import started
+from bench.saturation_pairs import add_point_arguments, saturation_load
 from bench.scenarios import workloads
 
 Patch = Callable[[dict[str, Any], dict[str, Any]], None]
@@ -99,11 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__)
     p.add_argument("patches", help=f"comma-separated, of: {', '.join(PATCHES)}")
     p.add_argument("--rounds", type=int, default=6, help="A/B rounds (default 6)")
-    p.add_argument("--duration", type=float, default=4.0, help="seconds per point (default 4)")
-    p.add_argument("--saturation-connections", type=int, default=32)
-    p.add_argument("--envoy-concurrency", type=int, default=2)
-    p.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto")
-    p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON")
+    add_point_arguments(p)
     return p.parse_args(argv)
 
 

@@ -28,14 +28,20 @@ from bench.scenarios import StackName, Workload, request_headers, workloads
 STACKS: tuple[StackName, ...] = ("bare", "full-redis")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.saturation_pairs", description=__doc__)
-    p.add_argument("--pairs", type=int, default=8, help="bare/gateway pairs (default 8)")
+def add_point_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of alternating saturation points (what :func:`saturation_load` and
+    :func:`bench.run.started` read), shared with ``bench.ab``."""
     p.add_argument("--duration", type=float, default=4.0, help="seconds per point (default 4)")
     p.add_argument("--saturation-connections", type=int, default=32)
     p.add_argument("--envoy-concurrency", type=int, default=2)
     p.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto")
     p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.saturation_pairs", description=__doc__)
+    p.add_argument("--pairs", type=int, default=8, help="bare/gateway pairs (default 8)")
+    add_point_arguments(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON, not markdown")
     return p.parse_args(argv)
 
