@@ -20,11 +20,13 @@ Api = Literal["chat", "completions", "embeddings"]
 @quick_init
 @dataclass(frozen=True)
 class PromptParts:
-    """The prompt as the token counter sees it: texts, explicit token ids and message count."""
+    """The prompt as the token counter sees it: texts, explicit token ids, message count, and
+    the media items of a chat prompt (images, audio clips, videos; see :data:`MEDIA_PARTS`)."""
 
     texts: tuple[str, ...]
     token_ids: int
     messages: int
+    media: tuple[int, int, int] = (0, 0, 0)
 
 
 @quick_init
@@ -123,11 +125,47 @@ def _token_list(value: list[Any]) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
+MEDIA_PARTS = {"image_url": 0, "input_image": 0, "image_embeds": 0, "image_pil": 0,
+               "audio_url": 1, "input_audio": 1, "audio_embeds": 1, "video_url": 2}
+"""vLLM's media content parts (its ``MM_PARSER_MAP``), as an index into ``PromptParts.media``
+(image, audio, video). A part without a ``type`` (or with a ``uuid``) is read by its key, as
+vLLM does."""
+
+_PART_TEXT_SKIP = frozenset(("type", "uuid"))
+_MESSAGE_SKIP = frozenset(("role", "content"))
+ROLES = frozenset(("system", "developer", "user", "assistant", "tool", "function"))
+"""The usual roles, whose markers :data:`extproc.tokens.PER_MESSAGE_TOKENS` allows for."""
+TEMPLATE_FIELDS = ("tools", "functions", "response_format", "documents", "chat_template",
+                   "chat_template_kwargs")
+"""Request fields a chat template renders beside the messages (or is: a request's own
+``chat_template``, on a pool that trusts one, puts its literal text in every prompt)."""
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+def _media_index(part: dict[str, Any]) -> int | None:
+    kind = part.get("type")
+    if isinstance(kind, str) and part.get("uuid") is None:
+        return MEDIA_PARTS.get(kind)
+    if kind is None or part.get("uuid") is not None:
+        for key, index in MEDIA_PARTS.items():
+            if key in part and key != "input_image":
+                return index
+    return None
+
+
 def _chat_prompt(doc: dict[str, Any]) -> PromptParts:
+    """Every text vLLM's chat template can render, so that no field hides a long prompt: the
+    text of each content part whatever its type (``text``, ``refusal``, ``thinking``, ...),
+    each message's other fields (``name``, ``tool_calls``, ``reasoning``, ...), and the
+    request's :data:`TEMPLATE_FIELDS`; media parts are counted as items, not as text."""
     messages = doc.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty array of message objects.", param="messages")
     texts: list[str] = []
+    media = [0, 0, 0]
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad_request(f"messages[{i}] must be an object.", param="messages")
@@ -142,24 +180,26 @@ def _chat_prompt(doc: dict[str, Any]) -> PromptParts:
                 if not isinstance(part, dict):
                     raise bad_request(f"messages[{i}].content[{j}] must be an object.",
                                       param="messages")
-                text = part.get("text")
-                if part.get("type") == "text" and not isinstance(text, str):
+                if part.get("type") == "text" and not isinstance(part.get("text"), str):
                     raise bad_request(f"messages[{i}].content[{j}].text must be a string.",
                                       param="messages")
-                if isinstance(text, str):
-                    texts.append(text)
+                index = _media_index(part)
+                if index is not None:
+                    media[index] += 1
+                    continue
+                texts.extend(_as_text(value) for key, value in part.items()
+                             if key not in _PART_TEXT_SKIP and value is not None)
         elif content is not None:
             raise bad_request(f"messages[{i}].content must be a string or an array of parts.",
                               param="messages")
-        # Tool calls and names are part of the prompt too: count their text.
-        for extra in ("name", "tool_calls", "function_call"):
-            if extra in message and message[extra] is not None:
-                texts.append(orjson.dumps(message[extra]).decode())
-    # So are vLLM's ``documents`` (RAG templates render them into the prompt).
-    for extra in ("tools", "functions", "response_format", "documents"):
+        if role not in ROLES:
+            texts.append(role)  # a template prints the role: a custom one may be long
+        texts.extend(orjson.dumps(value).decode() for key, value in message.items()
+                     if key not in _MESSAGE_SKIP and value is not None)
+    for extra in TEMPLATE_FIELDS:
         if doc.get(extra) is not None:
             texts.append(orjson.dumps(doc[extra]).decode())
-    return PromptParts(tuple(texts), 0, len(messages))
+    return PromptParts(tuple(texts), 0, len(messages), (media[0], media[1], media[2]))
 
 
 MAX_CHOICES = 128

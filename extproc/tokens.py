@@ -62,9 +62,14 @@ def count_texts(counter: Counter, texts: Iterable[str]) -> int:
     return sum(counter.count(text) for text in texts)
 
 
-def count_prompt(counter: Counter, prompt: PromptParts) -> int:
-    """One prompt's tokens: its texts, its token ids, and the chat-template allowance."""
+def count_prompt(counter: Counter, prompt: PromptParts,
+                 media_tokens: tuple[int, int, int] = (0, 0, 0)) -> int:
+    """One prompt's tokens: its texts, its token ids, the chat-template allowance, and its
+    media items at ``media_tokens`` each (image, audio, video: the model's ``media_tokens``)."""
     tokens = count_texts(counter, prompt.texts) + prompt.token_ids
     if prompt.messages:
         tokens += PER_PROMPT_TOKENS + PER_MESSAGE_TOKENS * prompt.messages
+    if prompt.media != (0, 0, 0):
+        tokens += sum(items * each for items, each in zip(prompt.media, media_tokens,
+                                                          strict=True))
     return tokens

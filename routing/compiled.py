@@ -60,6 +60,8 @@ class ModelRoute:
     tokenizer: str | None
     canary: Canary | None
     cache: CachePolicy | None
+    media_tokens: tuple[int, int, int] = (0, 0, 0)
+    """Prompt tokens per image, audio clip and video (the spec's ``media_tokens``)."""
 
     @property
     def max_context(self) -> int:
@@ -127,6 +129,8 @@ def compile_config(config: RoutingConfig) -> Snapshot:
             tokenizer=spec.tokenizer,
             canary=canary,
             cache=cache,
+            media_tokens=(spec.media_tokens.image, spec.media_tokens.audio,
+                          spec.media_tokens.video),
         )
     keys = {
         k.sha256: KeyIdentity(k.name, k.effective_tenant, listed_key_id(k.sha256))

@@ -255,6 +255,15 @@ class CacheSpec(Strict):
         return value
 
 
+class MediaTokensSpec(Strict):
+    """Prompt tokens assumed per media item of a chat message (vLLM's processor decides the
+    real number, which the usage settles); set them to the model's figures."""
+
+    image: int = Field(default=1024, ge=0, le=1_000_000)
+    audio: int = Field(default=1024, ge=0, le=1_000_000)
+    video: int = Field(default=4096, ge=0, le=10_000_000)
+
+
 class ModelSpec(Strict):
     kind: Literal["chat", "embedding"] = "chat"
     clusters: Annotated[list[str], Field(min_length=1)]
@@ -264,6 +273,9 @@ class ModelSpec(Strict):
     it is also written into the request vLLM gets, so the reservation bounds the answer."""
     tokenizer: str | None = None
     """Path to a Hugging Face tokenizer.json; without it prompts are estimated (high)."""
+    media_tokens: MediaTokensSpec = MediaTokensSpec()
+    """Tokens each image, audio clip or video of a chat prompt counts for (reservation and
+    context length): text alone would let a multimodal prompt reserve next to nothing."""
     canary: CanarySpec | None = None
     cache: CacheSpec | None = None
 

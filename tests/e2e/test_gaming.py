@@ -172,6 +172,9 @@ def access_log_line(gw: Gateway, tenant: str) -> dict[str, Any]:
         time.sleep(0.1)
 
 
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 13_600}}
+
+
 # The simulator serves n = 1 only (n and best_of are covered by tests/extproc); batches it serves.
 @pytest.mark.parametrize(("make", "reservation"), [
     # "hello": ceil(5 / 3) = 2 tokens + 8 per message + 8 per chat prompt, + 10 of output.
@@ -181,6 +184,16 @@ def access_log_line(gw: Gateway, tenant: str) -> dict[str, Any]:
     # Three prompts of 1, 2 and 3 tokens, 5 tokens of output each.
     (lambda c: c.completions.create(model="llama-2-13b", prompt=["abc", "abcdef", "abcdefghi"],
                                     max_tokens=5), 1 + 2 + 3 + 5 * 3),
+    # Two images: ~27,000 bytes of base64 that is no prompt text, 1,024 tokens each (the
+    # default media_tokens.image); with "hello", the chat allowance and 10 of output.
+    (lambda c: c.chat.completions.create(model="llama-2-13b", max_tokens=10, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hello"}, IMAGE, IMAGE]}]),
+     18 + 2 * 1024 + 10),
+    # An assistant's refusal part is prompt text the template renders: 300 bytes, 100 tokens.
+    (lambda c: c.chat.completions.create(model="llama-2-13b", max_tokens=10, messages=[
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "x" * 300}]}]),
+     2 + 100 + 2 * 8 + 8 + 10),
 ])
 def test_envoy_receives_the_reservation_as_dynamic_metadata(gw: Gateway, make: Any,
                                                             reservation: int) -> None:

@@ -215,3 +215,66 @@ def test_a_negative_output_budget_is_refused_before_vllm(fields: dict[str, Any])
     with pytest.raises(ClientError) as caught:
         parse_generation("chat", orjson.dumps({"model": "m", "messages": [], **fields}))
     assert caught.value.status == 400 and "must be at least 1" in caught.value.message
+
+
+def chat_prompt(messages: list[dict[str, Any]], **fields: Any) -> PromptParts:
+    [prompt] = parse_generation("chat", orjson.dumps(
+        {"model": "m", "messages": messages, **fields})).prompts
+    return prompt
+
+
+LONG = "word " * 2000
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "refusal", "refusal": LONG},         # vLLM renders each as message text
+    {"type": "thinking", "thinking": LONG},
+    {"type": "input_text", "text": LONG},
+    {"type": "output_text", "text": LONG},
+    {"type": "some_future_text", "body": LONG},   # an unknown part: counted, not trusted
+])
+def test_no_content_part_hides_its_text(part: dict[str, Any]) -> None:
+    prompt = chat_prompt([{"role": "assistant", "content": [part]}])
+    assert LONG in prompt.texts
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content", "tool_call_id", "name",
+                                   "tool_calls", "tools", "anything_a_template_reads"])
+def test_no_message_field_hides_its_text(field: str) -> None:
+    prompt = chat_prompt([{"role": "assistant", "content": "ok", field: LONG}])
+    assert orjson.dumps(LONG).decode() in prompt.texts
+
+
+def test_a_custom_role_is_counted_and_the_usual_ones_are_in_the_allowance() -> None:
+    assert chat_prompt([{"role": LONG, "content": "x"}]).texts == ("x", LONG)
+    for role in ("system", "developer", "user", "assistant", "tool", "function"):
+        assert chat_prompt([{"role": role, "content": "x"}]).texts == ("x",)
+
+
+@pytest.mark.parametrize("field", ["chat_template", "chat_template_kwargs"])
+def test_a_requests_own_template_and_its_variables_are_counted(field: str) -> None:
+    value: Any = LONG if field == "chat_template" else {"system_prompt": LONG}
+    prompt = chat_prompt(MESSAGES, **{field: value})
+    assert prompt.texts == ("hi", orjson.dumps(value).decode())
+
+
+DATA_URL = "data:image/png;base64," + "A" * 100_000
+
+
+@pytest.mark.parametrize(("part", "media"), [
+    ({"type": "image_url", "image_url": {"url": DATA_URL}}, (1, 0, 0)),
+    ({"type": "input_image", "image_url": DATA_URL}, (1, 0, 0)),
+    ({"type": "image_embeds", "image_embeds": "AAAA"}, (1, 0, 0)),
+    ({"image_url": DATA_URL}, (1, 0, 0)),                            # no type: read by key
+    ({"type": "image_url", "uuid": "u1", "image_url": None}, (1, 0, 0)),  # a cached item
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, (0, 1, 0)),
+    ({"type": "audio_url", "audio_url": {"url": "https://x/a.wav"}}, (0, 1, 0)),
+    ({"type": "video_url", "video_url": {"url": "https://x/v.mp4"}}, (0, 0, 1)),
+])
+def test_media_parts_are_items_not_text(part: dict[str, Any], media: tuple[int, int, int]) -> None:
+    """An image's base64 is not prompt text (it would count ~33,000 tokens here); it is an item
+    the model's ``media_tokens`` prices."""
+    prompt = chat_prompt([{"role": "user", "content": [{"type": "text", "text": "see"}, part,
+                                                       part]}])
+    assert prompt.texts == ("see",)
+    assert prompt.media == tuple(2 * n for n in media)

@@ -156,3 +156,25 @@ def test_the_reservation_is_the_budget_written_in(doc: dict[str, Any], reserved:
     body = sent(action)
     budget = (body or {}).get("max_tokens", doc.get("max_tokens"))
     assert 17 + budget * doc.get("n", 1) == reserved
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 60_000}}
+PICTURES = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE,
+                                                      IMAGE]}], "max_tokens": 10}
+
+
+@pytest.mark.parametrize(("media_tokens", "reserved", "pool"), [
+    (None, 17 + 2 * 1024 + 10, "vllm-long"),         # the defaults: 1,024 an image
+    ({"image": 576}, 17 + 2 * 576 + 10, "vllm-short"),
+    ({"image": 0}, 17 + 10, "vllm-short"),             # an operator's choice: text only
+])
+def test_images_reserve_what_the_model_prices_them_at(media_tokens: dict[str, int] | None,
+                                                      reserved: int, pool: str) -> None:
+    """Two images' base64 is ~80,000 bytes of body but no prompt text: each counts as the
+    model's ``media_tokens.image`` for the reservation and for the pool that fits it."""
+    model = dict(NO_CANARY["llama-2-13b"])
+    if media_tokens is not None:
+        model["media_tokens"] = media_tokens
+    action = routed(PICTURES, models={"llama-2-13b": model}, **TOKENS)
+    assert action.metadata[RESERVATION_METADATA_KEY] == reserved
+    assert dict(action.set_headers)["x-llm-cluster"] == pool

@@ -56,6 +56,19 @@ def test_a_prompt_with_the_estimate(parts: PromptParts, tokens: int) -> None:
     assert count_prompt(ESTIMATE, parts) == tokens
 
 
+@pytest.mark.parametrize(("media", "tokens"), [
+    ((0, 0, 0), 1),
+    ((1, 0, 0), 1 + 1000),
+    ((2, 1, 0), 1 + 2000 + 300),
+    ((0, 0, 3), 1 + 3 * 5000),
+])
+def test_media_items_count_what_the_model_says_each_costs(media: tuple[int, int, int],
+                                                          tokens: int) -> None:
+    parts = PromptParts(("abc",), 0, 1, media)
+    allowance = PER_PROMPT_TOKENS + PER_MESSAGE_TOKENS
+    assert count_prompt(ESTIMATE, parts, (1000, 300, 5000)) == tokens + allowance
+
+
 def test_many_messages_cannot_hide_tokens() -> None:
     """Splitting a prompt into many tiny messages costs more, never less: each text rounds up and
     each message carries its template allowance."""
