@@ -229,6 +229,11 @@ def _choices(doc: dict[str, Any]) -> int:
 def _completion_prompts(doc: dict[str, Any]) -> tuple[PromptParts, ...]:
     """The prompts of a completions body; the batch size and the token-id total are checked
     before any per-item work (only ``len`` of the lists is read first)."""
+    if doc.get("prompt_embeds") is not None:
+        # vLLM (--enable-prompt-embeds) serves them beside the prompt; their length is inside a
+        # serialized tensor, so they would pass every token limit and context check uncounted.
+        raise bad_request("prompt_embeds cannot be counted against your limits here; send the "
+                          "prompt as text or token ids.", param="prompt_embeds")
     prompt = doc.get("prompt")
     bad = bad_request("prompt must be a string, an array of strings, an array of token ids, "
                       "or an array of token-id arrays.", param="prompt")

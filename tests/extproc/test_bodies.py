@@ -278,3 +278,12 @@ def test_media_parts_are_items_not_text(part: dict[str, Any], media: tuple[int, 
                                                        part]}])
     assert prompt.texts == ("see",)
     assert prompt.media == tuple(2 * n for n in media)
+
+
+def test_prompt_embeds_are_refused_rather_than_passed_uncounted() -> None:
+    """vLLM serves ``prompt_embeds`` beside ``prompt``: their length is inside a serialized
+    tensor, so a 1-token prompt could carry 30,000 positions past every limit."""
+    for doc in ({"prompt": "x", "prompt_embeds": "UEsDBAAA"}, {"prompt_embeds": ["UEsDBAAA"]}):
+        err = refused("completions", doc)
+        assert (err.param, err.code) == ("prompt_embeds", "invalid_request")
+    assert completion("x", prompt_embeds=None).prompts == (PromptParts(("x",), 0, 0),)
