@@ -154,6 +154,8 @@ class SimulateSpec(Strict):
     """Every answer ends at ``default_output_tokens`` (finish ``stop``) even when its
     ``max_tokens`` allows more, as a real model's end-of-sequence token ends it; false: a
     request's ``max_tokens`` is always reached."""
+    stream_interval: int = Field(default=1, ge=1, le=1024)
+    """Tokens per streamed chunk, as vLLM's ``--stream-interval`` (and speculative decoding)."""
     embedding_dim: int = Field(default=256, ge=1, le=65_536)
     speed: float = Field(default=1.0, gt=0, le=1000)
     """GPU speed factor of the cluster's simulated pods: prefill and decode times are divided
@@ -174,6 +176,8 @@ class SimulateSpec(Strict):
             flags += ["--kv-cache-tokens", str(self.kv_cache_tokens)]
         if self.natural_stop:
             flags.append("--natural-stop")
+        if self.stream_interval != 1:
+            flags += ["--stream-interval", str(self.stream_interval)]
         return flags
 
 

@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "more, as a real model's end-of-sequence token ends them (default: max_tokens is always "
         "reached)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed chunk, as vLLM's --stream-interval (default 1)",
+    )
     parser.add_argument("--embedding-dim", type=int, default=256, help="embedding vector size (default 256)")
     parser.add_argument(
         "--tokenizer", default=None, help="tokenizer.json to count tokens with (default: estimate)"
@@ -86,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         decode_ms_per_token=args.decode_ms_per_token,
         default_output_tokens=args.default_output_tokens,
         natural_stop=args.natural_stop,
+        stream_interval=args.stream_interval,
         embedding_dim=args.embedding_dim,
         tokenizer=args.tokenizer,
         max_num_seqs=args.max_num_seqs,

@@ -21,7 +21,8 @@ class SimConfig:
     block of the prefix cache in tokens. ``speed`` divides prefill and decode times (2.0: a GPU
     twice as fast). ``dcgm`` serves DCGM-exporter-style GPU gauges at ``/dcgm/metrics``.
     ``natural_stop``: answers end at ``default_output_tokens`` even when ``max_tokens`` allows
-    more (``simulator.generation``).
+    more (``simulator.generation``). ``stream_interval``: tokens per streamed chunk, as vLLM's
+    ``--stream-interval`` (speculative decoding also sends several tokens in one chunk).
     """
 
     name: str
@@ -31,6 +32,7 @@ class SimConfig:
     decode_ms_per_token: float = 2.0
     default_output_tokens: int = 16
     natural_stop: bool = False
+    stream_interval: int = 1
     embedding_dim: int = 256
     tokenizer: str | None = None
     max_num_seqs: int = 256
@@ -45,6 +47,8 @@ class SimConfig:
             problems.append("name must not be empty")
         if self.max_model_len < 1:
             problems.append("max_model_len must be at least 1")
+        if self.stream_interval < 1:
+            problems.append("stream_interval must be at least 1")
         if any(not m for m in self.models):
             problems.append("model names must not be empty")
         if self.prefill_ms_per_token < 0 or self.decode_ms_per_token < 0:

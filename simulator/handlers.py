@@ -253,22 +253,31 @@ async def _stream(
     )
     await response.prepare(request)
     continuous = parsed.continuous_usage
+    interval = state.config.stream_interval
+    pending: dict[int, list[str]] = {}
+    """Each sequence's tokens not yet sent (``stream_interval`` above 1)."""
     try:
         async with aclosing(state.engine.run(plans, parsed.priority)) as events:
             async for event in events:
                 prompt_tokens = plans[event.seq].prompt_tokens
-                usage = Usage(prompt_tokens, event.token + 1) if continuous else None
                 chunks: list[dict[str, Any]] = []
                 if chat and event.token == 0:
                     opening = Usage(prompt_tokens, 0) if continuous else None
                     chunks.append(sse.chat_role_chunk(meta, opening))
-                if chat:
-                    chunks.append(sse.chat_token_chunk(meta, event.text, event.finish_reason, usage))
-                else:
-                    chunks.append(
-                        sse.completion_token_chunk(meta, event.seq, event.text, event.finish_reason, usage)
-                    )
-                await response.write(b"".join(sse.sse_event(chunk) for chunk in chunks))
+                texts = pending.setdefault(event.seq, [])
+                texts.append(event.text)
+                if len(texts) == interval or event.finish_reason is not None:
+                    text = "".join(texts)
+                    texts.clear()
+                    usage = Usage(prompt_tokens, event.token + 1) if continuous else None
+                    if chat:
+                        chunks.append(sse.chat_token_chunk(meta, text, event.finish_reason, usage))
+                    else:
+                        chunks.append(
+                            sse.completion_token_chunk(meta, event.seq, text, event.finish_reason, usage)
+                        )
+                if chunks:
+                    await response.write(b"".join(sse.sse_event(chunk) for chunk in chunks))
         if parsed.include_usage:
             kind = "chat.completion.chunk" if chat else "text_completion"
             await response.write(sse.sse_event(sse.usage_chunk(meta, kind, usage_of(plans))))

@@ -77,6 +77,26 @@ async def test_continuous_usage_stats_put_usage_on_every_chunk(
     assert events[-1]["choices"] == []
 
 
+async def test_a_stream_interval_sends_several_tokens_a_chunk(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    """vLLM's ``--stream-interval`` (and speculative decoding) put several tokens in one chunk:
+    a reader counting chunks undercounts; the usage chunk tells the truth."""
+    sim = await start_sim(stream_interval=4)
+    body = {"messages": HELLO, "max_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    async with http.post(sim.url + "/v1/chat/completions", json=body) as response:
+        events = _events(await response.read())[:-1]
+    role, *tokens, usage = events
+    assert [e["usage"]["completion_tokens"] for e in tokens] == [4, 8, 10]
+    assert tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["usage"]["completion_tokens"] == 10
+    text = "".join(e["choices"][0]["delta"]["content"] for e in tokens)
+    async with http.post(sim.url + "/v1/chat/completions",
+                         json={"messages": HELLO, "max_tokens": 10}) as response:
+        assert (await response.json())["choices"][0]["message"]["content"] == text
+
+
 async def test_completion_sse_interleaves_prompts_by_index(
     start_sim: StartSim, http: aiohttp.ClientSession
 ) -> None:

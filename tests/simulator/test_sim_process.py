@@ -76,9 +76,11 @@ def test_picker_signal_flags() -> None:
 
 
 def test_what_up_passes_from_the_routing_yaml_reaches_the_simulator() -> None:
-    spec = SimulateSpec(speed=2.0, kv_cache_tokens=4096, decode_ms_per_token=3.0)
+    spec = SimulateSpec(speed=2.0, kv_cache_tokens=4096, decode_ms_per_token=3.0,
+                        stream_interval=4)
     config = config_from_args(_parse("--port=1", "--name=n", *spec.sim_flags()))
-    assert (config.speed, config.kv_cache_tokens, config.decode_ms_per_token) == (2.0, 4096, 3.0)
+    assert (config.speed, config.kv_cache_tokens, config.decode_ms_per_token,
+            config.stream_interval) == (2.0, 4096, 3.0, 4)
     defaults = config_from_args(_parse("--port=1", "--name=n", *SimulateSpec().sim_flags()))
     assert defaults == SimConfig(name="n")
 
@@ -92,6 +94,7 @@ def test_what_up_passes_from_the_routing_yaml_reaches_the_simulator() -> None:
         (("--speed", "inf"), "speed must be a positive number"),
         (("--prefix-block-size", "0"), "prefix_block_size must be at least 1"),
         (("--kv-cache-tokens", "0"), "kv_cache_tokens must be at least 1"),
+        (("--stream-interval", "0"), "stream_interval must be at least 1"),
     ],
 )
 def test_invalid_picker_signal_flags(argv: tuple[str, ...], problem: str) -> None:
