@@ -45,7 +45,8 @@ UsagePlan = Literal["extproc", "envoy", "envoy_injected"]
 """Who reads a response's usage for the rate limiter: extproc (it reads the body), Envoy
 (sse_to_metadata on the usage chunk the client asked for), or Envoy on a usage chunk extproc
 asked vLLM for, which Envoy's Lua filter then removes from the client's stream (see
-:mod:`routing.render_usage`)."""
+:mod:`routing.render_usage`). Where Envoy has no such filters, extproc reads every stream a
+limit settles, and removes an injected chunk itself."""
 
 
 def usage_plan(body: GenerationBody) -> UsagePlan:
@@ -53,14 +54,17 @@ def usage_plan(body: GenerationBody) -> UsagePlan:
 
     A stream: Envoy reads the usage chunk. The client asked for it: it keeps it. The client did
     not: extproc adds ``stream_options.include_usage`` and Envoy strips the chunk again, so the
-    client sees what it asked for. vLLM's per-chunk usage (``continuous_usage_stats``) is left
+    client sees what it asked for (``continuous_usage_stats`` without ``include_usage`` is
+    nothing to vLLM, and is dropped). vLLM's per-chunk usage, asked for with both, is left
     to extproc: every chunk would carry a running count.
     Not streamed: extproc (one body message; Envoy's json_to_metadata would hold the whole
     answer and turn one above its buffer limit into a 500).
     """
     if not body.stream:
         return "extproc"
+    if not body.include_usage:
+        return "envoy_injected"
     options = body.doc.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):
         return "extproc"
-    return "envoy" if body.include_usage else "envoy_injected"
+    return "envoy"

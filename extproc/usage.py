@@ -7,6 +7,7 @@ falls back to the request's estimate), and an SSE event above ``MAX_EVENT_BYTES`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import orjson
@@ -151,22 +152,49 @@ def tokens_to_charge(usage: Usage, prompt_estimate: int, output_budget: int) -> 
     return prompt_estimate + output_budget
 
 
-def settled_tokens(usage: Usage, status: int, streamed: bool, prompt_estimate: int) -> int | None:
+def settled_tokens(usage: Usage, status: int) -> int | None:
     """The tokens to settle a reservation with, or None when the usage is not known.
 
-    Known: the response's own ``usage``; an upstream error status (nothing was served: 0); a
-    stream that reached ``[DONE]`` without a usage chunk (its prompt + the content events,
-    vLLM's one token per event). Not known: a stream cut before ``[DONE]`` or one that carried
-    an error event, a body too big to read: the reservation stands, so a client cannot lower
-    its charge by breaking its own response.
+    Known: the response's own ``usage``; an upstream error status (nothing was served: 0). Not
+    known: a stream cut before its usage chunk or one that carried an error event, a body too
+    big to read, a stream that ended without usage: the reservation stands, so a client cannot
+    lower its charge by breaking its own response. Content chunks are never counted instead:
+    a chunk may carry several tokens (vLLM's ``--stream-interval``, speculative decoding), and
+    reasoning or tool-call deltas carry none of ``content``. Every stream a limit charges asks
+    vLLM for its usage chunk (``stream_options.include_usage``).
     """
     if status >= 400:
         return 0
     if usage.errored:
         return None
-    if usage.total_tokens is not None:
-        return usage.total_tokens
-    if streamed and usage.done:
-        prompt = usage.prompt_tokens if usage.prompt_tokens is not None else prompt_estimate
-        return prompt + usage.streamed_tokens
-    return None
+    return usage.total_tokens
+
+
+_USAGE_EVENT = re.compile(rb'data: \{[^\n]*?"choices":\[\],"usage":\{[^\n]*\n\n')
+"""vLLM's usage chunk: no choices, a usage object (``"choices":[]`` never occurs inside an
+escaped content string). The same pattern as Envoy's Lua strip (:mod:`routing.render_usage`)."""
+
+
+class UsageStripper:
+    """Takes the usage chunk extproc asked vLLM for out of a stream whose client did not, where
+    no Envoy filter does it (an Istio EnvoyFilter, or ``telemetry.envoy_usage: false``).
+
+    Passes only whole events (ended by their blank line): a chunk's unfinished tail is held
+    back until the next chunk completes it, and dropped at the end of the stream, as every SSE
+    client drops it. vLLM writes whole events, so the hold is rare.
+    """
+
+    def __init__(self) -> None:
+        self._carry = b""
+
+    def feed(self, chunk: bytes) -> bytes | None:
+        """What to send on instead of ``chunk``; None: ``chunk`` unchanged."""
+        data = self._carry + chunk if self._carry else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._carry = data
+            return b""
+        whole, self._carry = data[:end + 2], data[end + 2:]
+        if b'"choices":[],"usage":{' in whole:
+            whole = _USAGE_EVENT.sub(b"", whole)
+        return None if whole == chunk else whole

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import cast
 
 import orjson
@@ -40,7 +41,7 @@ from extproc.records import RequestRecord, RouteChosen
 from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.settlements import settlement_for
 from extproc.tokens import count_prompt, counter_for
-from extproc.usage import Usage, UsageMeter, settled_tokens, tokens_to_charge
+from extproc.usage import Usage, UsageMeter, UsageStripper, settled_tokens, tokens_to_charge
 from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER, STRIP_USAGE_METADATA_KEY
 
 UPSTREAM_ANSWERED = "x-envoy-upstream-service-time"
@@ -87,7 +88,8 @@ class GenerationProcessor(BaseProcessor):
                           # The rate limiter's own replies (429, or 503 when its store is
                           # down) mark themselves.
                           "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers,
-                          UsageMeter(streamed))
+                          UsageMeter(streamed),
+                          stripper=UsageStripper() if streamed and routed.strip_usage else None)
         if self.picked is not None and self.ctx.picker is not None \
                 and UPSTREAM_ANSWERED in headers:
             # The pod's own answer: a run of 5xx ejects it. Envoy's local replies (the rate
@@ -129,12 +131,14 @@ class GenerationProcessor(BaseProcessor):
             if times.first is None:
                 times.first = now
             times.last = now
+        sent = reading.stripper.feed(chunk) if reading.stripper is not None else None
         # Finish on ``[DONE]``, not only at end of stream: a client that hangs up right after
         # it (the openai SDK does) resets the stream before its end reaches extproc, and the
         # request would then go unrecorded and its tokens uncharged.
         if end_of_stream or reading.meter.done:
-            return self._finish(reading, reading, "response_body")
-        return PASS
+            finished = self._finish(reading, reading, "response_body")
+            return finished if sent is None else replace(finished, body=sent)
+        return PASS if sent is None else Continue(body=sent)
 
     def _finish(self, reading: Reading, phase: Routed | Reading, event: Event) -> Action:
         """At end of stream: the tokens the response used, for the rate limiter to settle the
@@ -145,7 +149,7 @@ class GenerationProcessor(BaseProcessor):
         self.phase = advance(GENERATION, phase, event, DONE)
         decision = reading.routed.decision
         usage = reading.meter.finish()
-        used = settled_tokens(usage, reading.status, reading.streamed, decision.prompt_tokens)
+        used = settled_tokens(usage, reading.status)
         record = self._report(reading, usage, used if used is not None else tokens_to_charge(
             usage, decision.prompt_tokens, decision.output_tokens))
         if used is None:
@@ -225,6 +229,12 @@ class GenerationProcessor(BaseProcessor):
         snapshot = self.ctx.snapshot
         canary = self.ctx.canaries.canary_for(model)
         plan = usage_plan(parsed)
+        limited = snapshot.config.rate_limits is not None
+        # A stream a limit settles always carries vLLM's usage chunk: when its client did not
+        # ask for one, extproc asks, and the chunk is taken out of what the client receives
+        # (by Envoy's Lua filter, else by extproc). Counting content chunks instead would
+        # miss reasoning and tool-call deltas and every chunk of several tokens.
+        inject = limited and plan == "envoy_injected"
         envoy_reads = snapshot.config.telemetry.envoy_usage \
             and self.ctx.headers.get(ENVOY_USAGE_HEADER) == "1"
         if not envoy_reads:
@@ -234,14 +244,14 @@ class GenerationProcessor(BaseProcessor):
             or sampled(self.ctx.request_id, stable_share(
                 snapshot.config.telemetry.sample, canary.percent if canary else None))
             # Without rate limits no usage is settled: only sampling decides.
-            or (snapshot.config.rate_limits is not None and plan == "extproc"))
+            or (limited and plan == "extproc"))
         headers = route_headers(self.ctx, model, decision)
         lease = new_lease()
         self.phase = advance(GENERATION, self.phase, "request_body",
                              Routed(decision, model.name, reads_body, lease, headers,
-                                    envoy_reads and parsed.stream and parsed.include_usage))
-        inject = (not reads_body and snapshot.config.rate_limits is not None
-                  and plan == "envoy_injected")
+                                    envoy_reads and parsed.stream
+                                    and (parsed.include_usage or inject),
+                                    strip_usage=inject and not envoy_reads))
         new_body = None
         # A client's own ``priority`` never reaches vLLM: with priority scheduling it would jump
         # the queue (lower is served first), so it is replaced by the tier, or dropped.
@@ -262,15 +272,16 @@ class GenerationProcessor(BaseProcessor):
             else:
                 doc.pop("priority", None)
             if inject:
-                options = doc.get("stream_options")
-                doc["stream_options"] = {**(options or {}), "include_usage": True}
+                # Only the usage flag: vLLM ignores continuous_usage_stats without it, so the
+                # client gets no per-chunk usage it did not get before.
+                doc["stream_options"] = {"include_usage": True}
             new_body = orjson.dumps(doc)
         if new_body is not None:
             headers += (("content-length", str(len(new_body))),)
         # The reservation and the lease ride on the request-body answer so the rate-limit
         # filter, which runs after ext_proc, can charge it at admission (README: Rate limits).
         metadata = admission_metadata(decision.reservation, lease)
-        if inject:  # Envoy's Lua filter takes the chunk out
+        if inject and envoy_reads:  # Envoy's Lua filter takes the chunk out
             metadata = {**metadata, STRIP_USAGE_METADATA_KEY: "1"}
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,
                         metadata=metadata, lb_endpoints=pods,

@@ -19,7 +19,7 @@ from extproc.cache.keys import KeyPlan
 from extproc.cache.merge import Resolution
 from extproc.decide import Decision
 from extproc.quick_init import quick_init
-from extproc.usage import UsageMeter
+from extproc.usage import UsageMeter, UsageStripper
 from routing.compiled import CachePolicy, ModelRoute
 
 Event = Literal["request_body", "lookup", "admitted", "response_headers", "response_body",
@@ -92,9 +92,12 @@ class Routed:
     route: Headers = ()
     """The ``x-llm-*`` headers extproc routed it with (what its rate-limit descriptors hold)."""
     envoy_reads_usage: bool = False
-    """The stream carries usage chunks (the client asked for them) that Envoy's sse_to_metadata
-    reads and settles with: extproc leaves the settlement to Envoy even when it reads the
-    stream."""
+    """The stream carries a usage chunk (the client's, or one extproc asked for) that Envoy's
+    sse_to_metadata reads and settles with: extproc leaves the settlement to Envoy even when
+    it reads the stream."""
+    strip_usage: bool = False
+    """extproc asked vLLM for a usage chunk the client did not, and no Envoy filter removes it:
+    extproc takes it out of the chunks it passes (:class:`extproc.usage.UsageStripper`)."""
 
 
 @quick_init  # built per request: no slots, so its __init__ can be the quick one
@@ -109,6 +112,8 @@ class Reading:
     """The gateway's rate limiter answered (429, or 503 with its store down)."""
     meter: UsageMeter
     times: TokenTimes = field(default_factory=TokenTimes)
+    stripper: UsageStripper | None = None
+    """Set when ``routed.strip_usage`` and the answer streams."""
 
 
 GenerationPhase = AwaitingBody | Routed | Reading | Done

@@ -34,9 +34,14 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     d = default_doc()
     d["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 20}
     d["telemetry"] = {"sample": 0, "envoy_usage": True}
+    # ``chunky`` always goes to its canary (so extproc reads every stream of it), whose pods
+    # send four tokens a chunk (vLLM's --stream-interval).
+    d["clusters"]["vllm-canary"]["simulate"] = {"decode_ms_per_token": 0.2, "stream_interval": 4}
+    d["models"]["chunky"] = {"clusters": ["vllm-long"], "canary": {
+        "model": "chunky-v2", "cluster": "vllm-canary", "percent": 100, "sticky": "request"}}
     # 100k/d refills ~1.2 tokens/s: a settle is visible to the token.
     d["rate_limits"] = {"tenant": {"overrides": {
-        name: {"tokens": f"{DAY_CAP}/d"} for name in ("json", "sse", "plain", "cont")
+        name: {"tokens": f"{DAY_CAP}/d"} for name in ("json", "sse", "plain", "cont", "chunky")
     } | {name: {"tokens": "100/h"} for name in ("abort-usage", "abort-running")}}}
     with running_gateway(d, str(tmp_path_factory.mktemp("gw-envoy-usage"))) as gateway:
         yield gateway
@@ -138,6 +143,42 @@ def test_a_stream_that_did_not_ask_for_usage_sees_none_and_is_settled_by_envoy(
     lost, total, refill = charged_by(gw, "plain", send)
     assert total - refill <= lost <= total
     assert counted == [3]
+
+
+def raw_stream(gw: Gateway, tenant: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunks a client receives, read off the wire (every event a JSON chunk, then
+    ``[DONE]``)."""
+    url = urlsplit(gw.url)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                 {"authorization": f"Bearer sk-{tenant}", "x-tenant-id": tenant,
+                  "content-type": "application/json"})
+    raw = conn.getresponse().read().decode()
+    conn.close()
+    events = [e for e in raw.split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]", raw
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+
+
+def test_a_stream_extproc_reads_is_settled_from_vllms_usage_not_by_counting_chunks(
+        gw: Gateway) -> None:
+    """The canary's stream, read by extproc, four tokens a chunk, and a client that asked for
+    per-chunk usage without ``include_usage`` (vLLM then sends none): vLLM is asked for its
+    usage chunk, the client still sees none, and the bucket pays every token, not one a chunk
+    (40 tokens came as 10 chunks)."""
+    prompt = probe_prompt_tokens(gw)
+
+    def send() -> int:
+        chunks = raw_stream(gw, "chunky", {
+            "model": "chunky", "messages": MESSAGES, "max_tokens": 40,
+            "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
+        assert all(c["choices"] and not c.get("usage") for c in chunks), chunks
+        content = [c["choices"][0]["delta"].get("content") for c in chunks]
+        assert len([text for text in content if text]) == 10
+        return 40 + prompt
+
+    lost, total, refill = charged_by(gw, "chunky", send)
+    assert total - refill <= lost <= total
 
 
 def probe_prompt_tokens(gw: Gateway) -> int:

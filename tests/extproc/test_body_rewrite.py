@@ -103,9 +103,18 @@ def changes(body: dict[str, Any] | None, doc: dict[str, Any]) -> dict[str, Any] 
     ({}, {"rate_limits": {"tenant": {"default": {"requests": "5/s"}}}}, None),
     ({}, {"rate_limits": {"tenant": {"default": {"tokens": "1M/h", "shadow": True}}}}, None),
     ({}, {"rate_limits": {"tenant": {"overrides": {"acme": {"tokens": "1M/h"}}}}}, None),
+    # A stream extproc reads (the canary) is settled from its usage chunk too.
+    ({"stream": True, "max_tokens": 9}, {**UNREAD, "models": CANARY},
+     {"model": "llama-2-13b-v2", "stream_options": {"include_usage": True}}),
+    # Per-chunk usage without include_usage is nothing to vLLM: only the flag is sent.
+    ({"stream": True, "max_tokens": 9, "stream_options": {"continuous_usage_stats": True}},
+     UNREAD, {"stream_options": {"include_usage": True}}),
+    ({"stream": True, "max_tokens": 9, "stream_options": {
+        "include_usage": False, "continuous_usage_stats": True}},
+     UNREAD, {"stream_options": {"include_usage": True}}),
     # All three at once.
     ({"stream": True, "max_tokens": 1}, {**UNREAD, "priority": INJECT, "models": CANARY},
-     {"model": "llama-2-13b-v2", "priority": 0}),
+     {"model": "llama-2-13b-v2", "priority": 0, "stream_options": {"include_usage": True}}),
 ])
 def test_the_body_vllm_gets(doc: dict[str, Any], sections: dict[str, Any],
                             changed: dict[str, Any] | None) -> None:

@@ -68,7 +68,8 @@ def gen(**doc: Any) -> Any:
     ({"stream": True, "stream_options": {"include_usage": True}}, "envoy"),
     ({"stream": True, "stream_options": {"include_usage": True,
                                          "continuous_usage_stats": True}}, "extproc"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "extproc"),
+    # Per-chunk usage without include_usage is nothing to vLLM: a stream without usage.
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "envoy_injected"),
 ])
 def test_envoy_reads_the_usage_of_streams(doc: dict[str, Any], expected: str) -> None:
     assert usage_plan(gen(**doc)) == expected
@@ -108,13 +109,37 @@ def test_an_unsampled_stream_leaves_its_usage_to_envoy_and_asks_for_no_body() ->
     assert len(records.records) == 1
 
 
-def test_without_envoys_marker_extproc_reads_the_stream_itself() -> None:
+USAGE_EVENT = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":9,"total_tokens":30}}\n\n'
+TOKEN_EVENT = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+
+
+def test_without_envoys_marker_extproc_reads_the_stream_and_strips_what_it_added() -> None:
     """An Envoy without the usage filters (Istio's EnvoyFilter) says nothing: extproc does not
-    leave the usage to it, whatever the YAML says, and adds nothing to strip."""
-    state, action, _ = routed({"stream": True, "max_tokens": 9}, marker=False, **UNREAD)
-    assert action.body is None and "strip_usage" not in action.metadata
+    leave the usage to it, whatever the YAML says. It asks vLLM for the usage chunk, settles
+    with it, and takes it out of the client's stream itself (no Lua filter will)."""
+    state, action, records = routed({"stream": True, "max_tokens": 9}, marker=False, **UNREAD)
+    assert action.body is not None and "strip_usage" not in action.metadata
+    assert orjson.loads(action.body)["stream_options"] == {"include_usage": True}
     answer = state.handle("response_headers", SSE, b"", False)
     assert answer != NO_BODY  # it goes on reading the body
+    assert state.handle("response_body", None, TOKEN_EVENT, False) == Continue()
+    # The usage event split across chunks: nothing of it reaches the client.
+    head, tail = USAGE_EVENT[:30], USAGE_EVENT[30:]
+    held = state.handle("response_body", None, TOKEN_EVENT + head, False)
+    assert isinstance(held, Continue) and held.body == TOKEN_EVENT
+    end = state.handle("response_body", None, tail + b"data: [DONE]\n\n", False)
+    assert isinstance(end, Continue) and end.body == b"data: [DONE]\n\n"
+    assert end.metadata[TOKENS_METADATA_KEY] == "30"
+    assert records.records[0].charged_tokens == 30
+
+
+def test_a_client_that_asked_for_usage_keeps_it_where_extproc_reads() -> None:
+    asked = {"stream": True, "max_tokens": 9, "stream_options": {"include_usage": True}}
+    state, action, _ = routed(asked, marker=False, **UNREAD)
+    assert action.body is None
+    state.handle("response_headers", SSE, b"", False)
+    end = state.handle("response_body", None, USAGE_EVENT + b"data: [DONE]\n\n", False)
+    assert isinstance(end, Continue) and end.body is None
 
 
 def test_an_unsampled_error_is_settled_to_zero_from_its_headers() -> None:
@@ -141,7 +166,6 @@ def test_an_unsampled_stream_that_did_not_ask_for_usage_gets_it_added_and_stripp
     ({"stream": True, "stream_options": {"include_usage": True,
                                          "continuous_usage_stats": True}}, UNREAD),
     ({"max_tokens": 5}, UNREAD),                                   # not streamed: one message
-    ({"stream": True}, {**UNREAD, "telemetry": {"sample": 1}}),    # sampled: nothing injected
     (ASKED, {**UNREAD, "models": CANARY}),                         # canary: always measured
     (ASKED, {**UNREAD, "telemetry": {"sample": 0, "envoy_usage": False}}),
 ])
@@ -153,6 +177,21 @@ def test_extproc_reads_the_response_it_must(doc: dict[str, Any], sections: dict[
     assert sent.get("stream_options") == doc.get("stream_options")
     answer = state.handle("response_headers", SSE, b"", False)
     assert answer == Continue() and not records.records  # the body comes next
+
+
+def test_a_sampled_stream_is_read_by_extproc_and_still_settled_from_vllms_usage() -> None:
+    """extproc reads it (timings), vLLM is asked for the usage chunk, Envoy settles with it and
+    its Lua filter takes it out after extproc has read it."""
+    state, action, records = routed({"stream": True, "max_tokens": 9},
+                                    **{**UNREAD, "telemetry": {"sample": 1}})
+    assert action.body is not None and action.metadata["strip_usage"] == "1"
+    assert orjson.loads(action.body)["stream_options"] == {"include_usage": True}
+    assert state.handle("response_headers", SSE, b"", False) == Continue()
+    end = state.handle("response_body", None, TOKEN_EVENT + USAGE_EVENT + b"data: [DONE]\n\n",
+                       False)
+    assert isinstance(end, Continue) and end.body is None  # passed as vLLM sent it
+    assert end.settle is None  # Envoy's stream-done call settles it
+    assert records.records[0].charged_tokens == 30
 
 
 def test_without_rate_limits_only_sampling_decides() -> None:

@@ -198,16 +198,23 @@ def test_a_read_stream_whose_usage_envoy_reads_is_left_to_envoy() -> None:
 
 
 def test_a_read_stream_without_usage_for_envoy_is_settled_by_extproc() -> None:
+    """No Envoy usage filters (no marker): extproc asked vLLM for the usage chunk, settles
+    with it, and takes it out of what the client gets."""
     snap = limits(tenant={"default": {"tokens": "1k/min"}})
     state = StreamState(snap, SECRET)
     state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
                                      "authorization": f"Bearer {KEY}"}, b"", False)
-    state.handle("request_body", None, orjson.dumps({**CHAT, "stream": True}), True)
+    routed = state.handle("request_body", None, orjson.dumps({**CHAT, "stream": True}), True)
+    assert isinstance(routed, Continue) and routed.body is not None
+    assert orjson.loads(routed.body)["stream_options"] == {"include_usage": True}
     state.handle("response_headers", {":status": "200", "content-type": "text/event-stream"},
                  b"", False)
     chunk = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
-    end = state.handle("response_body", None, chunk * 3 + b"data: [DONE]\n\n", True)
+    usage = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":9,"total_tokens":12}}\n\n'
+    end = state.handle("response_body", None, chunk * 3 + usage + b"data: [DONE]\n\n", True)
     assert isinstance(end, Continue) and end.settle is not None
+    assert end.metadata[TOKENS_METADATA_KEY] == "12"
+    assert end.body == chunk * 3 + b"data: [DONE]\n\n"
 
 
 # --- the service: exactly one of extproc and Envoy settles ----------------------------------

@@ -3,7 +3,14 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from extproc.usage import MAX_JSON_BYTES, Usage, UsageMeter, settled_tokens, tokens_to_charge
+from extproc.usage import (
+    MAX_JSON_BYTES,
+    Usage,
+    UsageMeter,
+    UsageStripper,
+    settled_tokens,
+    tokens_to_charge,
+)
 
 
 def sse(*docs: object) -> bytes:
@@ -86,7 +93,9 @@ ERRORED = sse(delta("a"), {"error": {"message": "engine died", "code": 500}})
 
 @pytest.mark.parametrize(("body", "streamed", "status", "expected"), [
     (WITH_USAGE, True, 200, 6),                      # the usage chunk
-    (sse(delta("x"), delta("y")), True, 200, 12),    # [DONE], no usage: prompt 10 + 2 events
+    # [DONE] without usage: unknown. Content chunks are never counted in its place: one chunk
+    # may hold several tokens, and reasoning or tool-call deltas hold no content.
+    (sse(delta("x"), delta("y")), True, 200, None),
     (CUT, True, 200, None),                          # cut before [DONE]: unknown
     (ERRORED, True, 200, None),                      # a mid-stream error: unknown
     (b'{"usage": {"total_tokens": 9}}', False, 200, 9),
@@ -100,4 +109,33 @@ def test_settled_tokens_only_when_usage_is_known(body: bytes, streamed: bool, st
     cutting its own stream."""
     meter = UsageMeter(streaming=streamed)
     meter.feed(body)
-    assert settled_tokens(meter.finish(), status, streamed, 10) == expected
+    assert settled_tokens(meter.finish(), status) == expected
+
+
+TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"\\"choices\\":[]"}}]}\n\n'
+USAGE = b'data: {"id":"x","object":"chat.completion.chunk","choices":[],"usage":{"total_tokens":3}}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+def stripped(chunks: list[bytes]) -> bytes:
+    """What the client receives through a stripper fed ``chunks``."""
+    stripper = UsageStripper()
+    out = b""
+    for chunk in chunks:
+        sent = stripper.feed(chunk)
+        out += chunk if sent is None else sent
+    return out
+
+
+@pytest.mark.parametrize("cut", [1, 10, len(TOKEN), len(TOKEN) + 5, len(TOKEN) + len(USAGE) - 1,
+                                 len(TOKEN) + len(USAGE) + 1])
+def test_the_usage_event_is_taken_out_wherever_the_chunks_are_cut(cut: int) -> None:
+    whole = TOKEN + USAGE + DONE
+    assert stripped([whole[:cut], whole[cut:]]) == TOKEN + DONE
+    assert stripped([whole[i:i + 7] for i in range(0, len(whole), 7)]) == TOKEN + DONE
+
+
+def test_a_stream_without_usage_passes_unchanged_and_an_unended_tail_is_dropped() -> None:
+    stripper = UsageStripper()
+    assert stripper.feed(TOKEN) is None and stripper.feed(DONE) is None
+    assert stripped([TOKEN, b"data: {\"partial"]) == TOKEN  # as an SSE client drops it

@@ -88,6 +88,7 @@ async def test_a_stream_interval_sends_several_tokens_a_chunk(
     async with http.post(sim.url + "/v1/chat/completions", json=body) as response:
         events = _events(await response.read())[:-1]
     role, *tokens, usage = events
+    assert role["choices"][0]["delta"]["role"] == "assistant"
     assert [e["usage"]["completion_tokens"] for e in tokens] == [4, 8, 10]
     assert tokens[-1]["choices"][0]["finish_reason"] == "length"
     assert usage["usage"]["completion_tokens"] == 10

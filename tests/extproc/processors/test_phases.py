@@ -209,7 +209,9 @@ def test_done_is_final_whatever_comes_after() -> None:
     state.handle("request_body", None, CHAT, True)
     state.handle("response_headers", {":status": "200", "content-type": "text/event-stream"},
                  b"", False)
-    end = state.handle("response_body", None, b"data: [DONE]\n\n", False)
+    end = state.handle("response_body", None,
+                       b'data: {"choices":[],"usage":{"total_tokens":5}}\n\ndata: [DONE]\n\n',
+                       False)
     assert isinstance(end, Continue) and end.metadata["llm_done"] == "1"  # settled at [DONE]
     assert state.handle("response_body", None, b"late", True) == Continue()
     state.close()
