@@ -39,6 +39,26 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_req
     return ClientError(400, code, message, param=param)
 
 
+MAX_WRITABLE_DEPTH = 255
+"""orjson reads JSON nested up to 1,024 levels but writes at most 255."""
+
+
+def too_deeply_nested() -> ClientError:
+    return bad_request(f"The request body is nested more than {MAX_WRITABLE_DEPTH} levels deep; "
+                       "the gateway cannot pass it on.", code="invalid_json")
+
+
+def client_error_of(exc: Exception) -> ClientError | None:
+    """The client's fault behind ``exc``, if it is one: a field of its body nested deeper than
+    any value the gateway can write back (a rewritten body, a counted ``tools`` schema, a cache
+    key) fails where it is written, whichever step that is."""
+    if isinstance(exc, ClientError):
+        return exc
+    if isinstance(exc, TypeError) and "Recursion limit reached" in str(exc):
+        return too_deeply_nested()
+    return None
+
+
 def model_not_found(model: str) -> ClientError:
     return ClientError(404, "model_not_found",
                        f"The model `{model}` does not exist or you do not have access to it.",

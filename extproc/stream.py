@@ -29,7 +29,7 @@ from extproc.actions import (
 )
 from extproc.canary.policy import OPEN_CANARIES, PolicySource
 from extproc.context import EndpointPicking, RequestContext, spoofed_headers
-from extproc.errors import ClientError, error_body, method_not_allowed, unknown_path
+from extproc.errors import client_error_of, error_body, method_not_allowed, unknown_path
 from extproc.identity import identify
 from extproc.processors.base import Processor, body_required
 from extproc.processors.embeddings import EmbeddingsProcessor
@@ -137,10 +137,11 @@ class StreamState:
             return None
 
     def _failed(self, exc: Exception, phase: Phase) -> Reply:
-        if isinstance(exc, ClientError):
-            return Reply(exc.status, exc.body(),
-                         headers=(("content-type", "application/json"), *exc.headers),
-                         details=exc.code, rejection=Rejection(exc.status, exc.code))
+        client = client_error_of(exc)
+        if client is not None:
+            return Reply(client.status, client.body(),
+                         headers=(("content-type", "application/json"), *client.headers),
+                         details=client.code, rejection=Rejection(client.status, client.code))
         log.exception("extproc_internal_error", phase=phase,  # called inside an except block
                       request_id=self.ctx.request_id if self.ctx else None)
         return Reply(500, error_body("The gateway failed to process the request.",

@@ -5,6 +5,7 @@ Every refusal is raised as ``SimError`` and turned into vLLM's error body by the
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from contextlib import aclosing
@@ -62,8 +63,13 @@ def parse_body(raw: bytes) -> ParsedBody:
 
 
 def json_response(body: Any, status: int = 200) -> web.Response:
-    """``body`` as an ``application/json`` response."""
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+    """``body`` as an ``application/json`` response (the standard library's writer for a
+    journal holding a request nested deeper than orjson writes: vLLM reads up to 1,024)."""
+    try:
+        raw = orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raw = json.dumps(body).encode()
+    return web.Response(body=raw, status=status, content_type="application/json")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

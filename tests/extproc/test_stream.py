@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from structlog.testing import capture_logs
 
 from extproc.actions import Continue, Reply
 from extproc.context import spoofed_headers
@@ -295,3 +296,36 @@ def test_an_internal_error_is_no_client_rejection() -> None:
     # A second body is a message the request's phase does not expect: a bug, not the client's.
     again = body(state, chat_doc())
     assert isinstance(again, Reply) and again.status == 500 and again.rejection is None
+
+
+def nested(depth: int) -> bytes:
+    """A JSON value nested ``depth`` levels deep (orjson reads 1,024, writes 255)."""
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(("path", "raw"), [
+    # counted as prompt text (a tools schema):
+    ("/v1/chat/completions", b'{"model": "llama-2-13b", "messages": [{"role": "user", '
+                             b'"content": "hi"}], "tools": ' + nested(300) + b"}"),
+    # passed on only, but the body is rewritten (a canary, a budget, priority):
+    ("/v1/chat/completions", b'{"model": "llama-2-13b", "max_tokens": 4, "priority": 1, '
+                             b'"messages": [{"role": "user", "content": "hi"}], '
+                             b'"guided_json": ' + nested(300) + b"}"),
+])
+def test_a_body_nested_deeper_than_the_gateway_writes_is_a_400_not_a_500(
+        path: str, raw: bytes) -> None:
+    """vLLM would read it, the gateway cannot write it back: the client learns why."""
+    with capture_logs() as logs:
+        answer = start(path).handle("request_body", None, raw, True)
+    assert isinstance(answer, Reply) and answer.status == 400
+    error = orjson.loads(answer.body)["error"]
+    assert (error["code"], error["type"]) == ("invalid_json", "invalid_request_error")
+    assert "255 levels" in error["message"]
+    assert [e for e in logs if e["log_level"] == "error"] == []  # not an internal error
+
+
+def test_a_body_nested_to_the_writable_depth_is_served() -> None:
+    raw = (b'{"model": "llama-2-13b", "max_tokens": 4, "priority": 1, "messages": '
+           b'[{"role": "user", "content": "hi"}], "guided_json": ' + nested(250) + b"}")
+    answer = start().handle("request_body", None, raw, True)
+    assert isinstance(answer, Continue) and answer.body is not None

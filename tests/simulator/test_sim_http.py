@@ -201,6 +201,22 @@ async def test_embedding_limits(
         assert answer["error"]["param"] == param
 
 
+async def test_journal_serves_a_request_nested_deeper_than_orjson_writes(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    """vLLM reads JSON 1,024 levels deep; the journal must still answer once it holds one."""
+    sim = await start_sim()
+    deep = b"[" * 300 + b"]" * 300
+    raw = b'{"model": "m", "max_tokens": 1, "prompt": "x", "guided_json": ' + deep + b"}"
+    async with http.post(sim.url + "/v1/completions", data=raw,
+                         headers={"content-type": "application/json"}) as response:
+        assert response.status == 200
+    async with http.get(sim.url + "/sim/requests") as response:
+        assert response.status == 200
+        [entry] = await response.json()
+    assert entry["body"]["prompt"] == "x"
+
+
 async def test_journal_records_api_requests_only(start_sim: StartSim, http: aiohttp.ClientSession) -> None:
     sim = await start_sim()
     body = {"input": ["a"], "model": "e"}
