@@ -39,7 +39,7 @@ from extproc.processors.models import ModelsProcessor
 from extproc.records import Rejection, RequestRecord
 from routing.compiled import Snapshot
 from sidecar_runtime.logs import get_logger
-from sidecar_runtime.wire_names import CLUSTER_METADATA_KEY
+from sidecar_runtime.wire_names import CLIENT_CREDENTIALS, CLUSTER_METADATA_KEY
 
 log = get_logger("extproc.stream")
 
@@ -50,8 +50,6 @@ _POST_ROUTES = {
 }
 _GET_ROUTES = {"/v1/models": ModelsProcessor}
 
-
-CLIENT_CREDENTIALS = ("authorization", "x-api-key")
 
 
 def routed(action: Step) -> Step:

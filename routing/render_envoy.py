@@ -18,6 +18,7 @@ from routing.render_usage import usage_filters_after_ext_proc, usage_filters_bef
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport
 from sidecar_runtime.wire_names import (
+    CLIENT_CREDENTIALS,
     CLUSTER_METADATA_KEY,
     DESTINATION_ENDPOINT,
     ENVOY_USAGE_HEADER,
@@ -304,11 +305,6 @@ def router_filter() -> dict[str, Any]:
             "typed_config": {TYPE: API + "extensions.filters.http.router.v3.Router"}}
 
 
-CLIENT_CREDENTIALS = ("authorization", "x-api-key")
-"""Removed from every request to a pool: a client's key is the gateway's business, not vLLM's
-(every pod would log or keep it)."""
-
-
 def upstream_credentials(config: RoutingConfig, cluster: str) -> dict[str, Any]:
     """The route's header changes: the client's credentials out, the pool's own key in (read by
     Envoy from its environment at each request, so it is in no file and no other process)."""
@@ -395,6 +391,10 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "request_timeout": f"{parse_duration(config.envoy.request_timeout)}s",
         "request_headers_timeout": "10s",
         "http2_protocol_options": http2_options(config.envoy),
+        # A header name with "_" is dropped: a server behind a pool that reads "_" as "-"
+        # (CGI-style, nginx's underscores_in_headers) would take a client's x_llm_tenant
+        # for the x-llm-tenant extproc set, or x_api_key for a credential never removed.
+        "common_http_protocol_options": {"headers_with_underscores_action": "DROP_HEADER"},
         **early_header_mutations(envoy_usage),
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),

@@ -5,6 +5,14 @@ A leaf module: it imports nothing of the project, so every package may import it
 
 from __future__ import annotations
 
+CLIENT_CREDENTIALS = ("authorization", "x-api-key", "api-key", "x-goog-api-key",
+                      "proxy-authorization", "cookie")
+"""Removed from every request to a pool (by the rendered routes, and by extproc for setups
+whose routes ``render`` does not write): a client's credentials are the gateway's business,
+not vLLM's (every pod would log or keep them). The first two are the keys extproc reads; the
+others are where other SDKs put theirs (Azure OpenAI's ``api-key``, Google's
+``x-goog-api-key``) and the browser's and proxies' own."""
+
 METADATA_NAMESPACE = "llm_sidecar"
 """Envoy dynamic metadata namespace extproc writes and the rate-limit actions read."""
 CLUSTER_METADATA_KEY = "cluster"

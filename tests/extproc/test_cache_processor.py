@@ -11,7 +11,7 @@ from extproc.actions import CacheWrite, Continue, Found, Lookup, ModeOverride, R
 from extproc.cache.codec import decode_vector, encode_vector
 from extproc.cache.keys import KEY_PREFIX
 from extproc.stream import StreamState
-from sidecar_runtime.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
+from sidecar_runtime.wire_names import CLIENT_CREDENTIALS, DONE_METADATA_KEY, TOKENS_METADATA_KEY
 from simulator.embeddings import embed, encode_base64
 from tests.extproc.helpers import snapshot
 
@@ -93,7 +93,7 @@ def test_miss_routes_unchanged_then_stores_each_distinct_vector() -> None:
     action = state.resume(lookup, (None, None))
     assert isinstance(action, Continue) and action.body is None and action.clear_route_cache
     # the answer is read: no gzip; and no client credential goes to the pool
-    assert action.remove_headers == ("accept-encoding", "authorization", "x-api-key")
+    assert action.remove_headers == ("accept-encoding", *CLIENT_CREDENTIALS)
     assert dict(action.set_headers)["x-llm-cluster"] == "embed"
     headers, middle, last = respond(state, answer(["a", "b", "a"]))
     assert headers.set_headers == (("x-llm-cache", "miss"),)

@@ -13,6 +13,7 @@ from llm_sidecar.up import example_config_path, missing_upstream_keys
 from routing.loader import load_config
 from routing.render import write_all
 from sidecar_runtime.procs import envoy_binary
+from sidecar_runtime.wire_names import CLIENT_CREDENTIALS
 from tests.harness import istio_patch
 from tests.harness.ci import unavailable
 from tests.harness.gateway import default_doc
@@ -163,10 +164,11 @@ def test_pool_routes_drop_client_credentials_and_add_the_pools_own_key(
     own_key = [{"header": {"key": "authorization", "value": "Bearer %ENVIRONMENT(VLLM_LONG_KEY)%"},
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
     for name in ("llm-routed-vllm-long", "llm-fallback"):  # the fallback pool gets it too
-        assert routes[name]["request_headers_to_remove"] == ["authorization", "x-api-key"]
+        assert routes[name]["request_headers_to_remove"] == list(CLIENT_CREDENTIALS)
         assert routes[name]["request_headers_to_add"] == own_key
     short = routes["llm-routed-vllm-short"]
-    assert short["request_headers_to_remove"] == ["authorization", "x-api-key"]
+    assert short["request_headers_to_remove"] == list(CLIENT_CREDENTIALS)
+    assert {"authorization", "x-api-key", "api-key", "cookie"} <= set(CLIENT_CREDENTIALS)
     assert "request_headers_to_add" not in short
 
 
