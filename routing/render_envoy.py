@@ -132,7 +132,22 @@ def local_reply_config() -> dict[str, Any]:
             "body_format_override": _json_error(
                 "The model backend timed out.", "server_error", "upstream_timeout"),
         },
+        # Every other reply of Envoy's own (its HTTP codec's 400, 408, 426, 431 and 501, an
+        # upgrade's 403, ...) is text or empty: OpenAI JSON too, naming Envoy's details. A reply
+        # that is JSON already (extproc's, the rate limiter's) is left as it is.
+        *({"filter": _cel(f"response.code >= {low} && response.code <= {high} && "
+                          f"!{_JSON_REPLY}"),
+           "body_format_override": _json_error(
+               "The gateway refused the request (%RESPONSE_CODE_DETAILS%).", type_,
+               "%RESPONSE_CODE_DETAILS%")}
+          for low, high, type_ in ((400, 499, "invalid_request_error"),
+                                   (500, 599, "server_error"))),
     ]}
+
+
+_JSON_REPLY = ("('content-type' in response.headers && "
+               "response.headers['content-type'].startsWith('application/json'))")
+"""CEL: the reply carries a JSON body already (extproc's replies, the rate limiter's 429)."""
 
 
 def access_log() -> list[dict[str, Any]]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from typing import Any
+
+import pytest
 
 from routing.units import parse_hostport
 from tests.harness.envoy_alone import envoy_only, post
@@ -82,3 +85,49 @@ def test_connections_past_max_connections_are_closed_and_admin_still_answers(tmp
         finally:
             for conn in held:
                 conn.close()
+
+
+def _raw(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send ``request`` as it is; the status line's code, headers and body of the answer."""
+    host, port = parse_hostport(url.removeprefix("http://"))
+    with socket.create_connection((host, port), timeout=10) as conn:
+        conn.sendall(request)
+        data = b""
+        while True:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            head, sep, rest = data.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), None)
+            if sep and length is not None and len(rest) >= length:
+                break
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+@pytest.mark.parametrize(("request_bytes", "status"), [
+    # a header block above Envoy's limit
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 100_000 + b"\r\n\r\n",
+     431),
+    # a transfer coding Envoy does not implement
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+     501),
+    # HTTP/1.0
+    (b"POST /v1/chat/completions HTTP/1.0\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}", 426),
+    # content-length and chunked at once (a smuggling shape)
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n"
+     b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+])
+def test_envoys_own_protocol_errors_are_openai_json(tmp_path: Any, request_bytes: bytes,
+                                                     status: int) -> None:
+    with envoy_only(default_doc(), str(tmp_path)) as url:
+        code, headers, body = _raw(url, request_bytes)
+    assert code == status
+    assert headers["content-type"] == "application/json"
+    error = json.loads(body)["error"]
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    assert error["code"] and error["code"] in error["message"]  # Envoy's details, named
