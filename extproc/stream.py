@@ -169,7 +169,8 @@ class StreamState:
         removed = spoofed_headers(headers)
         # Read nothing a client could have spoofed: drop x-llm-* before deciding anything.
         clean = {k: v for k, v in headers.items() if k not in removed} if removed else headers
-        path = clean.get(":path", "/").split("?", 1)[0]
+        raw_path = clean.get(":path", "/")
+        path, query, _ = raw_path.partition("?")
         ctx = RequestContext(
             snapshot=self.snapshot,
             method=clean.get(":method", "GET").upper(),
@@ -188,4 +189,8 @@ class StreamState:
         action = self.processor.on_request_headers(end_of_stream)
         if removed and isinstance(action, Continue):
             action = evolve(action, remove_headers=action.remove_headers + removed)
+        if query and isinstance(action, Continue):
+            # No endpoint reads a query, and a client may have put its key there
+            # (?key=sk-...): vLLM's access log would keep it. The pool gets the bare path.
+            action = evolve(action, set_headers=((":path", path), *action.set_headers))
         return action

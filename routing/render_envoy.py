@@ -154,7 +154,10 @@ def access_log() -> list[dict[str, Any]]:
     """One JSON line per request on stdout; Kubernetes probes of ``/healthz`` are left out."""
     fields = {
         "time": "%START_TIME%", "request_id": "%REQ(X-REQUEST-ID)%", "method": "%REQ(:METHOD)%",
-        "path": "%REQ(:PATH)%", "status": "%RESPONSE_CODE%", "details": "%RESPONSE_CODE_DETAILS%",
+        # Without the query: a client that put its key there (?key=sk-...) must not have it
+        # written to the log.
+        "path": "%REQ_WITHOUT_QUERY(:PATH)%", "status": "%RESPONSE_CODE%",
+        "details": "%RESPONSE_CODE_DETAILS%",
         "flags": "%RESPONSE_FLAGS%", "cluster": "%UPSTREAM_CLUSTER%",
         "upstream_host": "%UPSTREAM_HOST%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
         "model": "%REQ(X-LLM-MODEL)%", "variant": "%REQ(X-LLM-VARIANT)%",
@@ -174,7 +177,10 @@ def access_log() -> list[dict[str, Any]]:
         "name": "envoy.access_loggers.stdout",
         "filter": {"not_health_check_filter": {}},
         "typed_config": {TYPE: API + "extensions.access_loggers.stream.v3.StdoutAccessLog",
-                         "log_format": {"json_format": fields}},
+                         "log_format": {"json_format": fields, "formatters": [{
+                             "name": "envoy.formatter.req_without_query",
+                             "typed_config": {TYPE: API + "extensions.formatter."
+                                              "req_without_query.v3.ReqWithoutQuery"}}]}},
     }]
 
 

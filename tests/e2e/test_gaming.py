@@ -9,6 +9,7 @@ import json
 import os
 import time
 import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -173,6 +174,22 @@ def access_log_line(gw: Gateway, tenant: str) -> dict[str, Any]:
 
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 13_600}}
+
+
+def test_a_key_in_the_query_reaches_neither_a_pool_nor_the_access_log(gw: Gateway) -> None:
+    tenant = f"query-{uuid.uuid4().hex[:8]}"
+    request = urllib.request.Request(
+        f"{gw.url}/v1/chat/completions?key=sk-in-the-query",
+        data=json.dumps({"model": "llama-2-13b", "max_tokens": 1,
+                         "messages": [{"role": "user", "content": tenant}]}).encode(),
+        headers={"content-type": "application/json", "x-tenant-id": tenant})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 200
+    [seen] = [r for r in gw.sim_requests("vllm-short") if tenant in json.dumps(r.get("body"))]
+    assert seen["path"] == "/v1/chat/completions" and not seen["query"]
+    assert access_log_line(gw, tenant)["path"] == "/v1/chat/completions"
+    with open(os.path.join(gw.workdir, "envoy.log"), encoding="utf-8") as handle:
+        assert "sk-in-the-query" not in handle.read()
 
 
 # The simulator serves n = 1 only (n and best_of are covered by tests/extproc); batches it serves.

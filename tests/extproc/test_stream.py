@@ -329,3 +329,15 @@ def test_a_body_nested_to_the_writable_depth_is_served() -> None:
            b'[{"role": "user", "content": "hi"}], "guided_json": ' + nested(250) + b"}")
     answer = start().handle("request_body", None, raw, True)
     assert isinstance(answer, Continue) and answer.body is not None
+
+
+def test_a_query_never_reaches_a_pool() -> None:
+    """A client's key in the query (``?key=sk-...``) would land in vLLM's access log."""
+    def headers_answer(path: str) -> dict[str, str]:
+        action = StreamState(snapshot(), SECRET).handle(
+            "request_headers", {":path": path, ":method": "POST"}, b"", False)
+        assert isinstance(action, Continue)
+        return dict(action.set_headers)
+
+    assert headers_answer("/v1/chat/completions?key=sk-q")[":path"] == "/v1/chat/completions"
+    assert ":path" not in headers_answer("/v1/chat/completions")
