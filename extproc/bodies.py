@@ -258,6 +258,24 @@ def _completion_prompts(doc: dict[str, Any]) -> tuple[PromptParts, ...]:
     raise bad
 
 
+def _include_usage(doc: dict[str, Any]) -> bool:
+    """Whether vLLM sends this stream's usage: ``stream_options`` present and its
+    ``include_usage`` true, or absent (vLLM's ``StreamOptions`` defaults it to true once the
+    object is sent: ``{}`` and ``{"continuous_usage_stats": true}`` ask for usage); ``null``
+    is false. Its flags must be booleans: vLLM would read ``1`` or ``"yes"`` as true too, and
+    extproc would strip a usage chunk the client asked for."""
+    options = doc.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object.", param="stream_options")
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"stream_options.{name} must be a boolean.", param="stream_options")
+    return bool(options.get("include_usage", True))
+
+
 def parse_generation(api: Api, raw: bytes) -> GenerationBody:
     """A chat or completions body; raises :class:`ClientError` on anything malformed.
 
@@ -274,10 +292,7 @@ def parse_generation(api: Api, raw: bytes) -> GenerationBody:
     if max_tokens is None:
         max_tokens = fallback
     stream = _bool_field(doc, "stream")
-    options = doc.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("stream_options must be an object.", param="stream_options")
-    include_usage = bool(options and options.get("include_usage") is True)
+    include_usage = _include_usage(doc)
     min_tokens = _int_field(doc, "min_tokens", 0) or 0
     prompts = (_chat_prompt(doc),) if api == "chat" else _completion_prompts(doc)
     return GenerationBody(api, model, prompts, max_tokens, choices, stream, include_usage, doc,

@@ -137,9 +137,10 @@ def _stream_options(fields: dict[str, object], stream: bool) -> tuple[bool, bool
     # vLLM rejects only truthy options without streaming: `{}` passes its `data.get(...)` test.
     if options and not stream:
         raise validation_error("Stream options can only be defined when `stream=True`.", "stream_options")
-    # StreamOptions.include_usage defaults to True in vLLM once stream_options is present.
+    # StreamOptions.include_usage defaults to True in vLLM once stream_options is present; an
+    # explicit null is None there, which its `if ... include_usage` reads as false.
     include = _optional_bool(options, "include_usage", "stream_options.include_usage")
-    include_usage = True if include is None else include
+    include_usage = "include_usage" not in options if include is None else include
     continuous = _optional_bool(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
     return include_usage, include_usage and bool(continuous)
 

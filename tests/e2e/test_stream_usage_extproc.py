@@ -53,8 +53,8 @@ def prompt_tokens(gw: Gateway) -> int:
     return answer.usage.prompt_tokens
 
 
-@pytest.mark.parametrize("options", [None, {"include_usage": False},
-                                     {"continuous_usage_stats": True}])
+@pytest.mark.parametrize("options", [None, {"include_usage": False}, {"include_usage": None},
+                                     {"include_usage": False, "continuous_usage_stats": True}])
 def test_a_stream_without_usage_is_settled_from_vllms_usage_and_sees_none(
         gw: Gateway, options: dict[str, Any] | None) -> None:
     prompt = prompt_tokens(gw)
@@ -72,12 +72,16 @@ def test_a_stream_without_usage_is_settled_from_vllms_usage_and_sees_none(
     assert total - refill <= lost <= total
 
 
-def test_a_client_that_asked_for_usage_gets_it(gw: Gateway) -> None:
+@pytest.mark.parametrize("options", [{"include_usage": True}, {},
+                                     {"continuous_usage_stats": True}])
+def test_a_client_that_asked_for_usage_gets_it(gw: Gateway, options: dict[str, Any]) -> None:
+    """As vLLM reads ``stream_options``: ``include_usage`` is true unless it says otherwise."""
     def send() -> int:
         chunks = raw_stream(gw, "asked", {"model": "llama-2-13b", "messages": MESSAGES,
-                                          "max_tokens": 40,
-                                          "stream_options": {"include_usage": True}})
+                                          "max_tokens": 40, "stream_options": options})
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 40
+        if options.get("continuous_usage_stats"):
+            assert all("usage" in c for c in chunks)
         return int(chunks[-1]["usage"]["total_tokens"])
 
     lost, total, refill = charged_by(gw, "asked", send)

@@ -287,3 +287,24 @@ def test_prompt_embeds_are_refused_rather_than_passed_uncounted() -> None:
         err = refused("completions", doc)
         assert (err.param, err.code) == ("prompt_embeds", "invalid_request")
     assert completion("x", prompt_embeds=None).prompts == (PromptParts(("x",), 0, 0),)
+
+
+@pytest.mark.parametrize(("options", "include_usage"), [
+    (None, False),
+    ({}, True),                                   # vLLM's StreamOptions default
+    ({"continuous_usage_stats": True}, True),
+    ({"include_usage": True}, True),
+    ({"include_usage": False}, False),
+    ({"include_usage": None}, False),             # None: falsy to vLLM
+])
+def test_include_usage_as_vllm_reads_it(options: Any, include_usage: bool) -> None:
+    assert chat(stream=True, stream_options=options).include_usage is include_usage
+
+
+@pytest.mark.parametrize("options", [{"include_usage": 1}, {"include_usage": "yes"},
+                                     {"continuous_usage_stats": "true"}, [], "x"])
+def test_a_stream_option_that_is_no_boolean_is_refused(options: Any) -> None:
+    """vLLM would read ``1`` or ``"yes"`` as true; extproc, reading it as false, would strip
+    the usage the client asked for. A clear 400 instead."""
+    err = refused("chat", {"messages": MESSAGES, "stream": True, "stream_options": options})
+    assert err.param == "stream_options"

@@ -106,9 +106,10 @@ def changes(body: dict[str, Any] | None, doc: dict[str, Any]) -> dict[str, Any] 
     # A stream extproc reads (the canary) is settled from its usage chunk too.
     ({"stream": True, "max_tokens": 9}, {**UNREAD, "models": CANARY},
      {"model": "llama-2-13b-v2", "stream_options": {"include_usage": True}}),
-    # Per-chunk usage without include_usage is nothing to vLLM: only the flag is sent.
+    # Per-chunk usage is asked for (include_usage defaults to true in vLLM): sent as it is.
     ({"stream": True, "max_tokens": 9, "stream_options": {"continuous_usage_stats": True}},
-     UNREAD, {"stream_options": {"include_usage": True}}),
+     UNREAD, None),
+    # Without include_usage it is nothing to vLLM: only the flag is sent.
     ({"stream": True, "max_tokens": 9, "stream_options": {
         "include_usage": False, "continuous_usage_stats": True}},
      UNREAD, {"stream_options": {"include_usage": True}}),

@@ -68,8 +68,13 @@ def gen(**doc: Any) -> Any:
     ({"stream": True, "stream_options": {"include_usage": True}}, "envoy"),
     ({"stream": True, "stream_options": {"include_usage": True,
                                          "continuous_usage_stats": True}}, "extproc"),
+    # vLLM's include_usage defaults to true once stream_options is sent; null is false.
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "extproc"),
+    ({"stream": True, "stream_options": {}}, "envoy"),
+    ({"stream": True, "stream_options": {"include_usage": None}}, "envoy_injected"),
     # Per-chunk usage without include_usage is nothing to vLLM: a stream without usage.
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "envoy_injected"),
+    ({"stream": True, "stream_options": {"include_usage": False,
+                                         "continuous_usage_stats": True}}, "envoy_injected"),
 ])
 def test_envoy_reads_the_usage_of_streams(doc: dict[str, Any], expected: str) -> None:
     assert usage_plan(gen(**doc)) == expected

@@ -75,6 +75,7 @@ def test_chat_max_completion_tokens_0_falls_back_as_in_vllm(
         ({}, True, (True, False)),  # vLLM's StreamOptions.include_usage defaults to true
         ({}, False, (True, False)),  # an empty object passes vLLM's stream check
         ({"include_usage": False, "continuous_usage_stats": True}, True, (False, False)),
+        ({"include_usage": None}, True, (False, False)),  # None there: its `if` reads false
         ({"continuous_usage_stats": True}, True, (True, True)),
     ],
 )
