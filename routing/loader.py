@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from routing.errors import ConfigError, Problem
 from routing.ratelimits import UINT32_MAX
-from routing.schema import TENANT_RULE, Limit, RoutingConfig, is_tenant
+from routing.schema import TENANT_RULE, LevelLimits, Limit, RoutingConfig, is_tenant
 from routing.units import parse_rate
 from routing.yamlsrc import Located, Path, read_yaml
 
@@ -41,7 +41,25 @@ def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
             "warning: api_keys are listed but auth.required is false: any other caller is let "
             f"in and names its own tenant with the {config.auth.tenant_header} header; set "
             "auth.required: true in production"))
+    limits = config.rate_limits
+    if limits is not None and not config.auth.required:
+        levels = [name for name in ("api_key", "tenant") if _enforces(getattr(limits, name))]
+        if levels:
+            out.append(located.problem(
+                ("rate_limits", levels[0]),
+                f"warning: {' and '.join(levels)} limits with auth.required false bind only "
+                "callers that keep their key and tenant: any caller can send a new key or "
+                f"name a new tenant ({config.auth.tenant_header}) and get fresh buckets; only "
+                "model limits bind everyone. Set auth.required: true where they must hold"))
     return out
+
+
+def _enforces(level: LevelLimits | None) -> bool:
+    """``level`` has a limit that is not in shadow mode."""
+    if level is None:
+        return False
+    return any(spec is not None and not spec.shadow
+               for spec in (level.default, *level.overrides.values()))
 
 
 def validate(located: Located) -> RoutingConfig:

@@ -196,6 +196,28 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path: pathlib.Path) -> 
     assert [p.line for p in caught.value.problems] == [7, 10]
 
 
+ESCAPE = ("warning: {levels} limits with auth.required false bind only callers that keep their "
+          "key and tenant: any caller can send a new key or name a new tenant (x-tenant-id) and "
+          "get fresh buckets; only model limits bind everyone. Set auth.required: true where "
+          "they must hold")
+
+
+@pytest.mark.parametrize(("limits", "expected"), [
+    ("rate_limits:\n  tenant: {default: {requests: 5/s}}\n",
+     ["9: " + ESCAPE.format(levels="tenant")]),
+    ("rate_limits:\n  api_key: {default: {tokens: 1k/min}}\n"
+     "  tenant: {default: {requests: 5/s}}\n",
+     ["9: " + ESCAPE.format(levels="api_key and tenant")]),
+    ("rate_limits:\n  model: {default: {requests: 5/s}}\n", []),   # binds every caller
+    ("rate_limits:\n  tenant: {default: {requests: 5/s, shadow: true}}\n", []),  # enforces none
+    ("auth: {required: true}\nrate_limits:\n  tenant: {default: {requests: 5/s}}\n", []),
+])
+def test_check_warns_that_open_mode_lets_callers_escape_key_and_tenant_limits(
+        tmp_path: pathlib.Path, limits: str, expected: list[str]) -> None:
+    path = write(tmp_path, "open", GOOD + limits)
+    assert [str(p) for p in check_config(str(path))] == [f"{path}:{line}" for line in expected]
+
+
 def test_check_command_prints_the_lines_and_exits_1(tmp_path: pathlib.Path) -> None:
     bad = write(tmp_path, "bad", CASES["unknown_cluster"][0])
     result = subprocess.run(sidecar_command("check", "--config", str(bad)),
