@@ -1,9 +1,11 @@
 """Counting prompt tokens: a real ``tokenizer.json`` when configured, else an estimate.
 
 The estimate errs high on purpose (a prompt routed to a pool too small for it fails at vLLM):
-one token per 3 UTF-8 bytes of text, plus a chat-template allowance per message. BPE
-tokenizers of Llama-class models average about 4 bytes per token on English prose, so
-the estimate runs ~33% high there; code and numbers sit nearer 3 bytes per token; CJK text is
+one token per digit and per 3 UTF-8 bytes of other text, plus a chat-template allowance per
+message. BPE tokenizers of Llama-class models average about 4 bytes per token on English prose,
+so the estimate runs ~33% high there; code sits nearer 3 bytes per token; most tokenizers
+(Llama 2, Mistral, Qwen, DeepSeek) give each digit a token of its own, where 3 bytes a token
+would count a digit string a third of what vLLM does (Llama 3 groups three); CJK text is
 about 3 bytes per character and usually one or two tokens per character, where the estimate can
 run low — configure the model's tokenizer when that matters.
 """
@@ -27,12 +29,17 @@ class Counter(Protocol):
     def count(self, text: str) -> int: ...
 
 
+_DIGITS = b"0123456789"
+
+
 class EstimateCounter:
-    """Ceil(UTF-8 bytes / 3); pure and fast (no encode for ASCII text)."""
+    """One token per ASCII digit, plus ceil(other UTF-8 bytes / 3); pure and fast (two C passes
+    over the text's bytes: ~1 ns a byte)."""
 
     def count(self, text: str) -> int:
-        size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-        return -(-size // BYTES_PER_TOKEN)
+        raw = text.encode("utf-8", "surrogatepass")
+        rest = len(raw.translate(None, _DIGITS))
+        return len(raw) - rest + -(-rest // BYTES_PER_TOKEN)
 
 
 class TokenizerCounter:

@@ -37,6 +37,11 @@ from extproc.tokens import (
     ("日本語の", 4),  # 12 bytes
     ("🙂", 2),  # 4 bytes
     ("\ud800", 1),  # a lone surrogate (JSON allows "\ud800"): 3 bytes, no crash
+    # Digits count one each (most tokenizers give each its own token): a digit string
+    # cannot pass for a third of its length.
+    ("1234567890", 10),
+    ("a1", 2),
+    ("abc 2026-12-02", 8 + 2),  # 8 digits, then 6 other bytes
 ])
 def test_the_estimate(text: str, tokens: int) -> None:
     assert EstimateCounter().count(text) == tokens
