@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from sidecar_runtime.wire_names import (
+    CAP_METADATA_KEY,
     DONE_METADATA_KEY,
     LEASE_METADATA_KEY,
     RESERVATION_METADATA_KEY,
@@ -53,11 +54,16 @@ which would admit the request unchecked. 32K output x 128 choices x 2048 prompts
 a request reserves this much instead, more than any bucket holds, and is refused."""
 
 
-def admission_metadata(reservation: int, lease: str | None = None) -> dict[str, Any]:
+def admission_metadata(reservation: int, lease: str | None = None,
+                       capped: bool = False) -> dict[str, Any]:
     """Dynamic metadata for the request-body answer of a request that goes upstream (``lease``:
-    the one extproc settles under itself; a new one when not given)."""
-    return {RESERVATION_METADATA_KEY: min(max(0, reservation), MAX_RESERVATION),
-            LEASE_METADATA_KEY: lease if lease is not None else new_lease()}
+    the one extproc settles under itself; a new one when not given; ``capped``: a concurrency
+    cap applies to it, so Envoy takes a slot and frees it at the end)."""
+    out: dict[str, Any] = {RESERVATION_METADATA_KEY: min(max(0, reservation), MAX_RESERVATION),
+                           LEASE_METADATA_KEY: lease if lease is not None else new_lease()}
+    if capped:
+        out[CAP_METADATA_KEY] = "1"
+    return out
 
 
 def usage_metadata(used: int) -> dict[str, Any]:

@@ -10,12 +10,13 @@ Pure: the call itself is :mod:`extproc.rls_client`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from extproc.actions import Action, Descriptor, Headers, LimitStatus, RateCheck, Reply, Verdict
 from extproc.errors import error_body
 from routing.compiled import Snapshot
-from routing.ratelimits import DOMAIN, route_rate_limits
+from routing.ratelimits import DOMAIN, LEVEL_HEADERS, limit_entries, route_rate_limits
 from routing.schema import RoutingConfig
 
 UNAVAILABLE_DETAILS = "ratelimit_unavailable"
@@ -37,6 +38,34 @@ def once_per_config(build: Callable[[RoutingConfig], T]) -> Callable[[RoutingCon
             last[:] = [(config, build(config))]
         return last[0][1]
     return get
+
+
+@once_per_config
+def _limit_levels(config: RoutingConfig) -> Mapping[tuple[str, str, str | None], bool]:
+    """(kind, level, value or None for the level's default) → that limit enforces (it is not
+    ``shadow``)."""
+    return MappingProxyType({(entry.kind, entry.level, entry.value): not entry.shadow
+                             for entry in limit_entries(config)})
+
+
+def limit_applies(config: RoutingConfig, headers: Mapping[str, str], kind: str, *,
+                  enforcing: bool) -> bool:
+    """Does a ``kind`` limit of ``config`` apply to a request routed with ``headers`` (each
+    level's value in its :data:`~routing.ratelimits.LEVEL_HEADERS` header, as Envoy's
+    descriptors read it)? A level's override for the value applies when there is one (it
+    inherits the default's fields), else the level's default. ``enforcing``: only a limit that
+    is not ``shadow`` counts."""
+    if config.rate_limits is None:
+        return False
+    table = _limit_levels(config)
+    for level, header in LEVEL_HEADERS.items():
+        value = headers.get(header)
+        found = table.get((kind, level, value)) if value is not None else None
+        if found is None:
+            found = table.get((kind, level, None))
+        if found is not None and (found or not enforcing):
+            return True
+    return False
 
 
 @once_per_config

@@ -15,40 +15,17 @@ level values of the ``x-llm-*`` headers Envoy rate-limits the request on.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 from extproc.actions import Headers
 from extproc.bodies import Api
-from extproc.hit_limits import once_per_config
-from routing.ratelimits import LEVEL_HEADERS, limit_entries
+from extproc.hit_limits import limit_applies
 from routing.schema import RoutingConfig
 
 
-@once_per_config
-def _token_limits(config: RoutingConfig) -> Mapping[tuple[str, str | None], bool]:
-    """(level, value or None for the level's default) → does that token limit deny (it is not
-    ``shadow``)."""
-    return MappingProxyType({(entry.level, entry.value): not entry.shadow
-                             for entry in limit_entries(config) if entry.kind == "tokens"})
-
-
 def charged_for_tokens(config: RoutingConfig, headers: Mapping[str, str]) -> bool:
-    """Does an enforcing token limit charge a request routed with ``headers`` (each level's
-    value in its :data:`~routing.ratelimits.LEVEL_HEADERS` header, as Envoy's descriptors read
-    it)? A level's override for the value applies when there is one (it inherits the default's
-    fields), else the level's default."""
-    if config.rate_limits is None:
-        return False
-    limits = _token_limits(config)
-    for level, header in LEVEL_HEADERS.items():
-        value = headers.get(header)
-        enforcing = limits.get((level, value)) if value is not None else None
-        if enforcing is None:
-            enforcing = limits.get((level, None), False)
-        if enforcing:
-            return True
-    return False
+    """Does an enforcing token limit charge a request routed with ``headers``?"""
+    return limit_applies(config, headers, "tokens", enforcing=True)
 
 
 VLLM_COMPLETIONS_DEFAULT = 16

@@ -31,6 +31,8 @@ from routing.compiled import listed_key_id
 from routing.schema import LevelLimits, Limit, RoutingConfig
 from routing.units import parse_rate
 from sidecar_runtime.wire_names import (
+    CAP_ENTRY,
+    CAP_METADATA_KEY,
     DONE_ENTRY,
     DONE_METADATA_KEY,
     LEASE_ENTRY,
@@ -192,8 +194,13 @@ def _levels_with(config: RoutingConfig, field: str) -> list[str]:
     return out
 
 
-def _actions(kind: str, level: str, *extra: dict[str, Any]) -> list[dict[str, Any]]:
+def _actions(kind: str, level: str, *extra: dict[str, Any],
+             gate: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """``kind``, the level's header, ``extra``; ``gate`` (a required control entry) first:
+    Envoy stops at the first action that yields nothing, so a request the gate's metadata is
+    absent from costs one lookup."""
     return [
+        *([gate] if gate is not None else []),
         {"generic_key": {"descriptor_key": "kind", "descriptor_value": kind}},
         {"request_headers": {"header_name": LEVEL_HEADERS[level], "descriptor_key": level}},
         *extra,
@@ -213,13 +220,28 @@ def _from_metadata(descriptor_key: str, metadata_key: str, *, optional: bool = F
     return {"metadata": action}
 
 
-def route_rate_limits(config: RoutingConfig) -> list[dict[str, Any]]:
-    """The ``rate_limits`` of the routed Envoy route (see the module docstring)."""
+def route_rate_limits(config: RoutingConfig, *, every_level: bool = False
+                      ) -> list[dict[str, Any]]:
+    """The ``rate_limits`` of the routed Envoy route (see the module docstring).
+
+    ``every_level``: the actions of every (kind, level), whatever limits ``config`` sets (what
+    ``render`` writes when ``rate_limits:`` is present): Envoy reads its bootstrap once, and a
+    limit a reload adds at a level it had none at must bind at once. A descriptor no limit
+    matches costs the service a lookup and no store work; the concurrency ones are sent only
+    for a request extproc marks ``llm_cap`` (a cap applies to it now). Otherwise: the levels
+    ``config`` limits, as extproc builds the descriptors it sends itself."""
     lease = _from_metadata(LEASE_ENTRY, LEASE_METADATA_KEY)
+    cap = _from_metadata(CAP_ENTRY, CAP_METADATA_KEY)
     out: list[dict[str, Any]] = []
-    for level in _levels_with(config, "requests"):
+
+    def levels(kind: str) -> list[str]:
+        if config.rate_limits is None:
+            return []
+        return list(LEVEL_HEADERS) if every_level else _levels_with(config, kind)
+
+    for level in levels("requests"):
         out.append({"actions": _actions("requests", level)})
-    for level in _levels_with(config, "tokens"):
+    for level in levels("tokens"):
         out.append({
             "actions": _actions("tokens", level, _from_metadata(LEASE_ENTRY, LEASE_METADATA_KEY,
                                                                 optional=True)),
@@ -233,11 +255,11 @@ def route_rate_limits(config: RoutingConfig) -> list[dict[str, Any]]:
             "apply_on_stream_done": True,
             "hits_addend": {"number": 0},
         })
-    for level in _levels_with(config, "concurrent"):
-        out.append({"actions": _actions("concurrent", level, lease)})
+    for level in levels("concurrent"):
+        out.append({"actions": _actions("concurrent", level, lease, gate=cap)})
         out.append({
             "actions": _actions("concurrent", level, lease, {"generic_key": {
-                "descriptor_key": RELEASE_ENTRY, "descriptor_value": "1"}}),
+                "descriptor_key": RELEASE_ENTRY, "descriptor_value": "1"}}, gate=cap),
             "apply_on_stream_done": True,
             "hits_addend": {"number": 0},
         })

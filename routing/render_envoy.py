@@ -241,7 +241,7 @@ def ratelimit_filter(config: RoutingConfig) -> dict[str, Any]:
             "enable_x_ratelimit_headers": "DRAFT_VERSION_03",
             # Filter-level actions: Envoy honours hits_addend (0 = check only, or the tokens
             # extproc reported) on these, and evaluates apply_on_stream_done ones at the end.
-            "rate_limits": route_rate_limits(config),
+            "rate_limits": route_rate_limits(config, every_level=True),
             "rate_limit_service": {
                 "grpc_service": {"envoy_grpc": {"cluster_name": RATELIMIT_CLUSTER},
                                  # Each try may use the whole timeout (see sidecar_retry).

@@ -30,6 +30,10 @@ STRIP_USAGE_METADATA_KEY = "strip_usage"
 filter removes the usage chunk from what the client receives (it did not ask for it)."""
 LEASE_METADATA_KEY = "llm_lease"
 """A random id per request naming its reservation and concurrency slot in the ratelimit store."""
+CAP_METADATA_KEY = "llm_cap"
+"""``"1"`` when a concurrency cap of the running config applies to the request: only then does
+Envoy take a slot for it and make the stream-done call that frees it (the bootstrap carries
+the concurrency actions of every level, so a cap added by a reload binds at once)."""
 
 LEASE_ENTRY = "llm_sidecar.lease"
 """Rate-limit descriptor control entries: Envoy adds them from the metadata above, and the
@@ -40,7 +44,9 @@ USED_ENTRY = "llm_sidecar.used"
 RELEASE_ENTRY = "llm_sidecar.release"
 DONE_ENTRY = "llm_sidecar.done"
 """Carried by the settle descriptor from ``llm_done``: without it Envoy sends no settle."""
-CONTROL_ENTRIES = frozenset({LEASE_ENTRY, USED_ENTRY, RELEASE_ENTRY, DONE_ENTRY})
+CAP_ENTRY = "llm_sidecar.cap"
+"""Carried by the concurrency descriptors from ``llm_cap``: without it Envoy sends none."""
+CONTROL_ENTRIES = frozenset({LEASE_ENTRY, USED_ENTRY, RELEASE_ENTRY, DONE_ENTRY, CAP_ENTRY})
 
 LB_METADATA_NAMESPACE = "envoy.lb"
 """The Gateway API Inference Extension's endpoint picker protocol: the dynamic metadata

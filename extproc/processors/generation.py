@@ -14,6 +14,7 @@ from extproc.bodies import Api, GenerationBody, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, output_per_sequence
 from extproc.errors import server_overloaded
+from extproc.hit_limits import limit_applies
 from extproc.output_budget import upstream_max_tokens
 from extproc.picker.pick import Priority
 from extproc.processors.base import (
@@ -280,7 +281,9 @@ class GenerationProcessor(BaseProcessor):
             headers += (("content-length", str(len(new_body))),)
         # The reservation and the lease ride on the request-body answer so the rate-limit
         # filter, which runs after ext_proc, can charge it at admission (README: Rate limits).
-        metadata = admission_metadata(decision.reservation, lease)
+        metadata = admission_metadata(
+            decision.reservation, lease,
+            limit_applies(snapshot.config, dict(headers), "concurrent", enforcing=False))
         if inject and envoy_reads:  # Envoy's Lua filter takes the chunk out
             metadata = {**metadata, STRIP_USAGE_METADATA_KEY: "1"}
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,

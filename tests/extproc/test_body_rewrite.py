@@ -13,7 +13,11 @@ import pytest
 
 from extproc.actions import Continue
 from extproc.stream import StreamState
-from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER, RESERVATION_METADATA_KEY
+from sidecar_runtime.wire_names import (
+    CAP_METADATA_KEY,
+    ENVOY_USAGE_HEADER,
+    RESERVATION_METADATA_KEY,
+)
 from tests.extproc.helpers import snapshot
 
 SECRET = b"test-secret"
@@ -188,3 +192,15 @@ def test_images_reserve_what_the_model_prices_them_at(media_tokens: dict[str, in
     action = routed(PICTURES, models={"llama-2-13b": model}, **TOKENS)
     assert action.metadata[RESERVATION_METADATA_KEY] == reserved
     assert dict(action.set_headers)["x-llm-cluster"] == pool
+
+
+@pytest.mark.parametrize(("sections", "capped"), [
+    ({"rate_limits": {"tenant": {"default": {"concurrent": 2}}}}, True),
+    ({"rate_limits": {"tenant": {"overrides": {"acme": {"concurrent": 2}}}}}, False),
+    (TOKENS, False),
+])
+def test_a_request_a_cap_applies_to_is_marked_for_envoys_slot(sections: dict[str, Any],
+                                                              capped: bool) -> None:
+    metadata = routed({"max_tokens": 5}, **sections).metadata
+    assert (metadata.get(CAP_METADATA_KEY) == "1") is capped
+    assert capped or CAP_METADATA_KEY not in metadata

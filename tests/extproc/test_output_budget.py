@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from extproc.hit_limits import limit_applies
 from extproc.output_budget import budget_unset, charged_for_tokens, upstream_max_tokens
 from routing.compiled import listed_key_id
 from tests.extproc.helpers import snapshot
@@ -93,3 +94,25 @@ def test_a_zero_default_writes_nothing() -> None:
     config = snapshot(rate_limits={"tenant": {"default": {"tokens": "1M/h"}}}).config
     assert upstream_max_tokens(config, "chat", {}, 0, tuple(values().items())) is None
     assert upstream_max_tokens(config, "chat", {}, 64, tuple(values().items())) == 64
+
+
+@pytest.mark.parametrize(("limits", "request_values", "capped"), [
+    (None, values(), False),
+    ({"tenant": {"default": {"tokens": "1M/h"}}}, values(), False),
+    ({"tenant": {"default": {"concurrent": 3}}}, values(), True),
+    ({"tenant": {"default": {"concurrent": 3, "shadow": True}}}, values(), True),  # counted too
+    ({"tenant": {"overrides": {"acme": {"concurrent": 3}}}}, values(), False),
+    ({"tenant": {"overrides": {"acme": {"concurrent": 3}}}}, values(tenant="acme"), True),
+    ({"api_key": {"overrides": {"bot": {"concurrent": 1}}}}, values(key=BOT_ID), True),
+    ({"model": {"overrides": {"llama-2-13b": {"concurrent": 9}}}}, values(), True),
+])
+def test_which_requests_take_a_concurrency_slot(limits: dict[str, Any] | None,
+                                               request_values: dict[str, str],
+                                               capped: bool) -> None:
+    """extproc marks them (``llm_cap``): the bootstrap's concurrency actions need the mark, so
+    no other request takes a slot or makes the stream-done call that frees one."""
+    sections: dict[str, Any] = {**KEYS}
+    if limits is not None:
+        sections["rate_limits"] = limits
+    config = snapshot(**sections).config
+    assert limit_applies(config, request_values, "concurrent", enforcing=False) is capped

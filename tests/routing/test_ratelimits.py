@@ -15,10 +15,18 @@ from tests.extproc.helpers import BASE
 SHA = hashlib.sha256(b"sk-bot").hexdigest()
 
 
-def config(rate_limits: dict[str, Any]) -> Any:
+def config(rate_limits: dict[str, Any] | None) -> Any:
     doc = {**BASE, "api_keys": [{"name": "bot", "sha256": SHA, "tenant": "legal"}],
            "rate_limits": rate_limits}
     return validate(Located("t.yaml", doc, {}))
+
+
+def kind_and_header(actions: list[dict[str, Any]]) -> tuple[str, str]:
+    """The ``kind`` entry and the level's header of one rate limit's actions."""
+    [kind] = [a["generic_key"]["descriptor_value"] for a in actions
+              if a.get("generic_key", {}).get("descriptor_key") == "kind"]
+    [header] = [a["request_headers"]["header_name"] for a in actions if "request_headers" in a]
+    return kind, header
 
 
 def branch(doc: dict[str, Any], kind: str) -> list[dict[str, Any]]:
@@ -90,8 +98,30 @@ def test_concurrent_and_shadow_limits() -> None:
     limit = loaded.match((("kind", "concurrent"), ("api_key", "anyone")))
     assert limit is not None and limit.concurrent == 4 and not limit.shadow_mode
     actions = route_rate_limits(cfg)
-    kinds = [(a["actions"][0]["generic_key"]["descriptor_value"], a.get("apply_on_stream_done", False))
+    kinds = [(kind_and_header(a["actions"])[0], a.get("apply_on_stream_done", False))
              for a in actions]
     assert kinds == [("requests", False), ("concurrent", False), ("concurrent", True)]
     assert actions[2]["actions"][-1] == {"generic_key": {"descriptor_key": "llm_sidecar.release",
                                                          "descriptor_value": "1"}}
+
+
+def test_the_bootstrap_carries_every_level_so_a_reloaded_limit_binds_at_once() -> None:
+    """Envoy reads its bootstrap once: with ``rate_limits:`` at all, every (kind, level) is
+    there, so a limit a reload adds at a level it had none at is enforced without a restart."""
+    cfg = config({"tenant": {"default": {"requests": "1/s"}}})
+    actions = route_rate_limits(cfg, every_level=True)
+    shape = [(*kind_and_header(a["actions"]), a.get("apply_on_stream_done", False))
+             for a in actions]
+    levels = ["x-llm-key-id", "x-llm-tenant", "x-llm-model"]
+    assert shape == ([("requests", h, False) for h in levels]
+                     + [(k, h, done) for k in ("tokens", "concurrent") for h in levels
+                        for done in (False, True)])
+    # A slot is taken (and a stream-done call made to free it) only for a request extproc
+    # marks: one a cap of the running config applies to.
+    # The mark is the first action: Envoy stops there for every other request.
+    for rate_limit in actions:
+        if kind_and_header(rate_limit["actions"])[0] == "concurrent":
+            cap = rate_limit["actions"][0]["metadata"]
+            assert cap["metadata_key"]["path"] == [{"key": "llm_cap"}]
+            assert "skip_if_absent" not in cap
+    assert route_rate_limits(config(None), every_level=True) == []

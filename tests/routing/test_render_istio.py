@@ -111,8 +111,11 @@ def test_the_ratelimit_patch_carries_the_rate_limits_actions() -> None:
     patches = envoy_filter(config())["spec"]["configPatches"]
     ratelimit = patches[1]["patch"]["value"]["typed_config"]
     assert ratelimit["domain"] == "llm-sidecar"
-    kinds = [a["actions"][0]["generic_key"]["descriptor_value"] for a in ratelimit["rate_limits"]]
-    assert kinds == ["requests", "tokens", "tokens"]
+    kinds = [next(action["generic_key"]["descriptor_value"] for action in a["actions"]
+                  if action.get("generic_key", {}).get("descriptor_key") == "kind")
+             for a in ratelimit["rate_limits"]]
+    # Every (kind, level): a limit a reload adds anywhere binds without a new EnvoyFilter.
+    assert kinds == ["requests"] * 3 + ["tokens"] * 6 + ["concurrent"] * 6
 
 
 def test_the_context_is_checked() -> None:
