@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple
 from ratelimit.bucket import BucketResult, BucketSpec, Hit, Settle, report
 from ratelimit.descriptors import (
     CONCURRENT,
+    KIND_KEY,
     REQUESTS,
     TOKENS,
     DomainConfig,
@@ -31,6 +32,8 @@ from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import BucketStore, StoreResult
 from sidecar_runtime.metric_children import Children
 
+RELEASE_ONLY = BucketSpec(0.0, 0.0, concurrent=True)
+"""The spec of a slot release whose cap is gone: a release reads no capacity or rate."""
 MAX_HITS = 2**53
 UNLIMITED_REMAINING = 2**32 - 1
 Code = Literal["ok", "over_limit"]
@@ -210,6 +213,14 @@ def plan(config: RateLimitConfig, request: LimitRequest, matches: Matches | None
     for descriptor, m in zip(request.descriptors, found, strict=True):
         if replaced and m.limit is not None and m.limit.name and m.limit.name in replaced:
             m = Match(None, m.level, REQUESTS)
+        if m.key is None and descriptor.phase == "release" and descriptor.lease is not None \
+                and (KIND_KEY, CONCURRENT) in descriptor.entries:
+            # A slot taken under a cap a reload has since removed (or renamed): freed all the
+            # same (its key is the entries'), or it would count again if the cap came back.
+            settles.append(Settle(bucket_key(domain.name, descriptor.entries), RELEASE_ONLY,
+                                  descriptor.lease, None))
+            items.append(Planned(None, m.level, CONCURRENT, None))
+            continue
         item = _planned(descriptor, m, default_hits)
         items.append(item)
         if item.hit is not None:

@@ -226,3 +226,34 @@ async def test_settlements_a_failed_store_could_not_apply_are_counted_as_such() 
     await d.limiter.check(LimitRequest("s", (_ending("lease-0001", release=True),
                                              _ending("lease-0002", release=False))))
     assert _settled(d) == {"backend_error": 2.0}
+
+
+NO_CAP = """
+domain: s
+descriptors:
+  - key: kind
+    value: tokens
+    descriptors:
+      - key: tenant
+        rate_limit: {unit: minute, requests_per_unit: 600}
+"""
+
+
+async def test_a_slot_is_freed_after_a_reload_removed_its_cap() -> None:
+    """Taken under ``concurrent: 4``, released after a reload took the cap away: freed all the
+    same, so it does not count again when the cap comes back (it used to wait out its
+    10-minute lease)."""
+    d = Decider(load_text(SETTLING, "s.yaml"))
+    entries = (("kind", "concurrent"), ("tenant", "t"))
+
+    async def admit(*leases: int) -> bool:
+        outcome = await d.limiter.check(LimitRequest("s", tuple(
+            DescriptorRequest(entries, lease=f"lease-{n:04d}") for n in leases)))
+        return outcome.ok
+
+    assert await admit(1)
+    d.config = load_text(NO_CAP, "s.yaml")  # a reload removes the cap
+    await d.limiter.check(LimitRequest("s", (_ending("lease-0001", release=True),)))
+    d.config = load_text(SETTLING, "s.yaml")  # and brings it back
+    assert await admit(2, 3, 4, 5)  # all four slots are free
+    assert not await admit(6)
