@@ -4,17 +4,27 @@ and is tried again by itself."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import TypeVar
 
 from ratelimit.bucket import Hit, Settle
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import BucketStore, StoreResult
 from sidecar_runtime.breaker import BreakerState
-from sidecar_runtime.guarded import Guard
+from sidecar_runtime.guarded import BackendError, Guard
 
 T = TypeVar("T")
+
+PENDING_MAX = 16_384
+"""Ends of requests (slot releases, token settles) kept to try again after the store failed
+them: beyond this the oldest are dropped (their slots free themselves when their lease
+expires; their reservations stand)."""
+RETRY_BATCH = 256
 
 
 class GuardedStore:
@@ -34,6 +44,8 @@ class GuardedStore:
         self.inner = inner
         self._timeout_s = timeout_s
         self._metrics = metrics
+        self._pending: deque[Settle] = deque(maxlen=PENDING_MAX)
+        self._retrying: asyncio.Task[None] | None = None
         self._guard = Guard(
             cooldown_s=cooldown_s, failures_to_open=failures_to_open, logger="ratelimit.backend",
             failed_event="ratelimit_backend_failed", recovered_event="ratelimit_backend_recovered",
@@ -46,12 +58,42 @@ class GuardedStore:
         return self._guard.state
 
     async def decide(self, hits: Sequence[Hit]) -> StoreResult:
-        return await self._guarded(lambda: self.inner.decide(hits))
+        result = await self._guarded(lambda: self.inner.decide(hits))
+        if self._pending:
+            self._retry_soon()
+        return result
 
     async def settle(self, settles: Sequence[Settle]) -> None:
         """The same deadline and breaker as :meth:`decide`: a stream-done call does not wait on
-        a Redis that is down (the reservation then stands, the slot waits for its lease TTL)."""
-        await self._guarded(lambda: self.inner.settle(settles))
+        a Redis that is down. What it could not apply is kept and applied once the store
+        answers again (a release or a settle applies once, however often it is sent): without
+        that, a slot released during an outage stayed taken for its lease's 10 minutes."""
+        try:
+            await self._guarded(lambda: self.inner.settle(settles))
+        except BackendError:
+            self._pending.extend(settles)
+            raise
+        if self._pending:
+            self._retry_soon()
+
+    @property
+    def pending(self) -> int:
+        """Ends of requests waiting for the store to answer again."""
+        return len(self._pending)
+
+    def _retry_soon(self) -> None:
+        if self._retrying is None or self._retrying.done():
+            self._retrying = asyncio.get_running_loop().create_task(self._retry())
+
+    async def _retry(self) -> None:
+        while self._pending:
+            batch = [self._pending.popleft() for _ in range(min(RETRY_BATCH, len(self._pending)))]
+            try:
+                await self._guarded(partial(self.inner.settle, batch))
+            except BackendError:
+                self._pending.extendleft(reversed(batch))  # the next answer tries again
+                return
+            self._metrics.settlements.labels("retried").inc(len(batch))
 
     async def _guarded(self, call: Callable[[], Awaitable[T]]) -> T:
         started = time.perf_counter()
@@ -61,4 +103,8 @@ class GuardedStore:
             self._metrics.backend_latency.observe(time.perf_counter() - started)
 
     async def aclose(self) -> None:
+        if self._retrying is not None and not self._retrying.done():
+            self._retrying.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retrying
         await self.inner.aclose()

@@ -30,7 +30,8 @@ class RateLimitMetrics:
             "ratelimit_settlements",
             "Ends of admitted requests applied to buckets, by what was settled (tokens: a "
             "reservation against the real usage; release: a concurrency slot; backend_error: "
-            "the store failed, the reservation stands and the slot waits for its lease to expire).",
+            "the store failed them, and they are kept to try again; retried: applied once the "
+            "store answered again).",
             ["what"],
             registry=self.registry,
         )

@@ -15,8 +15,9 @@ missing and be denied. Debt charges are never refunded. Every command goes throu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
@@ -28,9 +29,12 @@ from ratelimit.bucket import BucketResult, BucketSpec, Hit, Settle
 from ratelimit.errors import BackendError, NodeDown
 from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA, SETTLE, SETTLE_SHA
 from ratelimit.store import LEASE_TTL_S, StoreResult
+from sidecar_runtime.logs import get_logger
 from sidecar_runtime.redis_batch import CommandBatcher
 from sidecar_runtime.redis_client import MAX_CONNECTIONS, Client
 from sidecar_runtime.redis_cluster import ClusterRouter, NodeDownError
+
+log = get_logger("ratelimit.redis_store")
 
 _DEBT, _SHADOW, _CONCURRENT = 1, 2, 4
 _RELEASE = "-1"
@@ -69,6 +73,8 @@ class RedisStore:
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._router = ClusterRouter(client) if isinstance(client, RedisCluster) else None
         self._batcher = CommandBatcher(client) if isinstance(client, Redis) else None
+        self._undoing: set[asyncio.Task[None]] = set()
+        """Refunds of decisions that came back after their deadline (:meth:`_undo_late`)."""
         self._spec_texts: dict[int, tuple[BucketSpec, str, str, str]] = {}
         """id(spec) -> (spec, capacity, rate, flags) as the scripts read them: the spec objects
         of matched descriptors are kept by the Limiter and come back on every call, and
@@ -164,10 +170,30 @@ class RedisStore:
             hit = hits[i]
             _, capacity, rate, flags = self._spec_text(hit.spec)
             args += [key_ref, capacity, rate, flags, str(hit.hits), marker_ref, hit.lease or ""]
-        reply = await self._eval(DECIDE_SHA, DECIDE, group.keys, args)
+        reply = await self._eval(DECIDE_SHA, DECIDE, group.keys, args,
+                                 late=partial(self._undo_late, hits, group))
         results = [BucketResult(int(reply[1 + 2 * n]) == 1, float(reply[2 + 2 * n]))
                    for n in range(len(group.positions))]
         return int(reply[0]) == 1, results
+
+    def _undo_late(self, hits: Sequence[Hit], group: _Group, reply: Any) -> None:
+        """The reply of a decision whose deadline passed: the request was answered without it
+        (``on_backend_error``), but the script ran when Redis came back. What it admitted is
+        taken back (its slots, its charges), or a slot would stay taken for its lease's 10
+        minutes with no request behind it, and a refused request would have paid."""
+        if isinstance(reply, Exception) or int(reply[0]) != 1:
+            return
+        results = {i: BucketResult(int(reply[1 + 2 * n]) == 1, float(reply[2 + 2 * n]))
+                   for n, i in enumerate(group.positions)}
+        task = asyncio.get_running_loop().create_task(self._refund(hits, group, results))
+        self._undoing.add(task)
+        task.add_done_callback(self._undone)
+
+    def _undone(self, task: asyncio.Task[None]) -> None:
+        self._undoing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("ratelimit_late_decision_not_undone", error=str(task.exception()),
+                        detail="its slots free themselves when their lease expires")
 
     async def _refund(self, hits: Sequence[Hit], group: _Group, results: dict[int, BucketResult]) -> None:
         refundable = [
@@ -183,17 +209,21 @@ class RedisStore:
             args += [key_ref, capacity, rate, str(hit.hits), flags, marker_ref, hit.lease or ""]
         await self._eval(REFUND_SHA, REFUND, group.keys, args)
 
-    async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
+    async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str],
+                    late: Callable[[Any], None] | None = None) -> Any:
+        """``late``: given the reply of a script whose caller gave up after it was sent (a
+        standalone Redis; a Cluster's router does not tell)."""
         if self._router is None:  # the batcher keeps its own bound (a burst waits there)
-            return await self._eval_once(sha, script, keys, args)
+            return await self._eval_once(sha, script, keys, args, late)
         # At most MAX_CONNECTIONS commands in flight: redis-py refuses a command when its pool
         # is exhausted rather than waiting (a burst of 150 calls turned into backend errors).
         async with self._slots:
             return await self._evalsha(sha, script, keys, args)
 
-    async def _eval_once(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
+    async def _eval_once(self, sha: str, script: str, keys: Sequence[str], args: list[str],
+                         late: Callable[[Any], None] | None = None) -> Any:
         try:
-            return await self._evalsha(sha, script, keys, args)
+            return await self._evalsha(sha, script, keys, args, late)
         except RedisConnectionError:
             # The connection dropped under the command (Redis restarted, or closed it just
             # before the command was written): the batcher fails every command in flight on
@@ -203,20 +233,24 @@ class RedisStore:
             # the script but before the reply arrived, that decision is charged twice.
             return await self._evalsha(sha, script, keys, args)
 
-    async def _evalsha(self, sha: str, script: str, keys: Sequence[str], args: list[str]) -> Any:
+    async def _evalsha(self, sha: str, script: str, keys: Sequence[str], args: list[str],
+                       late: Callable[[Any], None] | None = None) -> Any:
         try:
-            return await self._command(keys[0], "EVALSHA", sha, len(keys), *keys, *args)
+            return await self._command(keys[0], "EVALSHA", sha, len(keys), *keys, *args,
+                                       late=late)
         except NoScriptError:
-            return await self._command(keys[0], "EVAL", script, len(keys), *keys, *args)
+            return await self._command(keys[0], "EVAL", script, len(keys), *keys, *args,
+                                       late=late)
 
-    async def _command(self, key: str, *command: Any) -> Any:
+    async def _command(self, key: str, *command: Any,
+                       late: Callable[[Any], None] | None = None) -> Any:
         """Every command of the store is sent here: on a Cluster through the router, to the
         master of ``key``'s slot (the router also retries a connection found dead)."""
         if self._router is not None:
             return await self._router.execute(key, *command)
         # One standalone Redis: our own pipelined connections, one write per loop iteration.
         assert self._batcher is not None
-        return await self._batcher.execute(*command)
+        return await self._batcher.execute(*command, late=late)
 
 
 @contextmanager

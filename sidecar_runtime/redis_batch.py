@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -56,7 +57,9 @@ class CommandBatcher:
     def in_flight(self) -> int:
         return self._in_flight
 
-    async def execute(self, *command: Any) -> Any:
+    async def execute(self, *command: Any, late: Callable[[Any], None] | None = None) -> Any:
+        """The reply of ``command``. ``late``: called with the reply if the caller gives up
+        (its deadline cancels it) after the command was sent: it still ran in Redis."""
         packed = pack(command)  # an argument of a type redis-py refuses fails before a slot
         if self._in_flight < self._max_in_flight and not self._waiters:
             self._in_flight += 1
@@ -65,7 +68,15 @@ class CommandBatcher:
         if self._closed:
             self._release()
             raise RedisConnectionError("Redis client closed")
-        return await self._connection().send(packed)
+        conn = self._connection()
+        future = conn.send(packed)
+        if late is None:
+            return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            conn.on_late(future, late)
+            raise
 
     def _connection(self) -> RespConnection:
         """The connection this iteration's write is forming on; else an idle one; else a new

@@ -119,11 +119,20 @@ class RespConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._outbox: list[tuple[bytes, asyncio.Future[Any]]] = []
         self._sent: deque[asyncio.Future[Any]] = deque()  # written, reply not read yet
+        self._late: dict[asyncio.Future[Any], Callable[[Any], None]] = {}
+        """Callers that gave up on a command but want its reply (see :meth:`on_late`)."""
         self._internal = 0  # the first entries of _sent are the handshake's, not the owner's
         self._flush_due = False
         self._progress = 0.0  # when a reply last arrived (or the queue last started)
         self._stall: asyncio.TimerHandle | None = None
         self._opening = self._loop.create_task(self._open())
+
+    def on_late(self, future: asyncio.Future[Any], late: Callable[[Any], None]) -> None:
+        """``late(reply)`` when the reply of ``future``'s command (which its caller gave up on)
+        arrives: the command still ran in Redis, and its caller may have to undo it. Never
+        called for a command dropped unsent, or lost with its connection (its fate unknown)."""
+        if future in self._sent or any(f is future for _, f in self._outbox):
+            self._late[future] = late
 
     @property
     def load(self) -> int:
@@ -154,6 +163,7 @@ class RespConnection(asyncio.Protocol):
         for packed, future in outbox:
             if future.done():  # its caller gave up before it was sent: never sent
                 self._release()
+                self._late.pop(future, None)
                 continue
             chunks.append(packed)
             self._sent.append(future)
@@ -249,6 +259,9 @@ class RespConnection(asyncio.Protocol):
             else:
                 self._release()
             if future.done():  # its caller gave up: the reply is read and dropped
+                late = self._late.pop(future, None) if self._late else None
+                if late is not None:
+                    late(reply)
                 continue
             if isinstance(reply, Exception):
                 future.set_exception(reply)
@@ -285,6 +298,7 @@ class RespConnection(asyncio.Protocol):
         owned = len(waiting) - self._internal
         self._sent.clear()
         self._outbox.clear()
+        self._late.clear()
         self._internal = 0
         for _ in range(owned):
             self._release()

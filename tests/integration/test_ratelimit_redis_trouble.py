@@ -144,3 +144,77 @@ async def test_frozen_redis_costs_one_deadline(client: Client, own_redis_server:
             break
         assert time.monotonic() - resumed < 2.0, "enforcement did not resume within 2 s"
         await asyncio.sleep(0.05)
+
+
+def capped_config(policy: str) -> str:
+    return f"""
+domain: llm
+on_backend_error: {policy}
+descriptors:
+  - key: kind
+    value: requests
+    descriptors:
+      - key: tenant
+        rate_limit: {{unit: second, requests_per_unit: 1000}}
+  - key: kind
+    value: concurrent
+    descriptors:
+      - key: tenant
+        rate_limit: {{concurrent: 1}}
+"""
+
+
+def _entries(*pairs: tuple[str, str]) -> list[ratelimit_pb2.RateLimitDescriptor.Entry]:
+    return [ratelimit_pb2.RateLimitDescriptor.Entry(key=k, value=v) for k, v in pairs]
+
+
+def take_slot(lease: str) -> rls_pb2.RateLimitRequest:
+    return rls_pb2.RateLimitRequest(domain="llm", descriptors=[ratelimit_pb2.RateLimitDescriptor(
+        entries=_entries(("kind", "concurrent"), ("tenant", "t"), ("llm_sidecar.lease", lease)))])
+
+
+PROBE = rls_pb2.RateLimitRequest(domain="llm", descriptors=[ratelimit_pb2.RateLimitDescriptor(
+    entries=_entries(("kind", "requests"), ("tenant", "t")))])
+
+
+@pytest.mark.parametrize("policy", ["allow", "deny"])
+async def test_a_decision_that_missed_its_deadline_gives_its_slot_back_when_redis_returns(
+        own_redis_server: RedisServer, tmp_path: Path, policy: str) -> None:
+    """Redis frozen while a capped request is decided: the request is answered by
+    ``on_backend_error``, the script runs when Redis thaws and takes the slot, and the service
+    takes it back when that late reply arrives. Before, the slot stayed taken for the lease's
+    10 minutes with nothing in flight: every later request of the tenant got 429."""
+    path = tmp_path / "ratelimit.yaml"
+    path.write_text(capped_config(policy))
+    settings = Settings(redis_url=SecretStr(own_redis_server.url),
+                        redis_timeout_ms=int(DEADLINE_S * 1000), redis_breaker_failures=1)
+    server = rate_limit_process(str(path), "127.0.0.1", 0, 0, settings)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+            store = server.service.store
+            assert isinstance(store, GuardedStore)
+            assert (await stub.ShouldRateLimit(PROBE, timeout=5)).overall_code == Response.OK
+            own_redis_server.pause()
+            try:
+                await stub.ShouldRateLimit(take_slot("a" * 24), timeout=5)  # its deadline passes
+            finally:
+                own_redis_server.resume()
+            deadline = time.monotonic() + 10
+            while store.breaker_state is not BreakerState.CLOSED:  # a probe closes it
+                await stub.ShouldRateLimit(PROBE, timeout=5)
+                assert time.monotonic() < deadline, "Redis did not come back"
+                await asyncio.sleep(0.05)
+
+            async def free() -> bool:
+                answer = await stub.ShouldRateLimit(take_slot("b" * 24), timeout=5)
+                return bool(answer.overall_code == Response.OK)
+            while not await free():  # the late reply's refund may still be on its way
+                assert time.monotonic() < deadline, "the late decision's slot was never freed"
+                await asyncio.sleep(0.05)
+            # The cap holds: the slot "b" took is the only one.
+            answer = await stub.ShouldRateLimit(take_slot("c" * 24), timeout=5)
+            assert answer.overall_code == Response.OVER_LIMIT
+    finally:
+        await server.stop(grace_s=0.2)

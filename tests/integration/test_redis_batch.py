@@ -329,3 +329,26 @@ async def test_a_decision_is_one_evalsha_and_nothing_else(client: Redis) -> None
            if name not in ("cmdstat_info", "cmdstat_config", "cmdstat_hset", "cmdstat_hmget",
                            "cmdstat_pexpire", "cmdstat_time")}  # the script's own calls
     assert ran == {"cmdstat_evalsha": 200}, calls
+
+
+async def test_a_caller_that_gave_up_after_sending_can_still_have_the_reply(
+        batcher: CommandBatcher, client: Redis) -> None:
+    """``late`` gets the reply of a command its caller was cancelled on once it was sent (it
+    still ran in Redis: the rate limiter undoes such a decision); one cancelled before it was
+    sent never runs and never calls it."""
+    late: list[Any] = []
+    await batcher.execute("PING")
+    blocked = asyncio.ensure_future(batcher.execute("BLPOP", "late-queue", 30, late=late.append))
+
+    async def blocked_in_redis() -> bool:
+        return int((await client.info("clients"))["blocked_clients"]) == 1
+
+    await until(blocked_in_redis, timeout_s=10, what="the BLPOP to block in Redis")
+    blocked.cancel()
+    unsent = asyncio.ensure_future(batcher.execute("INCR", "never", late=late.append))
+    unsent.cancel()  # before the iteration's write
+    await client.rpush("late-queue", "ran")
+    await until(lambda: bool(late), timeout_s=10, what="the late reply")
+    assert late == [[b"late-queue", b"ran"]]
+    assert await batcher.execute("GET", "never") is None
+    assert batcher.in_flight == 0

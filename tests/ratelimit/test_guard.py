@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from ratelimit.bucket import BucketResult, Hit, Settle
+from ratelimit.bucket import BucketResult, BucketSpec, Hit, Settle
 from ratelimit.errors import BackendError, NodeDown
 from ratelimit.guard import GuardedStore
 from ratelimit.metrics import RateLimitMetrics
@@ -124,3 +124,44 @@ async def test_a_dead_cluster_master_does_not_open_the_breaker_for_every_key() -
     inner.mode = "ok"
     assert (await guard.decide([])).admitted
     assert inner.calls == 11
+
+
+class SettlingStore(ScriptedStore):
+    """Records what each settle applied; fails settles while ``mode`` is ``fail``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applied: list[Settle] = []
+
+    async def settle(self, settles: Sequence[Settle]) -> None:
+        self.calls += 1
+        if self.mode == "fail":
+            raise BackendError("boom")
+        self.applied.extend(settles)
+
+
+def release(lease: str) -> Settle:
+    return Settle("rl:s:kind.tenant:{x}", BucketSpec(1, 0, concurrent=True), lease, None)
+
+
+async def test_ends_the_store_failed_are_applied_once_it_answers_again() -> None:
+    """A slot released during an outage (the breaker open, or Redis failing) used to stay
+    taken for its lease's 10 minutes; it is kept and released once the store answers."""
+    inner, clock, metrics = SettlingStore(), FakeClock(), RateLimitMetrics()
+    guard = GuardedStore(inner, timeout_s=0.05, cooldown_s=1.0, metrics=metrics, clock=clock)
+    inner.mode = "fail"
+    with pytest.raises(BackendError):
+        await guard.settle([release("a" * 24)])
+    with pytest.raises(BackendError):  # skipped: the breaker is open
+        await guard.settle([release("b" * 24), release("c" * 24)])
+    assert guard.pending == 3 and inner.applied == []
+    inner.mode = "ok"
+    clock.advance(1.1)  # the cooldown is over: the next call is tried
+    assert (await guard.decide([])).admitted
+    for _ in range(100):
+        if not guard.pending:
+            break
+        await asyncio.sleep(0.01)
+    assert [s.lease for s in inner.applied] == ["a" * 24, "b" * 24, "c" * 24]
+    assert metrics.settlements.labels("retried")._value.get() == 3
+    await guard.aclose()

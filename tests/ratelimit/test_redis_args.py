@@ -24,7 +24,7 @@ class Recorder(RedisStore):
         super().__init__(Redis(), margin_s=1.0, lease_ttl_s=600.0)  # never connects
         self.sent: list[tuple[Any, ...]] = []
 
-    async def _command(self, key: str, *command: Any) -> Any:
+    async def _command(self, key: str, *command: Any, late: Any = None) -> Any:
         self.sent.append(command)
         return [1, *[x for _ in range(64) for x in (1, b"1.5")]]
 
