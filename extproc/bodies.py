@@ -125,11 +125,13 @@ def _token_list(value: list[Any]) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
-MEDIA_PARTS = {"image_url": 0, "input_image": 0, "image_embeds": 0, "image_pil": 0,
-               "audio_url": 1, "input_audio": 1, "audio_embeds": 1, "video_url": 2}
+_EMBEDS = 3
+MEDIA_PARTS = {"image_url": 0, "input_image": 0, "image_embeds": _EMBEDS, "image_pil": 0,
+               "audio_url": 1, "input_audio": 1, "audio_embeds": _EMBEDS, "video_url": 2}
 """vLLM's media content parts (its ``MM_PARSER_MAP``), as an index into ``PromptParts.media``
 (image, audio, video). A part without a ``type`` (or with a ``uuid``) is read by its key, as
-vLLM does."""
+vLLM does. Precomputed embeddings (``_EMBEDS``) are refused: as with ``prompt_embeds``, their
+length is inside a serialized tensor, so no price per item bounds them."""
 
 _PART_TEXT_SKIP = frozenset(("type", "uuid"))
 _MESSAGE_SKIP = frozenset(("role", "content"))
@@ -185,6 +187,11 @@ def _chat_prompt(doc: dict[str, Any]) -> PromptParts:
                                       param="messages")
                 index = _media_index(part)
                 if index is not None:
+                    if index == _EMBEDS:
+                        raise bad_request(
+                            f"messages[{i}].content[{j}]: image and audio embeddings cannot be "
+                            "counted against your limits here; send the media itself.",
+                            param="messages")
                     media[index] += 1
                     continue
                 texts.extend(_as_text(value) for key, value in part.items()
@@ -194,8 +201,9 @@ def _chat_prompt(doc: dict[str, Any]) -> PromptParts:
                               param="messages")
         if role not in ROLES:
             texts.append(role)  # a template prints the role: a custom one may be long
-        texts.extend(orjson.dumps(value).decode() for key, value in message.items()
-                     if key not in _MESSAGE_SKIP and value is not None)
+        if len(message) > 2 or "content" not in message:  # more than role and content
+            texts.extend(orjson.dumps(value).decode() for key, value in message.items()
+                         if key not in _MESSAGE_SKIP and value is not None)
     for extra in TEMPLATE_FIELDS:
         if doc.get(extra) is not None:
             texts.append(orjson.dumps(doc[extra]).decode())

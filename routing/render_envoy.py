@@ -321,6 +321,13 @@ def early_header_mutations(envoy_usage: bool = False) -> dict[str, Any]:
                                                  *marker]}
 
 
+UNDERSCORE_HEADERS_DROPPED = {
+    "common_http_protocol_options": {"headers_with_underscores_action": "DROP_HEADER"}}
+"""A header name with "_" is dropped: a server behind a pool that reads "_" as "-" (CGI-style,
+nginx's ``underscores_in_headers``) would take a client's ``x_llm_tenant`` for the
+``x-llm-tenant`` extproc set, or ``x_api_key`` for a credential never removed."""
+
+
 def router_filter() -> dict[str, Any]:
     return {"name": "envoy.filters.http.router",
             "typed_config": {TYPE: API + "extensions.filters.http.router.v3.Router"}}
@@ -412,10 +419,7 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "request_timeout": f"{parse_duration(config.envoy.request_timeout)}s",
         "request_headers_timeout": "10s",
         "http2_protocol_options": http2_options(config.envoy),
-        # A header name with "_" is dropped: a server behind a pool that reads "_" as "-"
-        # (CGI-style, nginx's underscores_in_headers) would take a client's x_llm_tenant
-        # for the x-llm-tenant extproc set, or x_api_key for a credential never removed.
-        "common_http_protocol_options": {"headers_with_underscores_action": "DROP_HEADER"},
+        **UNDERSCORE_HEADERS_DROPPED,
         **early_header_mutations(envoy_usage),
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),

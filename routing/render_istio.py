@@ -21,6 +21,7 @@ from typing import Any
 
 from routing.render_clusters import TYPE, service_clusters
 from routing.render_envoy import (
+    UNDERSCORE_HEADERS_DROPPED,
     early_header_mutations,
     ext_proc_filter,
     local_reply_config,
@@ -62,7 +63,8 @@ def config_patches(config: RoutingConfig) -> list[dict[str, Any]]:
     ]
     # No client's own x-llm-cluster may pick the pool (the VirtualService routes on it, before
     # extproc answers or when it never sees a body) nor its x-llm-tenant the buckets.
-    hcm = {TYPE: HCM_TYPE, "local_reply_config": local_reply_config(), **early_header_mutations()}
+    hcm = {TYPE: HCM_TYPE, "local_reply_config": local_reply_config(),
+           **UNDERSCORE_HEADERS_DROPPED, **early_header_mutations()}
     patches.append({
         "applyTo": "NETWORK_FILTER", "match": _listener_match(config, None),
         "patch": {"operation": "MERGE", "value": {"name": HCM, "typed_config": hcm}},

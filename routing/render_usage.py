@@ -21,7 +21,8 @@ clients refused the stream (bench/README.md, "Usage read by Envoy"; ``bench.lua_
 It holds back only an event not yet ended by its blank line (vLLM writes whole events), drops
 such a tail at the end of a stream, as every SSE client does, and calls ``setBytes`` only on a
 chunk it changes. The SSE filter sits after ext_proc, so it reads the pool's bytes; ext_proc
-reads no body where ``strip_usage`` is set, so the Lua filter sees the pool's bytes too. Both
+passes on unchanged the bodies it reads (a sampled or canary stream with ``strip_usage``), so
+the Lua filter sees the pool's bytes too. Both
 act on every route (Envoy decides a route's per-filter config before extproc's answer re-routes
 the request): the Lua filter only where extproc set ``strip_usage``, the SSE filter only on
 ``text/event-stream`` answers, whose usage is the same whoever reads it. Not

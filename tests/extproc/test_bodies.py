@@ -264,7 +264,6 @@ DATA_URL = "data:image/png;base64," + "A" * 100_000
 @pytest.mark.parametrize(("part", "media"), [
     ({"type": "image_url", "image_url": {"url": DATA_URL}}, (1, 0, 0)),
     ({"type": "input_image", "image_url": DATA_URL}, (1, 0, 0)),
-    ({"type": "image_embeds", "image_embeds": "AAAA"}, (1, 0, 0)),
     ({"image_url": DATA_URL}, (1, 0, 0)),                            # no type: read by key
     ({"type": "image_url", "uuid": "u1", "image_url": None}, (1, 0, 0)),  # a cached item
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, (0, 1, 0)),
@@ -308,3 +307,13 @@ def test_a_stream_option_that_is_no_boolean_is_refused(options: Any) -> None:
     the usage the client asked for. A clear 400 instead."""
     err = refused("chat", {"messages": MESSAGES, "stream": True, "stream_options": options})
     assert err.param == "stream_options"
+
+
+@pytest.mark.parametrize("part", [{"type": "image_embeds", "image_embeds": "UEsDBA"},
+                                  {"type": "audio_embeds", "audio_embeds": "UEsDBA"},
+                                  {"image_embeds": "UEsDBA"}])
+def test_media_embeddings_are_refused_rather_than_priced_as_one_item(part: dict[str, Any]) -> None:
+    """Their positions are inside a serialized tensor, as ``prompt_embeds``' are: a flat price
+    per item would let one carry a whole context past every limit."""
+    err = refused("chat", {"messages": [{"role": "user", "content": [part]}]})
+    assert err.param == "messages" and "embeddings" in err.message

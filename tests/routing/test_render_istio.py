@@ -67,6 +67,9 @@ def test_gateway_patches_validate_and_reach_only_the_chosen_port(tmp_path: pathl
     assert http_filters(patched, "0.0.0.0_8080") == [PATCHED]
     hcm = patched["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     assert hcm["typed_config"]["local_reply_config"]["mappers"]
+    # A client's x_llm_tenant or x_api_key reaches no pool behind Istio either.
+    assert hcm["typed_config"]["common_http_protocol_options"] == {
+        "headers_with_underscores_action": "DROP_HEADER"}
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(patched))
     validate(path)

@@ -215,6 +215,16 @@ async def test_journal_serves_a_request_nested_deeper_than_orjson_writes(
         assert response.status == 200
         [entry] = await response.json()
     assert entry["body"]["prompt"] == "x"
+    # Deeper than any writer goes (vLLM reads 1,024): recorded, and the journal answers.
+    deepest = b"[" * 1000 + b"]" * 1000
+    raw = b'{"model": "m", "max_tokens": 1, "prompt": "y", "guided_json": ' + deepest + b"}"
+    async with http.post(sim.url + "/v1/completions", data=raw,
+                         headers={"content-type": "application/json"}) as response:
+        assert response.status == 200
+    async with http.get(sim.url + "/sim/requests") as response:
+        assert response.status == 200
+        first, second = await response.json()
+    assert first["body"]["prompt"] == "x" and second["body"] == "<nested deeper than the journal can write>"
 
 
 async def test_journal_records_api_requests_only(start_sim: StartSim, http: aiohttp.ClientSession) -> None:
