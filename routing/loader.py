@@ -41,6 +41,16 @@ def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
             "warning: api_keys are listed but auth.required is false: any other caller is let "
             f"in and names its own tenant with the {config.auth.tenant_header} header; set "
             "auth.required: true in production"))
+    if not config.auth.required:
+        scoped = [name for name, model in config.models.items()
+                  if model.cache is not None and model.cache.scope == "tenant"]
+        if scoped:
+            out.append(located.problem(
+                ("models", scoped[0], "cache", "scope"),
+                "warning: cache scope tenant with auth.required false keeps apart only tenants "
+                "callers cannot name: any unlisted caller names its own tenant "
+                f"({config.auth.tenant_header}) and reads that tenant's cached vectors. Set "
+                "auth.required: true where tenants must not see each other's entries"))
     limits = config.rate_limits
     if limits is not None and not config.auth.required:
         levels = [name for name in ("api_key", "tenant") if _enforces(getattr(limits, name))]

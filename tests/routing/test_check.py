@@ -218,6 +218,30 @@ def test_check_warns_that_open_mode_lets_callers_escape_key_and_tenant_limits(
     assert [str(p) for p in check_config(str(path))] == [f"{path}:{line}" for line in expected]
 
 
+SCOPED = GOOD + """\
+  bge-m3:
+    kind: embedding
+    clusters: [vllm-short]
+    cache: {namespace: bge, scope: tenant}
+"""
+
+
+@pytest.mark.parametrize(("text", "warned"), [
+    (SCOPED, True),
+    (SCOPED + "auth: {required: true}\n", False),
+    (SCOPED.replace("scope: tenant", "scope: shared"), False),
+])
+def test_check_warns_that_tenant_scoped_caches_need_authenticated_tenants(
+        tmp_path: pathlib.Path, text: str, warned: bool) -> None:
+    path = write(tmp_path, "scoped", text)
+    warnings = [str(p) for p in check_config(str(path))]
+    assert warnings == ([f"{path}:11: warning: cache scope tenant with auth.required false keeps "
+                         "apart only tenants callers cannot name: any unlisted caller names its "
+                         "own tenant (x-tenant-id) and reads that tenant's cached vectors. Set "
+                         "auth.required: true where tenants must not see each other's entries"]
+                        if warned else [])
+
+
 def test_check_command_prints_the_lines_and_exits_1(tmp_path: pathlib.Path) -> None:
     bad = write(tmp_path, "bad", CASES["unknown_cluster"][0])
     result = subprocess.run(sidecar_command("check", "--config", str(bad)),
