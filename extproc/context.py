@@ -11,7 +11,7 @@ from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
 from extproc.quick_init import quick_init
 from routing.compiled import Snapshot
-from sidecar_runtime.wire_names import DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
+from sidecar_runtime.wire_names import BOOTSTRAP_HEADER, DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
 
 LLM_HEADER_PREFIX = "x-llm-"
 
@@ -53,9 +53,14 @@ def spoofed_headers(headers: Mapping[str, str]) -> tuple[str, ...]:
     """Inbound ``x-llm-*`` and endpoint-picker (``x-gateway-destination-endpoint*``) headers:
     only extproc may set them, so they are removed first. Not Envoy's own
     ``x-llm-envoy-usage`` (a client's copy is gone before Envoy adds it; a spoofed one could
-    only leave the spoofer's own stream unsettled, its reservation standing)."""
+    only leave the spoofer's own stream unsettled, its reservation standing) nor
+    ``x-llm-bootstrap`` (a spoofed one, possible only where ``render``'s bootstrap does not
+    run, could only raise the stale-bootstrap warning)."""
     return tuple(name for name in headers
-                 if name.startswith(_SPOOFABLE) and name != ENVOY_USAGE_HEADER)
+                 if name.startswith(_SPOOFABLE) and name not in _ENVOYS_OWN)
+
+
+_ENVOYS_OWN = frozenset((ENVOY_USAGE_HEADER, BOOTSTRAP_HEADER))
 
 
 _SPOOFABLE = (LLM_HEADER_PREFIX, DESTINATION_ENDPOINT)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -28,11 +29,13 @@ from extproc.picker.runtime import PickerRuntime
 from extproc.rls_client import RateLimitClient
 from extproc.settlements import SettlementBatcher
 from extproc.stream import StreamState
+from extproc.telemetry.envoy_drift import EnvoyDrift
 from extproc.telemetry.events import NULL_TELEMETRY, Telemetry, emit
 from extproc.telemetry.metrics import ExtprocMetrics, settlements_counter
 from extproc.telemetry.request_log import LoggedTelemetry
 from routing.compiled import Snapshot, compile_config
 from routing.loader import load_config
+from routing.render_envoy import bootstrap_fingerprint
 from sidecar_runtime.h2grpc import Context, Server
 from sidecar_runtime.key_audit import audit_key_id_secret
 from sidecar_runtime.logs import get_logger
@@ -61,8 +64,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                  cache: VectorCache | None = None,
                  limits: RateLimitClient | None = None,
                  picker: EndpointPicking | None = None,
-                 settlements: SettlementBatcher | None = None) -> None:
+                 settlements: SettlementBatcher | None = None,
+                 drift: EnvoyDrift | None = None) -> None:
         self._snapshot = snapshot
+        self._on_stale = drift.observe if drift is not None else None
         self._settlements = settlements
         self._picker = picker
         self._secret = settings.key_id_secret.get_secret_value().encode()
@@ -80,7 +85,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         telemetry = self._telemetry
         clock = time.perf_counter
         state = StreamState(self._snapshot(), self._secret, guards=self._guards,
-                            picker=self._picker)
+                            picker=self._picker, on_stale=self._on_stale)
         responses_asked = False  # the filter config skips response messages unless asked
         try:
             async for request in request_iterator:
@@ -165,8 +170,10 @@ def _last_message(step: Step, phase: Phase, end: bool, responses_asked: bool) ->
 
 
 def load_snapshot(path: str) -> Snapshot:
-    """The routing YAML at ``path``, loaded and compiled (what a reload swaps in)."""
-    return compile_config(load_config(path))
+    """The routing YAML at ``path``, loaded and compiled (what a reload swaps in), with the
+    fingerprint of the bootstrap it renders (:mod:`extproc.telemetry.envoy_drift`)."""
+    config = load_config(path)
+    return replace(compile_config(config), envoy_fingerprint=bootstrap_fingerprint(config))
 
 
 class ExtprocService:
@@ -202,6 +209,7 @@ class ExtprocService:
             settings.settle_batch_ms / 1000, settlements_counter(self.registry),
             settings.settle_batch_min)
         self._picker = PickerRuntime(snapshot().config, self.registry)
+        self._drift = EnvoyDrift(self.registry)
         self.reloader.subscribe(lambda fresh: self._picker.follow(fresh.config))
         self.ops_pages: Mapping[str, Callable[[Mapping[str, str]], str]] = {
             "/canary": lambda query: canary_page(self.registry, query)}
@@ -211,7 +219,7 @@ class ExtprocService:
         await self._picker.start()
         servicer = ExternalProcessor(self.reloader.current, self._settings, self._telemetry,
                                      self._guards, self._cache, self._limits, self._picker,
-                                     self._settlements)
+                                     self._settlements, self._drift)
         pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
 
     async def close(self) -> None:

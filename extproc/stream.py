@@ -39,7 +39,7 @@ from extproc.processors.models import ModelsProcessor
 from extproc.records import Rejection, RequestRecord
 from routing.compiled import Snapshot
 from sidecar_runtime.logs import get_logger
-from sidecar_runtime.wire_names import CLIENT_CREDENTIALS, CLUSTER_METADATA_KEY
+from sidecar_runtime.wire_names import BOOTSTRAP_HEADER, CLIENT_CREDENTIALS, CLUSTER_METADATA_KEY
 
 log = get_logger("extproc.stream")
 
@@ -85,8 +85,12 @@ class StreamState:
     def __init__(self, snapshot: Snapshot, key_id_secret: bytes,
                  clock: Callable[[], float] = time.monotonic,
                  guards: PolicySource | None = None,
-                 picker: EndpointPicking | None = None) -> None:
+                 picker: EndpointPicking | None = None,
+                 on_stale: Callable[[str, str], None] | None = None) -> None:
         self.snapshot = snapshot
+        self.on_stale = on_stale
+        """Told (Envoy's fingerprint, the config's) when this request's Envoy runs a bootstrap
+        the running config does not render (:mod:`extproc.telemetry.envoy_drift`)."""
         self.guards = guards
         self.picker = picker
         self.secret = key_id_secret
@@ -169,6 +173,10 @@ class StreamState:
         removed = spoofed_headers(headers)
         # Read nothing a client could have spoofed: drop x-llm-* before deciding anything.
         clean = {k: v for k, v in headers.items() if k not in removed} if removed else headers
+        if self.on_stale is not None:
+            seen = clean.get(BOOTSTRAP_HEADER)
+            if seen is not None and seen != self.snapshot.envoy_fingerprint:
+                self.on_stale(seen, self.snapshot.envoy_fingerprint)
         raw_path = clean.get(":path", "/")
         path, query, _ = raw_path.partition("?")
         ctx = RequestContext(

@@ -94,6 +94,9 @@ class Snapshot:
     """The tenant values metric labels use (others become ``other``): ``default`` and the listed
     tenants. Both come from the config, so the label stays bounded whatever tenant headers
     callers send."""
+    envoy_fingerprint: str = ""
+    """:func:`routing.render_envoy.bootstrap_fingerprint` of ``config`` (extproc sets it when it
+    loads the file: what the Envoy in front should run)."""
 
 
 def listed_key_id(sha256_hex: str) -> str:

@@ -9,6 +9,8 @@ Clusters are built in :mod:`routing.render_clusters`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from routing.ratelimits import DOMAIN, route_rate_limits
@@ -18,6 +20,7 @@ from routing.render_usage import usage_filters_after_ext_proc, usage_filters_bef
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport
 from sidecar_runtime.wire_names import (
+    BOOTSTRAP_HEADER,
     CLIENT_CREDENTIALS,
     CLUSTER_METADATA_KEY,
     DESTINATION_ENDPOINT,
@@ -298,27 +301,31 @@ def own_request_id() -> dict[str, Any]:
     }
 
 
-def envoy_usage_marker() -> dict[str, Any]:
-    """``x-llm-envoy-usage: 1`` on every request, after the client's ``x-llm-*`` are removed:
-    this Envoy reads stream usage itself (:data:`ENVOY_USAGE_HEADER`)."""
+def _marker(name: str, header: str, value: str) -> dict[str, Any]:
+    """``header: value`` on every request, after the client's ``x-llm-*`` are removed (so no
+    client can send it)."""
     return {
-        "name": "envoy.http.early_header_mutation.header_mutation.envoy_usage",
+        "name": f"envoy.http.early_header_mutation.header_mutation.{name}",
         "typed_config": {
             TYPE: API + "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-            "mutations": [{"append": {"header": {"key": ENVOY_USAGE_HEADER, "value": "1"},
+            "mutations": [{"append": {"header": {"key": header, "value": value},
                                       "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}}],
         },
     }
 
 
-def early_header_mutations(envoy_usage: bool = False) -> dict[str, Any]:
+def early_header_mutations(envoy_usage: bool = False,
+                           fingerprint: str | None = None) -> dict[str, Any]:
     """The connection manager's ``early_header_mutation_extensions``, run before routing and
     before Envoy makes the request id: always rendered (extproc failing closed is no
     protection for a request whose route was chosen before it answered). ``envoy_usage``: the
-    bootstrap has the usage filters, and says so to extproc."""
-    marker = [envoy_usage_marker()] if envoy_usage else []
+    bootstrap has the usage filters, and says so to extproc (:data:`ENVOY_USAGE_HEADER`);
+    ``fingerprint``: the bootstrap's own, told to extproc (:data:`BOOTSTRAP_HEADER`)."""
+    markers = [_marker("envoy_usage", ENVOY_USAGE_HEADER, "1")] if envoy_usage else []
+    if fingerprint is not None:
+        markers.append(_marker("bootstrap", BOOTSTRAP_HEADER, fingerprint))
     return {"early_header_mutation_extensions": [strip_llm_headers(), own_request_id(),
-                                                 *marker]}
+                                                 *markers]}
 
 
 UNDERSCORE_HEADERS_DROPPED = {
@@ -405,7 +412,8 @@ def routes(config: RoutingConfig) -> list[dict[str, Any]]:
     ]
 
 
-def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
+def http_connection_manager(config: RoutingConfig,
+                            fingerprint: str | None = None) -> dict[str, Any]:
     envoy_usage = config.rate_limits is not None and config.telemetry.envoy_usage
     return {
         TYPE: API + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -420,7 +428,7 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
         "request_headers_timeout": "10s",
         "http2_protocol_options": http2_options(config.envoy),
         **UNDERSCORE_HEADERS_DROPPED,
-        **early_header_mutations(envoy_usage),
+        **early_header_mutations(envoy_usage, fingerprint),
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),
         "route_config": {"name": "llm", "virtual_hosts": [
@@ -437,7 +445,36 @@ def http_connection_manager(config: RoutingConfig) -> dict[str, Any]:
 
 
 def bootstrap(config: RoutingConfig) -> dict[str, Any]:
-    """The full Envoy bootstrap for ``config``; the admin interface listens on loopback only."""
+    """The full Envoy bootstrap for ``config``; the admin interface listens on loopback only.
+    Every request it forwards carries its :func:`bootstrap_fingerprint`."""
+    return _bootstrap(config, bootstrap_fingerprint(config))
+
+
+def bootstrap_fingerprint(config: RoutingConfig) -> str:
+    """What identifies the bootstrap ``config`` renders (without the fingerprint itself): Envoy
+    sends it to extproc in :data:`BOOTSTRAP_HEADER`, and extproc compares it with its own
+    config's, so an edit that needs ``render`` and an Envoy restart (a cluster, a service
+    address, ``rate_limits:`` added to a file that had none) is reported, not silently half
+    applied."""
+    doc = _bootstrap(config, None)
+    # The order of the YAML's clusters changes neither Envoy's clusters nor its routes (each
+    # route matches its own pool's metadata): it does not change the fingerprint.
+    statics = doc["static_resources"]
+    statics["clusters"] = sorted(statics["clusters"], key=lambda c: str(c["name"]))
+    for listener in statics["listeners"]:
+        for host in hcm_of_listener(listener)["route_config"]["virtual_hosts"]:
+            host["routes"] = sorted(host["routes"], key=lambda r: str(r.get("name", "")))
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def hcm_of_listener(listener: dict[str, Any]) -> dict[str, Any]:
+    """The connection manager config of a listener rendered here."""
+    typed: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return typed
+
+
+def _bootstrap(config: RoutingConfig, fingerprint: str | None) -> dict[str, Any]:
     return {
         # The admin interface stays reachable when the client listener is full.
         "admin": {"address": _address(config.envoy.admin), "ignore_global_conn_limit": True},
@@ -451,7 +488,7 @@ def bootstrap(config: RoutingConfig) -> dict[str, Any]:
                 "per_connection_buffer_limit_bytes": config.envoy.max_request_bytes,
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": http_connection_manager(config),
+                    "typed_config": http_connection_manager(config, fingerprint),
                 }]}],
             }],
             "clusters": clusters(config),

@@ -64,6 +64,11 @@ its Envoy carries the usage filters (``telemetry.envoy_usage``): only then does 
 an unsampled stream's usage to Envoy. An Envoy without them (Istio's EnvoyFilter) sends no
 marker, so extproc reads those streams itself, whatever the YAML says."""
 
+BOOTSTRAP_HEADER = "x-llm-bootstrap"
+"""Added by the bootstrap ``render`` writes (after every client ``x-llm-*`` header is gone): a
+fingerprint of that bootstrap, which extproc compares with the one its own config renders, to
+tell when Envoy runs a bootstrap its routing YAML no longer describes."""
+
 GRPC_MAX_CONCURRENT_STREAMS = 100
 """Streams one HTTP/2 connection to extproc or ratelimit carries at once: the services' gRPC
 server advertises it (and refuses a stream beyond it), and the rendered Envoy clusters keep to

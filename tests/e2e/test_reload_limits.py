@@ -13,8 +13,9 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+import yaml
 
-from tests.chaos.support import wait_until
+from tests.chaos.support import metric, wait_until
 from tests.e2e.test_reload import RELOAD_INTERVAL_S, change
 from tests.harness.gateway import Gateway, default_doc, running_gateway
 from tests.harness.openai_types import error_body, user
@@ -33,14 +34,42 @@ def start_doc() -> dict[str, Any]:
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LLM_SIDECAR_RELOAD_INTERVAL_S", RELOAD_INTERVAL_S)
-        with running_gateway(start_doc(), str(tmp_path_factory.mktemp("gw-reload-limits"))) \
-                as gateway:
-            doc = start_doc()
-            doc["rate_limits"]["tenant"] = {"overrides": {
-                "counted": {"requests": "2/h"}, "metered": {"tokens": "50/h"},
-                "single": {"concurrent": 1}}}
-            change(gateway, doc)
+        with running_gateway(start_doc(), str(tmp_path_factory.mktemp("gw-reload-limits")),
+                             capture_logs=True) as gateway:
+            change(gateway, limited_doc(gateway))
             yield gateway
+
+
+def limited_doc(gw: Gateway) -> dict[str, Any]:
+    """The running file (its ports) with the tenant limits added."""
+    with open(gw.config_path, encoding="utf-8") as handle:
+        doc: dict[str, Any] = yaml.safe_load(handle)
+    doc["rate_limits"]["tenant"] = {"overrides": {
+        "counted": {"requests": "2/h"}, "metered": {"tokens": "50/h"},
+        "single": {"concurrent": 1}}}
+    return doc
+
+
+def bootstrap_stale(gw: Gateway) -> float:
+    return metric(gw.extproc_metrics, "extproc_envoy_bootstrap_stale")
+
+
+def test_an_edit_only_a_restart_applies_is_reported_and_a_reloaded_limit_is_not(
+        gw: Gateway) -> None:
+    """The limits added above reload live: Envoy's bootstrap is still the one the file renders.
+    A new endpoint is not: every request then says so (gauge, one warning), and nothing fails."""
+    chat(gw, "anyone")
+    assert bootstrap_stale(gw) == 0
+    running = limited_doc(gw)
+    doc = yaml.safe_load(yaml.safe_dump(running))
+    doc["clusters"]["vllm-long"]["endpoints"].append("127.0.0.1:9")
+    change(gw, doc)
+    try:
+        chat(gw, "anyone")
+        assert bootstrap_stale(gw) == 1
+        assert "envoy_bootstrap_stale" in gw.logs()
+    finally:
+        change(gw, running)
 
 
 def client(gw: Gateway, tenant: str) -> openai.OpenAI:

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from extproc.picker.metrics import EndpointMetrics
+from extproc.telemetry.envoy_drift import EnvoyDrift
 from extproc.telemetry.metrics import ExtprocMetrics
 from ratelimit.metrics import RateLimitMetrics
 from sidecar_runtime.key_audit import audit_key_id_secret
@@ -33,6 +34,7 @@ def exported() -> set[str]:
     audit_redis(None, True, registry, "any")  # llm_sidecar_redis_unauthenticated, both services
     audit_key_id_secret(SecretStr("x"), True, registry)  # extproc
     EndpointMetrics(registry, {}, lambda: 0.0)  # extproc's endpoint picker
+    EnvoyDrift(registry)  # extproc: Envoy's bootstrap against the running file
     cache_metrics = importlib.util.find_spec("extproc.cache.metrics")
     if cache_metrics is not None:
         module = importlib.import_module("extproc.cache.metrics")

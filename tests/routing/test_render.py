@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -182,3 +183,41 @@ def test_up_refuses_to_start_a_pool_whose_key_is_not_set(tmp_path: pathlib.Path)
     assert missing_upstream_keys(config, {}) == [("vllm-long", "VLLM_LONG_KEY")]
     assert missing_upstream_keys(config, {"VLLM_LONG_KEY": ""}) == [("vllm-long", "VLLM_LONG_KEY")]
     assert missing_upstream_keys(config, {"VLLM_LONG_KEY": "sk"}) == []
+
+
+def fingerprint_of(doc: dict[str, Any]) -> str:
+    from routing.loader import validate
+    from routing.render_envoy import bootstrap_fingerprint
+    from routing.yamlsrc import Located
+    return bootstrap_fingerprint(validate(Located("t.yaml", doc, {})))
+
+
+def test_every_request_tells_extproc_which_bootstrap_its_envoy_runs() -> None:
+    """The fingerprint moves with what only render and a restart apply, and not with what
+    reloads live: extproc compares it with its own config's (README: live reload)."""
+    from routing.loader import validate
+    from routing.render_envoy import bootstrap
+    from routing.yamlsrc import Located
+    doc = default_doc()
+    doc["rate_limits"] = {"tenant": {"default": {"requests": "5/s"}}}
+    marks = [m["typed_config"]["mutations"][0]["append"]["header"]
+             for m in hcm_of(bootstrap(validate(Located("t.yaml", doc, {}))))[
+                 "early_header_mutation_extensions"] if m["name"].endswith(".bootstrap")]
+    assert marks == [{"key": "x-llm-bootstrap", "value": fingerprint_of(doc)}]
+    Edit = Callable[[dict[str, Any]], object]
+    same: list[Edit] = [
+        lambda d: d["rate_limits"]["tenant"]["default"].update(requests="9/s", tokens="1M/h",
+                                                               concurrent=3),
+        lambda d: d["rate_limits"].update(model={"default": {"requests": "1/s"}}),
+        lambda d: d["models"]["llama-2-13b"].update(default_max_tokens=99),
+        lambda d: d.update(api_keys=[{"name": "k", "sha256": "a" * 64}]),
+    ]
+    moved: list[Edit] = [
+        lambda d: d["clusters"]["vllm-long"]["endpoints"].append("127.0.0.1:1"),
+        lambda d: d.pop("rate_limits"),
+        lambda d: d["services"].update(extproc="127.0.0.1:2"),
+    ]
+    for change, moves in [*((c, False) for c in same), *((c, True) for c in moved)]:
+        edited = yaml.safe_load(yaml.safe_dump(doc))
+        change(edited)
+        assert (fingerprint_of(edited) != fingerprint_of(doc)) is moves, change
