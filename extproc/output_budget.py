@@ -50,10 +50,16 @@ def budget_unset(api: Api, doc: Mapping[str, Any], budget: int = VLLM_COMPLETION
 def upstream_max_tokens(config: RoutingConfig, api: Api, doc: Mapping[str, Any],
                         default_max_tokens: int, headers: Headers) -> int | None:
     """The ``max_tokens`` to write into the request sent upstream (``headers``: the routing
-    headers extproc sets on it), or None to leave its body's budget as the client set it."""
+    headers extproc sets on it), or None to leave its body's budget as the client set it.
+
+    Written when an enforcing token limit charges the request (its reservation assumed it), and
+    when extproc gives vLLM the request's priority (its tier assumed it: without the budget, a
+    request that set none would get vLLM's best place and the rest of the window)."""
     if default_max_tokens < 1 or not budget_unset(api, doc, default_max_tokens):
         return None
-    return default_max_tokens if charged_for_tokens(config, dict(headers)) else None
+    if config.priority.inject or charged_for_tokens(config, dict(headers)):
+        return default_max_tokens
+    return None
 
 
 __all__ = ["VLLM_COMPLETIONS_DEFAULT", "budget_unset", "charged_for_tokens",

@@ -77,6 +77,9 @@ def changes(body: dict[str, Any] | None, doc: dict[str, Any]) -> dict[str, Any] 
     ({"max_tokens": 1}, {"priority": INJECT}, {"priority": 0}),
     ({"max_tokens": 100}, {"priority": INJECT}, {"priority": 1}),
     ({"max_tokens": 6000}, {"priority": INJECT}, {"priority": 2}),
+    # No budget: its tier assumed default_max_tokens (256: weight 17 x 256 / 1000, medium), so
+    # vLLM gets that budget with that priority, not the rest of the window at priority 0.
+    ({}, {"priority": INJECT}, {"priority": 1, "max_tokens": 256}),
     # A client cannot buy a better place in vLLM's queue with its own field.
     ({"max_tokens": 6000, "priority": -100}, {"priority": INJECT}, {"priority": 2}),
     ({"max_tokens": 6000, "priority": "0"}, {"priority": INJECT}, {"priority": 2}),
