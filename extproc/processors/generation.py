@@ -189,7 +189,9 @@ class GenerationProcessor(BaseProcessor):
         ctx, decision = self.ctx, reading.routed.decision
         now = ctx.clock()
         first, last = reading.times.first, reading.times.last
-        ttft = first - ctx.started if reading.streamed and first is not None else None
+        sent = reading.routed.sent_at
+        ttft = first - (sent if sent is not None else ctx.started) \
+            if reading.streamed and first is not None else None
         tpot = None
         if ttft is not None and first is not None and last is not None and usage.streamed_tokens > 1:
             tpot = (last - first) / (usage.streamed_tokens - 1)
@@ -252,7 +254,8 @@ class GenerationProcessor(BaseProcessor):
                              Routed(decision, model.name, reads_body, lease, headers,
                                     envoy_reads and parsed.stream
                                     and (parsed.include_usage or inject),
-                                    strip_usage=inject and not envoy_reads))
+                                    strip_usage=inject and not envoy_reads,
+                                    sent_at=self.ctx.clock()))
         new_body = None
         # A client's own ``priority`` never reaches vLLM: with priority scheduling it would jump
         # the queue (lower is served first), so it is replaced by the tier, or dropped.

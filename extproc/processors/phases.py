@@ -98,6 +98,10 @@ class Routed:
     strip_usage: bool = False
     """extproc asked vLLM for a usage chunk the client did not, and no Envoy filter removes it:
     extproc takes it out of the chunks it passes (:class:`extproc.usage.UsageStripper`)."""
+    sent_at: float | None = None
+    """When extproc routed it (its body in hand): time to first token counts from here, so a
+    client's own slow upload is not the pool's time (one slow body could trip, or mask, the
+    canary guard's p99)."""
 
 
 @quick_init  # built per request: no slots, so its __init__ can be the quick one

@@ -182,3 +182,24 @@ def test_an_embeddings_error_from_upstream_is_recorded_as_such() -> None:
     state.close()
     (record,) = recorder.records
     assert outcome(record) == "rate_limited" and record.charged_tokens == 0
+
+
+def test_time_to_first_token_counts_from_the_routed_body_not_the_clients_upload() -> None:
+    """A client that sends its body 2 s after its headers does not make the pool look 2 s slow
+    (one such stream could trip, or mask, the canary guard's p99)."""
+    now = [10.0]
+    recorder = Recorder()
+    state = Served(StreamState(snapshot(), SECRET, clock=lambda: now[0]), recorder)
+    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"},
+                 b"", False)
+    now[0] += 2.0  # the upload
+    body = {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}],
+            "stream": True, "max_tokens": 2}
+    state.handle("request_body", None, orjson.dumps(body), True)
+    now[0] += 0.05  # the pool's time to its first token
+    state.handle("response_headers", SSE, b"", False)
+    state.handle("response_body", None, token("a"), False)
+    state.handle("response_body", None, b"data: [DONE]\n\n", True)
+    (record,) = recorder.records
+    assert record.ttft_s == pytest.approx(0.05)
+    assert record.duration_s == pytest.approx(2.05)  # what the client waited, as before
