@@ -37,13 +37,13 @@ REQUEST = rls_pb2.RateLimitRequest(
 )
 
 
-def config(policy: str) -> str:
+def config(policy: str, descriptors: str = """
+  - key: api_key
+    rate_limit: {unit: hour, requests_per_unit: 3}""") -> str:
     return f"""
 domain: llm
 on_backend_error: {policy}
-descriptors:
-  - key: api_key
-    rate_limit: {{unit: hour, requests_per_unit: 3}}
+descriptors:{descriptors}
 """
 
 
@@ -146,22 +146,17 @@ async def test_frozen_redis_costs_one_deadline(client: Client, own_redis_server:
         await asyncio.sleep(0.05)
 
 
-def capped_config(policy: str) -> str:
-    return f"""
-domain: llm
-on_backend_error: {policy}
-descriptors:
+CAPPED = """
   - key: kind
     value: requests
     descriptors:
       - key: tenant
-        rate_limit: {{unit: second, requests_per_unit: 1000}}
+        rate_limit: {unit: second, requests_per_unit: 1000}
   - key: kind
     value: concurrent
     descriptors:
       - key: tenant
-        rate_limit: {{concurrent: 1}}
-"""
+        rate_limit: {concurrent: 1}"""
 
 
 def _entries(*pairs: tuple[str, str]) -> list[ratelimit_pb2.RateLimitDescriptor.Entry]:
@@ -185,7 +180,7 @@ async def test_a_decision_that_missed_its_deadline_gives_its_slot_back_when_redi
     takes it back when that late reply arrives. Before, the slot stayed taken for the lease's
     10 minutes with nothing in flight: every later request of the tenant got 429."""
     path = tmp_path / "ratelimit.yaml"
-    path.write_text(capped_config(policy))
+    path.write_text(config(policy, CAPPED))
     settings = Settings(redis_url=SecretStr(own_redis_server.url),
                         redis_timeout_ms=int(DEADLINE_S * 1000), redis_breaker_failures=1)
     server = rate_limit_process(str(path), "127.0.0.1", 0, 0, settings)

@@ -228,15 +228,8 @@ async def test_settlements_a_failed_store_could_not_apply_are_counted_as_such() 
     assert _settled(d) == {"backend_error": 2.0}
 
 
-NO_CAP = """
-domain: s
-descriptors:
-  - key: kind
-    value: tokens
-    descriptors:
-      - key: tenant
-        rate_limit: {unit: minute, requests_per_unit: 600}
-"""
+NO_CAP = SETTLING[:SETTLING.index("  - key: kind\n    value: concurrent")]
+"""SETTLING without its concurrency cap."""
 
 
 async def test_a_slot_is_freed_after_a_reload_removed_its_cap() -> None:
