@@ -145,7 +145,8 @@ def wrk_script(load: Load) -> str:
 
 def command(tool: Tool, load: Load, workdir: str, tag: str) -> list[str]:
     if tool == "wrk":
-        script = os.path.join(workdir, f"load-{tag}.lua")
+        # A tag names a point ("bare/chat-warmup"): one file, not a directory per stack.
+        script = os.path.join(workdir, f"load-{tag.replace('/', '-')}.lua")
         with open(script, "w", encoding="utf-8") as handle:
             handle.write(wrk_script(load))
         total = load.duration_s + (load.drain_s if load.rate is not None else 0.0)
