@@ -9,8 +9,11 @@ must not be able to name, and so settle or release, another request's lease.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
+from extproc.hit_limits import limit_applies
+from routing.schema import RoutingConfig
 from sidecar_runtime.wire_names import (
     CAP_METADATA_KEY,
     DONE_METADATA_KEY,
@@ -54,14 +57,15 @@ which would admit the request unchecked. 32K output x 128 choices x 2048 prompts
 a request reserves this much instead, more than any bucket holds, and is refused."""
 
 
-def admission_metadata(reservation: int, lease: str | None = None,
-                       capped: bool = False) -> dict[str, Any]:
-    """Dynamic metadata for the request-body answer of a request that goes upstream (``lease``:
-    the one extproc settles under itself; a new one when not given; ``capped``: a concurrency
-    cap applies to it, so Envoy takes a slot and frees it at the end)."""
+def admission_metadata(config: RoutingConfig, route: Mapping[str, str], reservation: int,
+                       lease: str | None = None) -> dict[str, Any]:
+    """Dynamic metadata for the request-body answer of a request that goes upstream, routed
+    with the ``x-llm-*`` headers ``route`` (``lease``: the one extproc settles under itself; a
+    new one when not given). ``llm_cap`` when a concurrency cap of ``config`` applies to it:
+    only then does Envoy take a slot for it and free it at the end."""
     out: dict[str, Any] = {RESERVATION_METADATA_KEY: min(max(0, reservation), MAX_RESERVATION),
                            LEASE_METADATA_KEY: lease if lease is not None else new_lease()}
-    if capped:
+    if limit_applies(config, route, "concurrent", enforcing=False):
         out[CAP_METADATA_KEY] = "1"
     return out
 

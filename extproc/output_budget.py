@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from extproc.actions import Headers
 from extproc.bodies import Api
 from extproc.hit_limits import limit_applies
 from routing.schema import RoutingConfig
@@ -48,8 +47,8 @@ def budget_unset(api: Api, doc: Mapping[str, Any], budget: int = VLLM_COMPLETION
 
 
 def upstream_max_tokens(config: RoutingConfig, api: Api, doc: Mapping[str, Any],
-                        default_max_tokens: int, headers: Headers) -> int | None:
-    """The ``max_tokens`` to write into the request sent upstream (``headers``: the routing
+                        default_max_tokens: int, route: Mapping[str, str]) -> int | None:
+    """The ``max_tokens`` to write into the request sent upstream (``route``: the routing
     headers extproc sets on it), or None to leave its body's budget as the client set it.
 
     Written when an enforcing token limit charges the request (its reservation assumed it), and
@@ -57,7 +56,7 @@ def upstream_max_tokens(config: RoutingConfig, api: Api, doc: Mapping[str, Any],
     request that set none would get vLLM's best place and the rest of the window)."""
     if default_max_tokens < 1 or not budget_unset(api, doc, default_max_tokens):
         return None
-    if config.priority.inject or charged_for_tokens(config, dict(headers)):
+    if config.priority.inject or charged_for_tokens(config, route):
         return default_max_tokens
     return None
 

@@ -62,7 +62,7 @@ from extproc.cache.merge import (
 )
 from extproc.context import RequestContext
 from extproc.errors import error_body
-from extproc.hit_limits import answer, hit_check, limit_applies
+from extproc.hit_limits import answer, hit_check
 from extproc.processors.base import (
     BaseProcessor,
     body_required,
@@ -202,10 +202,8 @@ class EmbeddingsProcessor(BaseProcessor):
         # The answer is read (usage, vectors, merge): ask for it uncompressed.
         return Continue(set_headers=headers, remove_headers=("accept-encoding",), body=body,
                         clear_route_cache=True,
-                        metadata=admission_metadata(
-                            forwarded.reserved, forwarded.lease,
-                            limit_applies(self.ctx.snapshot.config, dict(route), "concurrent",
-                                          enforcing=False)),
+                        metadata=admission_metadata(self.ctx.snapshot.config, dict(route),
+                                                    forwarded.reserved, forwarded.lease),
                         route=RouteChosen(request.model.name, decision.cluster, decision.variant))
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:

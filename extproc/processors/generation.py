@@ -14,7 +14,6 @@ from extproc.bodies import Api, GenerationBody, parse_generation
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, output_per_sequence
 from extproc.errors import server_overloaded
-from extproc.hit_limits import limit_applies
 from extproc.output_budget import upstream_max_tokens
 from extproc.picker.pick import Priority
 from extproc.processors.base import (
@@ -249,6 +248,7 @@ class GenerationProcessor(BaseProcessor):
             # Without rate limits no usage is settled: only sampling decides.
             or (limited and plan == "extproc"))
         headers = route_headers(self.ctx, model, decision)
+        route = dict(headers)  # the level values Envoy's rate-limit descriptors read
         lease = new_lease()
         self.phase = advance(GENERATION, self.phase, "request_body",
                              Routed(decision, model.name, reads_body, lease, headers,
@@ -264,7 +264,7 @@ class GenerationProcessor(BaseProcessor):
         # token bucket charges it: vLLM would otherwise give it the rest of the context window.
         budget = upstream_max_tokens(snapshot.config, self.api, parsed.doc,
                                      output_per_sequence(demand, model.default_max_tokens),
-                                     headers)
+                                     route)
         if decision.upstream_model != parsed.model or snapshot.inject_priority or inject \
                 or client_priority or budget is not None:
             doc = dict(parsed.doc)
@@ -284,9 +284,7 @@ class GenerationProcessor(BaseProcessor):
             headers += (("content-length", str(len(new_body))),)
         # The reservation and the lease ride on the request-body answer so the rate-limit
         # filter, which runs after ext_proc, can charge it at admission (README: Rate limits).
-        metadata = admission_metadata(
-            decision.reservation, lease,
-            limit_applies(snapshot.config, dict(headers), "concurrent", enforcing=False))
+        metadata = admission_metadata(snapshot.config, route, decision.reservation, lease)
         if inject and envoy_reads:  # Envoy's Lua filter takes the chunk out
             metadata = {**metadata, STRIP_USAGE_METADATA_KEY: "1"}
         return Continue(set_headers=headers, body=new_body, clear_route_cache=True,

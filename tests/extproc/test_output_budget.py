@@ -85,15 +85,15 @@ def test_an_absent_completions_budget_is_vllms_16(budget: int, unset: bool) -> N
     assert budget_unset("completions", {}, budget) is unset
     assert budget_unset("completions", {"max_tokens": 3}, budget) is False
     config = snapshot(rate_limits={"tenant": {"default": {"tokens": "1M/h"}}}).config
-    assert upstream_max_tokens(config, "completions", {}, budget, tuple(values().items())) \
+    assert upstream_max_tokens(config, "completions", {}, budget, values()) \
         == (budget if unset else None)
 
 
 def test_a_zero_default_writes_nothing() -> None:
     """``default_max_tokens: 0`` reserves the prompt only; writing 0 would be vLLM's 400."""
     config = snapshot(rate_limits={"tenant": {"default": {"tokens": "1M/h"}}}).config
-    assert upstream_max_tokens(config, "chat", {}, 0, tuple(values().items())) is None
-    assert upstream_max_tokens(config, "chat", {}, 64, tuple(values().items())) == 64
+    assert upstream_max_tokens(config, "chat", {}, 0, values()) is None
+    assert upstream_max_tokens(config, "chat", {}, 64, values()) == 64
 
 
 @pytest.mark.parametrize(("limits", "request_values", "capped"), [
