@@ -13,8 +13,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from routing.errors import ConfigError, Problem
-from routing.ratelimits import UINT32_MAX
-from routing.schema import TENANT_RULE, LevelLimits, Limit, RoutingConfig, is_tenant
+from routing.ratelimits import UINT32_MAX, limit_entries
+from routing.schema import TENANT_RULE, Limit, RoutingConfig, is_tenant
 from routing.units import parse_rate
 from routing.yamlsrc import Located, Path, read_yaml
 
@@ -35,41 +35,34 @@ def check_config(path: str) -> list[Problem]:
 def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
     """Problems that do not stop the config from running, each ``FILE:LINE: warning: ...``."""
     out: list[Problem] = []
-    if config.api_keys and not config.auth.required:
+    if config.auth.required:
+        return out  # every warning below is about open mode
+    if config.api_keys:
         out.append(located.problem(
             ("api_keys",),
             "warning: api_keys are listed but auth.required is false: any other caller is let "
             f"in and names its own tenant with the {config.auth.tenant_header} header; set "
             "auth.required: true in production"))
-    if not config.auth.required:
-        scoped = [name for name, model in config.models.items()
-                  if model.cache is not None and model.cache.scope == "tenant"]
-        if scoped:
-            out.append(located.problem(
-                ("models", scoped[0], "cache", "scope"),
-                "warning: cache scope tenant with auth.required false keeps apart only tenants "
-                "callers cannot name: any unlisted caller names its own tenant "
-                f"({config.auth.tenant_header}) and reads that tenant's cached vectors. Set "
-                "auth.required: true where tenants must not see each other's entries"))
-    limits = config.rate_limits
-    if limits is not None and not config.auth.required:
-        levels = [name for name in ("api_key", "tenant") if _enforces(getattr(limits, name))]
-        if levels:
-            out.append(located.problem(
-                ("rate_limits", levels[0]),
-                f"warning: {' and '.join(levels)} limits with auth.required false bind only "
-                "callers that keep their key and tenant: any caller can send a new key or "
-                f"name a new tenant ({config.auth.tenant_header}) and get fresh buckets; only "
-                "model limits bind everyone. Set auth.required: true where they must hold"))
+    scoped = [name for name, model in config.models.items()
+              if model.cache is not None and model.cache.scope == "tenant"]
+    if scoped:
+        out.append(located.problem(
+            ("models", scoped[0], "cache", "scope"),
+            "warning: cache scope tenant with auth.required false keeps apart only tenants "
+            "callers cannot name: any unlisted caller names its own tenant "
+            f"({config.auth.tenant_header}) and reads that tenant's cached vectors. Set "
+            "auth.required: true where tenants must not see each other's entries"))
+    # Which levels enforce, as the rate limiter reads them (an override inherits shadow).
+    enforcing = {entry.level for entry in limit_entries(config) if not entry.shadow}
+    levels = [name for name in ("api_key", "tenant") if name in enforcing]
+    if levels:
+        out.append(located.problem(
+            ("rate_limits", levels[0]),
+            f"warning: {' and '.join(levels)} limits with auth.required false bind only "
+            "callers that keep their key and tenant: any caller can send a new key or "
+            f"name a new tenant ({config.auth.tenant_header}) and get fresh buckets; only "
+            "model limits bind everyone. Set auth.required: true where they must hold"))
     return out
-
-
-def _enforces(level: LevelLimits | None) -> bool:
-    """``level`` has a limit that is not in shadow mode."""
-    if level is None:
-        return False
-    return any(spec is not None and not spec.shadow
-               for spec in (level.default, *level.overrides.values()))
 
 
 def validate(located: Located) -> RoutingConfig:

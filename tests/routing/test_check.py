@@ -210,6 +210,9 @@ ESCAPE = ("warning: {levels} limits with auth.required false bind only callers t
      ["9: " + ESCAPE.format(levels="api_key and tenant")]),
     ("rate_limits:\n  model: {default: {requests: 5/s}}\n", []),   # binds every caller
     ("rate_limits:\n  tenant: {default: {requests: 5/s, shadow: true}}\n", []),  # enforces none
+    # An override inherits its default's shadow, as the rate limiter reads it.
+    ("rate_limits:\n  tenant: {default: {requests: 5/s, shadow: true}, "
+     "overrides: {acme: {requests: 9/s}}}\n", []),
     ("auth: {required: true}\nrate_limits:\n  tenant: {default: {requests: 5/s}}\n", []),
 ])
 def test_check_warns_that_open_mode_lets_callers_escape_key_and_tenant_limits(
