@@ -80,14 +80,19 @@ PATCHES: dict[str, Patch] = {
 }
 
 
+UNIX = "unix"
+"""Not a bootstrap patch: B's extproc and ratelimit listen on Unix sockets (render's
+``unix:/path`` services, a sidecar in Envoy's pod) instead of TCP ports."""
+
+
 def combined(names: str) -> Patch:
     """The patches named (comma-separated), applied in order; a ``ValueError`` names unknown
-    ones."""
-    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    ones. (``unix`` is read by :func:`wants_unix`, and patches nothing here.)"""
+    chosen = [n.strip() for n in names.split(",") if n.strip() and n.strip() != UNIX]
     unknown = [n for n in chosen if n not in PATCHES]
-    if unknown or not chosen:
+    if unknown or not (chosen or wants_unix(names)):
         raise ValueError(f"unknown patch {', '.join(unknown) or '(none)'}; "
-                         f"known: {', '.join(PATCHES)}")
+                         f"known: {', '.join([*PATCHES, UNIX])}")
 
     def patch(bootstrap: dict[str, Any], routing: dict[str, Any]) -> None:
         for name in chosen:
@@ -95,9 +100,13 @@ def combined(names: str) -> Patch:
     return patch
 
 
+def wants_unix(names: str) -> bool:
+    return UNIX in (n.strip() for n in names.split(","))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__)
-    p.add_argument("patches", help=f"comma-separated, of: {', '.join(PATCHES)}")
+    p.add_argument("patches", help=f"comma-separated, of: {', '.join([*PATCHES, UNIX])}")
     p.add_argument("--rounds", type=int, default=6, help="A/B rounds (default 6)")
     add_point_arguments(p)
     return p.parse_args(argv)
@@ -139,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     points: list[Point] = []
     with stack.shared(str(workdir)) as env, \
             started("full-redis", env, args, "ab-a") as a, \
-            started("full-redis", env, args, "ab-b", patch=patch) as b:
+            started("full-redis", env, args, "ab-b", patch=patch,
+                    unix_services=wants_unix(args.patches)) as b:
         loads = {side: (saturation_load(side, "full-redis", end, work, body_path, tool, workdir,
                                         args), end[1])
                  for side, end in (("A", a), ("B", b))}

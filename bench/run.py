@@ -58,10 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 @contextmanager
 def started(name: StackName, env: stack.Shared, args: argparse.Namespace, tag: str,
-            patch: Callable[[dict[str, Any], dict[str, Any]], None] | None = None
-            ) -> Iterator[tuple[str, dict[str, int], str]]:
+            patch: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+            unix_services: bool = False) -> Iterator[tuple[str, dict[str, int], str]]:
     """Start stack ``name``: yields its base URL, its processes' pids and the bearer token
-    (``patch``: see :func:`bench.stack.gateway`)."""
+    (``patch``, ``unix_services``: see :func:`bench.stack.gateway`)."""
     spec = STACKS[name]
     if name == "direct":
         yield f"http://127.0.0.1:{env.upstream_port}", {}, BEARER
@@ -72,7 +72,7 @@ def started(name: StackName, env: stack.Shared, args: argparse.Namespace, tag: s
         return
     assert spec.variant is not None
     with stack.gateway(env, spec.variant, spec.store, envoy_concurrency=args.envoy_concurrency,
-                       tag=tag, patch=patch) as gw:
+                       tag=tag, patch=patch, unix_services=unix_services) as gw:
         pids = gw.pids()
         if spec.store == "redis":
             pids["redis"] = env.pid("redis")

@@ -23,7 +23,16 @@ import yaml
 from bench import front, paced, upstream
 from routing.loader import load_config
 from routing.units import parse_hostport
-from sidecar_runtime.procs import Child, envoy_binary, free_port, sidecar_command, wait_http_ok, wait_tcp
+from sidecar_runtime.procs import (
+    Child,
+    envoy_binary,
+    free_port,
+    sidecar_command,
+    wait_http_ok,
+    wait_tcp,
+    wait_unix,
+)
+from sidecar_runtime.wire_names import UNIX_PREFIX
 
 Store = Literal["memory", "redis"]
 START_TIMEOUT_S = 60.0
@@ -145,15 +154,20 @@ class Stack:
 @contextlib.contextmanager
 def gateway(env: Shared, variant: front.Variant, store: Store | None, *,
             envoy_concurrency: int, tag: str,
-            patch: Callable[[dict[str, Any], dict[str, Any]], None] | None = None
-            ) -> Iterator[Stack]:
+            patch: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+            unix_services: bool = False) -> Iterator[Stack]:
     """Front Envoy for ``variant`` and the services it needs; ``store`` picks the rate-limit
     backend (and gives extproc the Redis URL too, as a deployment would). ``patch(bootstrap,
-    routing_doc)`` changes the front bootstrap in place before Envoy starts (``bench.ab``)."""
+    routing_doc)`` changes the front bootstrap in place before Envoy starts (``bench.ab``).
+    ``unix_services``: extproc and ratelimit listen on Unix sockets in the work folder (a
+    sidecar in Envoy's pod), not on TCP ports."""
     listen, admin = free_port(), free_port()
     doc = front.routing_doc(listen=listen, admin=admin, extproc=free_port(),
                             ratelimit=free_port(), upstream=env.upstream_ports,
                             paced=env.paced_ports)
+    if unix_services:
+        doc["services"] = {kind: f"{UNIX_PREFIX}{os.path.join(env.workdir, f'{tag}-{kind}.sock')}"
+                           for kind in ("extproc", "ratelimit")}
     config_path = os.path.join(env.workdir, f"routing-{tag}.yaml")
     with open(config_path, "w", encoding="utf-8") as handle:
         yaml.safe_dump(doc, handle, sort_keys=False)
@@ -172,7 +186,11 @@ def gateway(env: Shared, variant: front.Variant, store: Store | None, *,
             kind, "--config", config_path, "--metrics-port", str(free_port())),
             env.workdir, env=service_env)
         children.append(child)
-        wait_tcp(*parse_hostport(doc["services"][kind]), START_TIMEOUT_S, child)
+        address: str = doc["services"][kind]
+        if address.startswith(UNIX_PREFIX):
+            wait_unix(address[len(UNIX_PREFIX):], START_TIMEOUT_S, child)
+        else:
+            wait_tcp(*parse_hostport(address), START_TIMEOUT_S, child)
 
     try:
         if variant != "bare":

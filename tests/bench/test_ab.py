@@ -62,12 +62,23 @@ def test_an_unknown_patch_is_refused_by_name(bad: str) -> None:
         ab.combined(bad)
 
 
+def test_unix_patches_no_bootstrap_and_puts_b_s_services_on_unix_sockets() -> None:
+    doc = rendered()
+    before = copy.deepcopy(doc)
+    ab.combined("unix")(doc, ROUTING)
+    assert doc == before
+    assert ab.wants_unix("no_lua, unix") and not ab.wants_unix("no_lua")
+
+
 def test_a_tiny_run_alternates_a_and_b(tmp_path: Path) -> None:
-    out = run_with_envoy("bench.ab", "no_lua", "--rounds", "2", "--duration", "1",
+    out = run_with_envoy("bench.ab", "no_lua,unix", "--rounds", "2", "--duration", "1",
                          "--saturation-connections", "4", "--loadgen", "python",
                          "--out", str(tmp_path))
     doc = json.loads(out.splitlines()[-1])
-    assert doc["patches"] == "no_lua" and len(doc["rounds"]) == 2
+    assert doc["patches"] == "no_lua,unix" and len(doc["rounds"]) == 2
+    b_routing = (tmp_path / "ab-work" / "routing-ab-b.yaml").read_text(encoding="utf-8")
+    assert "extproc: unix:/" in b_routing and "ratelimit: unix:/" in b_routing
+    assert "unix:" not in (tmp_path / "ab-work" / "routing-ab-a.yaml").read_text(encoding="utf-8")
     for entry in doc["rounds"]:
         assert entry["a_rps"] > 0 and entry["b_rps"] > 0
         assert entry["ratio"] == round(entry["b_rps"] / entry["a_rps"], 4)
