@@ -5,9 +5,10 @@ and their KV cache (prompt plus output budget each) must fit ``kv_cache_tokens``
 lowest ``priority`` value first, then in arrival order (``simulator.admission``). A request with
 several prompts (a batched text completion) runs one sequence per prompt, as vLLM does.
 
-When a sequence is admitted its prompt is looked up in the prefix cache (``simulator.prefix``):
-the cached part skips prefill. Its blocks are remembered once its prefill is done. Prefill and
-decode times are divided by the pod's ``speed``.
+When a sequence is admitted its prompt is looked up in the prefix cache (``simulator.prefix``;
+its blocks are hashed under the request's ``cache_salt``, if any): the cached part skips
+prefill. Its blocks are remembered once its prefill is done. Prefill and decode times are
+divided by the pod's ``speed``.
 
 Pacing uses the event loop's clock and never blocks it. After ``stop()`` every wait returns at
 once, so in-flight responses finish within moments when the server shuts down.

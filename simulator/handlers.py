@@ -237,7 +237,7 @@ async def _generate(request: web.Request, parsed: GenerationRequest, *, chat: bo
             parsed.max_tokens,
             config.default_output_tokens,
             config.max_model_len,
-            prompt_blocks(prompt, state.tokenizer, config.prefix_block_size),
+            prompt_blocks(prompt, state.tokenizer, config.prefix_block_size, salt=parsed.cache_salt),
             config.natural_stop,
             parsed.min_tokens,
         )

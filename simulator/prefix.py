@@ -7,6 +7,11 @@ request's leading blocks found there skip prefill. As in vLLM's V1 engine, only 
 cached and the prompt's last token is always computed (it yields the first output token's
 logits), so a hit covers at most ``prompt_tokens - 1`` tokens, rounded down to whole blocks.
 
+A request's ``cache_salt`` (vLLM V1) goes into its first block's hash only, as vLLM puts it in
+the first block's extra keys; the chain carries it to every later block, so a salted prompt shares
+no block with the same prompt unsalted or under another salt, and tenants that salt differently
+cannot probe each other's prompts through prefill time. The same prompt and salt hit as before.
+
 Tokens: with a ``tokenizer.json`` the token ids; without one, the same estimate that counts
 tokens (``simulator.tokens``): every 4 UTF-8 bytes of a text are one token, a chat message's
 template is 4 tokens named by its role and the reply opener 3 more. Each token is 4 bytes of the
@@ -34,6 +39,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 _UNIT = 4  # bytes per token in the hashed stream
 _REPLY_OPENER = b"\xffreply\xff".ljust(_UNIT * CHAT_TOKENS_FOR_REPLY, b"\xff")
+_SALT_DOMAIN = b"sim-cache-salt"  # blake2b personalisation (at most 16 bytes) of salt digests
 
 
 def _pack_ids(ids: Sequence[int]) -> bytes:
@@ -67,20 +73,32 @@ def _chat_stream(prompt: ChatPrompt, tokenizer: TextTokenizer | None) -> bytes:
     return b"".join(parts)
 
 
-def block_hashes(stream: bytes, block_size: int) -> tuple[bytes, ...]:
-    """Chained hashes of every full block of ``stream`` (a ``token_stream``)."""
+def block_hashes(stream: bytes, block_size: int, *, salt: str | None = None) -> tuple[bytes, ...]:
+    """Chained hashes of every full block of ``stream`` (a ``token_stream``).
+
+    With a ``salt`` the first block hashes the salt's digest where later blocks hash their
+    parent's: 16 bytes of a separate domain, so no salted chain can meet an unsalted one or one
+    of another salt short of a blake2b collision. Without one the hashes are unchanged.
+    """
     width = block_size * _UNIT
     hashes = []
-    parent = b""
+    parent = b"" if salt is None else _salt_key(salt)
     for start in range(0, len(stream) - width + 1, width):
         parent = hashlib.blake2b(parent + stream[start : start + width], digest_size=16).digest()
         hashes.append(parent)
     return tuple(hashes)
 
 
-def prompt_blocks(prompt: Prompt, tokenizer: TextTokenizer | None, block_size: int) -> tuple[bytes, ...]:
-    """The block hashes of ``prompt``: what a pod caches after computing it."""
-    return block_hashes(token_stream(prompt, tokenizer), block_size)
+def _salt_key(salt: str) -> bytes:
+    return hashlib.blake2b(salt.encode("utf-8"), digest_size=16, person=_SALT_DOMAIN).digest()
+
+
+def prompt_blocks(
+    prompt: Prompt, tokenizer: TextTokenizer | None, block_size: int, *, salt: str | None = None
+) -> tuple[bytes, ...]:
+    """The block hashes of ``prompt`` under ``salt`` (a request's ``cache_salt``): what a pod
+    caches after computing it."""
+    return block_hashes(token_stream(prompt, tokenizer), block_size, salt=salt)
 
 
 def usable_blocks(prompt_tokens: int, block_size: int) -> int:

@@ -23,7 +23,8 @@ class GenerationRequest:
 
     ``prompts`` has one ``ChatPrompt`` for chat, one or more text/token prompts for completions.
     ``max_tokens`` is a chat request's ``max_completion_tokens`` when set and not 0, else
-    ``max_tokens``; ``min_tokens`` is vLLM's (0: not set).
+    ``max_tokens``; ``min_tokens`` is vLLM's (0: not set). ``cache_salt`` is vLLM's prefix-cache
+    salt (``None``: not set): prompts share cached blocks only with prompts of the same salt.
     """
 
     model: str | None
@@ -34,6 +35,7 @@ class GenerationRequest:
     continuous_usage: bool
     priority: int
     min_tokens: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,20 @@ def _generation(
         continuous_usage=continuous,
         priority=_priority(fields),
         min_tokens=min_tokens,
+        cache_salt=_cache_salt(fields),
     )
+
+
+def _cache_salt(fields: dict[str, object]) -> str | None:
+    """vLLM's ``cache_salt``: absent or null is no salt, else a non-empty string.
+
+    vLLM checks it in a pydantic validator that raises its ``VLLMValidationError``, hence that
+    error's wording (``parameter=cache_salt``, no value) rather than a plain type error.
+    """
+    salt = fields.get("cache_salt")
+    if salt is None or (isinstance(salt, str) and salt):
+        return salt
+    raise validation_error("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
 
 
 def _stream_options(fields: dict[str, object], stream: bool) -> tuple[bool, bool]:

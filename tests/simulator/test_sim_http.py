@@ -139,6 +139,31 @@ async def test_malformed_bodies_are_400_json(
     assert body["error"]["message"].startswith(message)
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/chat/completions", {"messages": HELLO}), ("/v1/completions", {"prompt": "hello"})],
+)
+@pytest.mark.parametrize("salt", ["", 7, ["a"]])
+async def test_a_bad_cache_salt_is_vllms_400(
+    start_sim: StartSim, http: aiohttp.ClientSession, path: str, body: dict[str, Any], salt: object
+) -> None:
+    sim = await start_sim()
+    async with http.post(sim.url + path, json={**body, "cache_salt": salt}) as response:
+        assert response.status == 400
+        assert response.content_type == "application/json"
+        assert response.headers["x-sim-name"] == "test-pool"
+        answer = await response.json()
+    assert answer == {
+        "error": {
+            "message": "Parameter 'cache_salt' must be a non-empty string if provided. "
+            "(parameter=cache_salt)",
+            "type": "BadRequestError",
+            "param": "cache_salt",
+            "code": 400,
+        }
+    }
+
+
 async def test_unknown_routes_and_methods(start_sim: StartSim, http: aiohttp.ClientSession) -> None:
     sim = await start_sim()
     async with http.get(sim.url + "/v1/nothing") as response:

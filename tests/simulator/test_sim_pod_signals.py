@@ -150,6 +150,37 @@ async def test_chat_requests_sharing_a_system_prompt_hit(
     assert samples["vllm:prefix_cache_hits_total"] >= 288  # the 300-token system prompt, whole blocks
 
 
+async def test_cache_salt_keeps_prefixes_apart(start_sim: StartSim, http: aiohttp.ClientSession) -> None:
+    """vLLM's ``cache_salt``: a prompt hits only blocks computed under the same salt (or, unsalted,
+    only unsalted blocks), on both generation endpoints. 400 tokens: 24 whole blocks a hit."""
+    sim = await start_sim()
+    prompt = list(range(1000, 1400))
+    chat_text = "You review contracts for a legal team. " * 40  # 397 tokens with the template
+
+    async def hits_after(path: str, salt: str | None) -> float:
+        body: dict[str, Any] = {"model": "m", "max_tokens": 1}
+        if path == "/v1/completions":
+            body["prompt"] = prompt
+        else:
+            body["messages"] = [{"role": "user", "content": chat_text}]
+        if salt is not None:
+            body["cache_salt"] = salt
+        async with http.post(sim.url + path, json=body) as response:
+            assert response.status == 200, await response.text()
+            await response.read()
+        return (await _vllm(http, sim))["vllm:prefix_cache_hits_total"]
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        before = (await _vllm(http, sim))["vllm:prefix_cache_hits_total"]
+        assert await hits_after(path, "a") == before  # cold
+        assert await hits_after(path, "a") == before + 384  # same salt: hits
+        assert await hits_after(path, "b") == before + 384  # another salt: misses
+        assert await hits_after(path, None) == before + 384  # no salt misses salted blocks
+        assert await hits_after(path, None) == before + 2 * 384  # and hits its own
+        assert await hits_after(path, "b") == before + 3 * 384  # every salt kept its blocks
+        assert await hits_after(path, "a") == before + 4 * 384
+
+
 async def test_speed_two_halves_generation_time(start_sim: StartSim, http: aiohttp.ClientSession) -> None:
     slow = await start_sim(decode_ms_per_token=40.0)
     fast = await start_sim(decode_ms_per_token=40.0, speed=2.0)

@@ -137,3 +137,77 @@ def test_with_a_tokenizer_the_stream_is_the_token_ids(tmp_path: Path) -> None:
     assert prompt_blocks(text, loaded, 16) == prompt_blocks(TokenPrompt((1, 2) * 20), None, 16)
     chat = _chat("hello world hello")
     assert len(token_stream(chat, loaded)) == 4 * count_prompt_tokens(chat, loaded)
+
+
+# Hashes the function gave before ``cache_salt`` existed: unsalted prompts must keep them, so a
+# pod's cache and every recorded expectation stay valid.
+_UNSALTED_GOLDEN: list[tuple[Prompt, tuple[str, ...]]] = [
+    (_ids(0, 32), ("1b0cd756b8a49da656091d1fcc620279", "23c42dc62d8010a50554cd07c5d1c92d")),
+    ("x" * 130, ("4df2d6bee2af56f6f849f72cb42670f3", "30f03c6012d5208dbbee99cb483aebff")),
+]
+
+
+@pytest.mark.parametrize(("prompt", "golden"), _UNSALTED_GOLDEN)
+def test_no_salt_hashes_as_before_cache_salt_existed(prompt: Prompt, golden: tuple[str, ...]) -> None:
+    assert tuple(h.hex() for h in prompt_blocks(prompt, None, 16)) == golden
+    assert tuple(h.hex() for h in prompt_blocks(prompt, None, 16, salt=None)) == golden
+    assert block_hashes(token_stream(prompt), 16, salt=None) == block_hashes(token_stream(prompt), 16)
+
+
+def test_the_same_salt_gives_the_same_blocks() -> None:
+    prompt = _ids(0, 64)
+    salted = prompt_blocks(prompt, None, 16, salt="tenant-a")
+    assert len(salted) == 4
+    assert prompt_blocks(prompt, None, 16, salt="tenant-a") == salted
+
+
+@pytest.mark.parametrize(
+    ("salt", "other"),
+    [
+        ("a", "b"),
+        ("a", None),
+        (None, "a"),
+        ("a", "a "),  # vLLM compares salts exactly: no trimming
+        ("ab", "a"),
+    ],
+)
+def test_different_salts_share_no_block(salt: str | None, other: str | None) -> None:
+    """The salt is in the first block's hash and the chain carries it: not one block is shared,
+    however long the common prompt."""
+    prompt = _ids(0, 16 * 6)
+    mine = prompt_blocks(prompt, None, 16, salt=salt)
+    theirs = prompt_blocks(prompt, None, 16, salt=other)
+    assert len(mine) == len(theirs) == 6
+    assert set(mine).isdisjoint(theirs)
+
+
+def test_a_salted_first_block_is_no_unsalted_later_block() -> None:
+    """Salting replaces the first block's empty parent by a digest; that must not let a salted
+    prompt's chain land on an unsalted one whose later block has the same tokens."""
+    unsalted = prompt_blocks(TokenPrompt((*range(16), *range(100, 116))), None, 16)
+    salted = prompt_blocks(_ids(100, 16), None, 16, salt="s")
+    assert salted[0] not in unsalted
+
+
+def test_a_salted_prompt_still_shares_its_head_with_the_same_salt() -> None:
+    system = "You are a contract reviewer. " * 20
+    a = prompt_blocks(_chat(system, "first question"), None, 16, salt="legal")
+    b = prompt_blocks(_chat(system, "something else entirely, longer"), None, 16, salt="legal")
+    shared = len(system) // 4 // 16 - 1  # whole blocks of the system prompt alone
+    assert a[:shared] == b[:shared]
+
+
+@pytest.mark.parametrize("salt", [None, "a"])
+def test_a_prompt_shorter_than_a_block_has_no_blocks_salted_or_not(salt: str | None) -> None:
+    assert prompt_blocks(_ids(0, 15), None, 16, salt=salt) == ()
+    assert prompt_blocks("", None, 16, salt=salt) == ()
+
+
+def test_salted_blocks_miss_a_cache_holding_the_same_prompt_unsalted() -> None:
+    cache = PrefixCache(capacity=100)
+    prompt = _ids(0, 64)
+    cache.remember(prompt_blocks(prompt, None, 16))
+    assert cache.lookup(prompt_blocks(prompt, None, 16, salt="a"), limit=4) == 0
+    cache.remember(prompt_blocks(prompt, None, 16, salt="a"))
+    assert cache.lookup(prompt_blocks(prompt, None, 16, salt="a"), limit=4) == 4
+    assert cache.lookup(prompt_blocks(prompt, None, 16, salt="b"), limit=4) == 0

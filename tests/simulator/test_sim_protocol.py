@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from simulator.errors import SimError
 from simulator.protocol import (
+    GenerationRequest,
     parse_chat_request,
     parse_completion_request,
     parse_embedding_request,
@@ -215,3 +217,40 @@ def test_embedding_request_errors(body: Any, param: str, message: str) -> None:
     with pytest.raises(SimError) as caught:
         parse_embedding_request(body)
     assert (caught.value.status, caught.value.param, caught.value.message) == (400, param, message)
+
+
+PARSERS = [
+    pytest.param(parse_chat_request, {"messages": HELLO}, id="chat"),
+    pytest.param(parse_completion_request, {"prompt": "hello"}, id="completion"),
+]
+ParseFn = Callable[[object], GenerationRequest]
+
+
+@pytest.mark.parametrize(("parse", "base"), PARSERS)
+@pytest.mark.parametrize(
+    ("fields", "salt"),
+    [
+        ({}, None),
+        ({"cache_salt": None}, None),  # vLLM: null is no salt
+        ({"cache_salt": "abc"}, "abc"),
+        ({"cache_salt": " "}, " "),  # vLLM checks emptiness only, it does not strip
+    ],
+)
+def test_cache_salt_is_optional(
+    parse: ParseFn, base: dict[str, object], fields: dict[str, object], salt: str | None
+) -> None:
+    assert parse({**base, **fields}).cache_salt == salt
+
+
+SALT_MESSAGE = "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"
+
+
+@pytest.mark.parametrize(("parse", "base"), PARSERS)
+@pytest.mark.parametrize("salt", ["", 5, [], {}, False])
+def test_a_cache_salt_that_is_not_a_non_empty_string_is_400(
+    parse: ParseFn, base: dict[str, object], salt: object
+) -> None:
+    with pytest.raises(SimError) as caught:
+        parse({**base, "cache_salt": salt})
+    error = caught.value
+    assert (error.status, error.param, error.message) == (400, "cache_salt", SALT_MESSAGE)
