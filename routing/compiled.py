@@ -62,6 +62,8 @@ class ModelRoute:
     cache: CachePolicy | None
     media_tokens: tuple[int, int, int] = (0, 0, 0)
     """Prompt tokens per image, audio clip and video (the spec's ``media_tokens``)."""
+    salts_by_tenant: bool = False
+    """``prefix_cache_scope: tenant``: each request carries its tenant's vLLM ``cache_salt``."""
 
     @property
     def max_context(self) -> int:
@@ -134,6 +136,7 @@ def compile_config(config: RoutingConfig) -> Snapshot:
             cache=cache,
             media_tokens=(spec.media_tokens.image, spec.media_tokens.audio,
                           spec.media_tokens.video),
+            salts_by_tenant=spec.prefix_cache_scope == "tenant",
         )
     keys = {
         k.sha256: KeyIdentity(k.name, k.effective_tenant, listed_key_id(k.sha256))

@@ -52,6 +52,15 @@ def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
             "callers cannot name: any unlisted caller names its own tenant "
             f"({config.auth.tenant_header}) and reads that tenant's cached vectors. Set "
             "auth.required: true where tenants must not see each other's entries"))
+    salted = [name for name, model in config.models.items()
+              if model.prefix_cache_scope == "tenant"]
+    if salted:
+        out.append(located.problem(
+            ("models", salted[0], "prefix_cache_scope"),
+            "warning: prefix_cache_scope tenant with auth.required false keeps apart only "
+            "tenants callers cannot name: any unlisted caller names its own tenant "
+            f"({config.auth.tenant_header}), gets that tenant's cache_salt and can time its "
+            "prompts. Set auth.required: true where tenants must not see each other's prefixes"))
     # Which levels enforce, as the rate limiter reads them (an override inherits shadow).
     enforcing = {entry.level for entry in limit_entries(config) if not entry.shadow}
     levels = [name for name in ("api_key", "tenant") if name in enforcing]

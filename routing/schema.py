@@ -282,6 +282,18 @@ class ModelSpec(Strict):
     context length): text alone would let a multimodal prompt reserve next to nothing."""
     canary: CanarySpec | None = None
     cache: CacheSpec | None = None
+    prefix_cache_scope: Literal["shared", "tenant"] = "shared"
+    """shared: vLLM's prefix cache serves any tenant the KV blocks another tenant's prompt left
+    (most hits, but a tenant can time whether another sent a prompt recently); tenant: extproc
+    salts each request with its tenant (vLLM's ``cache_salt``), so blocks are reused within a
+    tenant only."""
+
+    @model_validator(mode="after")
+    def _prefix_cache_scope(self) -> ModelSpec:
+        if self.kind == "embedding" and self.prefix_cache_scope != "shared":
+            raise ValueError("prefix_cache_scope is for chat models; an embedding model's "
+                             "cache scope is cache.scope")
+        return self
 
 
 class AuthSection(Strict):

@@ -205,17 +205,18 @@ class EndpointPicker:
             keep += [a for a in pool.pods if a not in gone and a not in keep]
         return keep
 
-    def pick(self, cluster: str, prompt: bytes, priority: Priority) -> Pick | None:
+    def pick(self, cluster: str, prompt: bytes, priority: Priority, salt: str = "") -> Pick | None:
         """The pod for one request of ``cluster`` (None: the cluster has no picker). A named pod
         is counted as sent (and open until :meth:`done`) and remembered for the prompt's prefix.
         ``prompt`` is the text the model will see first to last (what vLLM's prefix cache keys
-        on), not the JSON body, whose leading fields differ between identical prompts."""
+        on), not the JSON body, whose leading fields differ between identical prompts; ``salt``
+        its ``cache_salt`` (a prefix is matched only among prompts of the same salt)."""
         pool = self.pools.get(cluster)
         if pool is None:
             return None
         spec = self._specs[cluster]
         now = self._clock()
-        blocks = block_hashes(prompt)
+        blocks = block_hashes(prompt, salt=salt)
         matches = self.index.match(cluster, blocks) if blocks else {}
         addresses = list(pool.pods)
         rows: list[Row] = [(pool.fresh(pod, now), pod.sent_since_scrape, pod.in_flight,

@@ -11,6 +11,8 @@ import orjson
 from extproc.actions import PASS, Action, Continue, ModeOverride, Settlement
 from extproc.admission import admission_metadata, new_lease, usage_metadata
 from extproc.bodies import Api, GenerationBody, parse_generation
+from extproc.cache_salt import FIELD as CACHE_SALT
+from extproc.cache_salt import tenant_salt
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, output_per_sequence
 from extproc.errors import server_overloaded
@@ -222,12 +224,13 @@ class GenerationProcessor(BaseProcessor):
             raise refuse(self.phase, "request_body")
         parsed = parse_generation(self.api, body)
         model = resolve_model(self.ctx, parsed.model, "chat")
+        salt = tenant_salt(self.ctx.identity.tenant, parsed.doc) if model.salts_by_tenant else None
         counter = counter_for(model.tokenizer)
         counts = tuple(count_prompt(counter, prompt, model.media_tokens)
                        for prompt in parsed.prompts)
         demand = Demand(counts, parsed.max_output_tokens, parsed.choices, parsed.min_output_tokens)
         decision = decide_demand_for(self.ctx, model, demand)
-        pods = self._pick(decision, parsed)
+        pods = self._pick(decision, parsed, salt or "")
         snapshot = self.ctx.snapshot
         canary = self.ctx.canaries.canary_for(model)
         plan = usage_plan(parsed)
@@ -266,8 +269,10 @@ class GenerationProcessor(BaseProcessor):
                                      output_per_sequence(demand, model.default_max_tokens),
                                      route)
         if decision.upstream_model != parsed.model or snapshot.inject_priority or inject \
-                or client_priority or budget is not None:
+                or client_priority or budget is not None or salt is not None:
             doc = dict(parsed.doc)
+            if salt is not None:  # the tenant's own, whatever the client sent
+                doc[CACHE_SALT] = salt
             if budget is not None:
                 doc["max_tokens"] = budget
             doc["model"] = decision.upstream_model
@@ -291,16 +296,17 @@ class GenerationProcessor(BaseProcessor):
                         metadata=metadata, lb_endpoints=pods,
                         route=RouteChosen(model.name, decision.cluster, decision.variant))
 
-    def _pick(self, decision: Decision, parsed: GenerationBody) -> tuple[str, ...]:
+    def _pick(self, decision: Decision, parsed: GenerationBody, salt: str) -> tuple[str, ...]:
         """The pods to try, best first, when the pool has an endpoint picker (else none: Envoy
         balances it); a 503 ``server_overloaded`` for a low-priority request to a saturated
-        pool. The prefix the picker keys on is the first prompt's text in order."""
+        pool. The prefix the picker keys on is the first prompt's text in order, within the
+        request's ``cache_salt`` (``salt``; "" for none)."""
         picker = self.ctx.picker
         spec = self.ctx.snapshot.config.clusters[decision.cluster].endpoint_picker
         if picker is None or spec is None:
             return ()  # before joining the prompt: most pools have no picker
         prompt = "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts else b""
-        pick = picker.pick(decision.cluster, prompt, cast(Priority, decision.priority))
+        pick = picker.pick(decision.cluster, prompt, cast(Priority, decision.priority), salt)
         if pick is None or pick.endpoint is None:
             if pick is not None and pick.shed and spec.saturation:
                 raise server_overloaded(decision.cluster, spec.saturation.retry_after_s)

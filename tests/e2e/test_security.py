@@ -35,6 +35,7 @@ def doc() -> dict[str, Any]:
     d["models"]["bge-m3"]["cache"] = {"namespace": "bge-private", "scope": "tenant"}
     d["models"]["bge-shared"] = {"kind": "embedding", "clusters": ["embed"],
                                  "cache": {"namespace": "bge-shared"}}
+    d["models"]["llama-private"] = {"clusters": ["vllm-short"], "prefix_cache_scope": "tenant"}
     return d
 
 
@@ -224,3 +225,42 @@ def test_a_tenant_scoped_cache_tells_no_tenant_what_another_embedded(gw: Gateway
     assert cache_says(gw, "bge-m3", "merger plan for ACME", "sales") == "miss"
     assert cache_says(gw, "bge-shared", "merger plan for ACME", "legal") == "miss"
     assert cache_says(gw, "bge-shared", "merger plan for ACME", "sales") == "hit"
+
+
+DOCUMENT = " ".join(f"clause {i}: the parties agree to item {i * 7}." for i in range(60))
+"""~2,900 bytes: ~720 tokens by the simulator's estimate, 45 of its 16-token KV blocks."""
+
+
+def prefix_hits(gw: Gateway) -> float:
+    """vLLM's ``vllm:prefix_cache_hits`` of the short pool: prompt tokens served from cache."""
+    text = urllib.request.urlopen(f"{gw.sims['vllm-short']}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def cached_by(gw: Gateway, model: str, tenant: str, **extra: Any) -> float:
+    """Prompt tokens vLLM found cached for ``tenant``'s request of DOCUMENT (its prefill skips
+    them: the answer comes that much sooner, which is what a timing attacker measures)."""
+    before = prefix_hits(gw)
+    post(gw, "/v1/chat/completions",
+         {"model": model, "messages": [{"role": "user", "content": DOCUMENT}], "max_tokens": 1,
+          **extra}, **{"x-tenant-id": tenant})
+    return prefix_hits(gw) - before
+
+
+def test_a_tenant_prefix_cache_reuses_no_other_tenants_prompt(gw: Gateway) -> None:
+    """prefix_cache_scope: tenant: B's prompt finds none of the blocks A's identical prompt left
+    in vLLM, whatever cache_salt B sends (even A's as vLLM got it); A's repeat finds them all.
+    shared (the default): B's finds A's, the timing side channel."""
+    gw.clear_sims()
+    assert cached_by(gw, "llama-private", "legal") == 0
+    assert cached_by(gw, "llama-private", "legal") > 600
+    assert cached_by(gw, "llama-private", "sales") == 0
+    [first, *_] = gw.sim_requests("vllm-short")
+    legal_salt = first["body"]["cache_salt"]
+    assert cached_by(gw, "llama-private", "sales", cache_salt=legal_salt) == 0
+    # Unsalted: nothing of the salted prompts serves it, then the pod's cache is everyone's.
+    assert cached_by(gw, "llama-2-13b", "legal") == 0
+    assert cached_by(gw, "llama-2-13b", "sales") > 600
+    assert all("cache_salt" not in r["body"] for r in gw.sim_requests("vllm-short")
+               if r["body"]["model"] == "llama-2-13b")

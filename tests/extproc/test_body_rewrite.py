@@ -1,5 +1,6 @@
 """The request body extproc sends on to vLLM: unchanged unless the canary renames the model,
-``priority.inject`` adds vLLM's ``priority``, an unread stream gets ``include_usage`` added, or a
+``priority.inject`` adds vLLM's ``priority``, an unread stream gets ``include_usage`` added, a
+model whose prefix cache is per tenant gets the tenant's ``cache_salt``, or a
 request a token bucket charges gets the output budget it reserved for
 (``GenerationProcessor.on_request_body``). Every rewrite keeps the client's other fields and
 sets a ``content-length`` that matches the new body."""
@@ -207,3 +208,71 @@ def test_a_request_a_cap_applies_to_is_marked_for_envoys_slot(sections: dict[str
     metadata = routed({"max_tokens": 5}, **sections).metadata
     assert (metadata.get(CAP_METADATA_KEY) == "1") is capped
     assert capped or CAP_METADATA_KEY not in metadata
+
+
+SALTED = {"llama-2-13b": {**NO_CANARY["llama-2-13b"], "prefix_cache_scope": "tenant"}}
+"""``prefix_cache_scope: tenant``: every request carries its tenant's vLLM ``cache_salt``."""
+
+
+def salt_of(doc: dict[str, Any], tenant: str | None = None, **sections: Any) -> Any:
+    """The ``cache_salt`` vLLM gets for ``doc`` from ``tenant`` (open mode: the tenant
+    header; None: tenant ``default``); raises what extproc answers instead of routing."""
+    state = StreamState(snapshot(**sections), SECRET)
+    headers = {":path": "/v1/chat/completions", ":method": "POST"}
+    if tenant is not None:
+        headers["x-tenant-id"] = tenant
+    state.handle("request_headers", headers, b"", False)
+    action = state.handle("request_body", None, orjson.dumps(
+        {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}], **EXTRA, **doc}),
+        True)
+    if not isinstance(action, Continue):
+        raise AssertionError(action)
+    body = sent(action) if action.body is not None else None
+    return None if body is None else body.get("cache_salt", "<absent>")
+
+
+def test_a_shared_prefix_cache_leaves_the_body_and_a_clients_salt_alone() -> None:
+    assert salt_of({"max_tokens": 5}) is None  # the client's bytes, unchanged
+    assert salt_of({"max_tokens": 5, "cache_salt": "mine"}) is None
+
+
+def test_each_tenant_gets_a_salt_of_its_own_the_same_every_time() -> None:
+    default, acme, other = (salt_of({"max_tokens": 5}, t, models=SALTED)
+                            for t in (None, "acme", "other"))
+    assert len({default, acme, other}) == 3
+    assert salt_of({"max_tokens": 5}, "acme", models=SALTED) == acme  # any replica, any time
+    assert isinstance(acme, str) and len(acme) == 43  # 256 bits, base64url, as vLLM suggests
+    assert "acme" not in acme
+
+
+def test_a_clients_own_salt_splits_its_tenant_but_never_joins_another() -> None:
+    acme = salt_of({"max_tokens": 5}, "acme", models=SALTED)
+    mine = salt_of({"max_tokens": 5, "cache_salt": "mine"}, "acme", models=SALTED)
+    assert mine not in (acme, None)
+    assert salt_of({"max_tokens": 5, "cache_salt": "mine"}, "other", models=SALTED) != mine
+    # Sending another tenant's salt as one's own does not reach its blocks.
+    assert salt_of({"max_tokens": 5, "cache_salt": acme}, "other", models=SALTED) != acme
+    assert salt_of({"max_tokens": 5, "cache_salt": None}, "acme", models=SALTED) == acme
+
+
+@pytest.mark.parametrize("bad", ["", 5, True, [], {"a": 1}])
+def test_a_salt_vllm_would_refuse_is_its_400(bad: object) -> None:
+    with pytest.raises(AssertionError) as caught:
+        salt_of({"max_tokens": 5, "cache_salt": bad}, "acme", models=SALTED)
+    reply = caught.value.args[0]
+    assert reply.status == 400
+    error = orjson.loads(reply.body)["error"]
+    assert error["param"] == "cache_salt"
+    assert error["message"] == "Parameter 'cache_salt' must be a non-empty string if provided."
+
+
+def test_a_completion_is_salted_too() -> None:
+    state = StreamState(snapshot(models=SALTED), SECRET)
+    state.handle("request_headers", {":path": "/v1/completions", ":method": "POST",
+                                     "x-tenant-id": "acme"}, b"", False)
+    action = state.handle("request_body", None,
+                          orjson.dumps({"model": "llama-2-13b", "prompt": "hi", "max_tokens": 5}),
+                          True)
+    assert isinstance(action, Continue) and action.body is not None
+    assert orjson.loads(action.body)["cache_salt"] == salt_of({"max_tokens": 5}, "acme",
+                                                               models=SALTED)

@@ -69,6 +69,13 @@ CASES = {
                  ["9: rate_limits.tenant.default.requests: bad rate '10/fortnight': use N/s, "
                   "N/min, N/h, N/d or N/5m-style windows, with an optional k or M suffix, "
                   "like 100k/min"]),
+    "bad_prefix_cache_scope": (GOOD + "    prefix_cache_scope: key\n",
+                               ["8: models.llama-2-13b.prefix_cache_scope: Input should be "
+                                "'shared' or 'tenant'"]),
+    "embedding_prefix_cache_scope": (GOOD + "  bge-m3: {kind: embedding, clusters: [vllm-short], "
+                                     "prefix_cache_scope: tenant}\n",
+                                     ["8: models.bge-m3: prefix_cache_scope is for chat models; "
+                                      "an embedding model's cache scope is cache.scope"]),
     "bad_percent": (GOOD + "    canary: {model: v2, cluster: vllm-long, percent: 150}\n",
                     ["8: models.llama-2-13b.canary.percent: 150 is not a percentage: use 0 to "
                      "100 (5 sends 5% of the sticky keys to the canary)"]),
@@ -243,6 +250,25 @@ def test_check_warns_that_tenant_scoped_caches_need_authenticated_tenants(
                          "own tenant (x-tenant-id) and reads that tenant's cached vectors. Set "
                          "auth.required: true where tenants must not see each other's entries"]
                         if warned else [])
+
+
+SALTED = GOOD + "    prefix_cache_scope: tenant\n"
+
+
+@pytest.mark.parametrize(("text", "warned"), [
+    (SALTED, True),
+    (SALTED + "auth: {required: true}\n", False),
+    (SALTED.replace("scope: tenant", "scope: shared"), False),
+])
+def test_check_warns_that_a_tenant_prefix_cache_needs_authenticated_tenants(
+        tmp_path: pathlib.Path, text: str, warned: bool) -> None:
+    path = write(tmp_path, "salted", text)
+    warnings = [str(p) for p in check_config(str(path))]
+    assert warnings == ([f"{path}:8: warning: prefix_cache_scope tenant with auth.required "
+                         "false keeps apart only tenants callers cannot name: any unlisted caller "
+                         "names its own tenant (x-tenant-id), gets that tenant's cache_salt and "
+                         "can time its prompts. Set auth.required: true where tenants must not "
+                         "see each other's prefixes"] if warned else [])
 
 
 def test_check_command_prints_the_lines_and_exits_1(tmp_path: pathlib.Path) -> None:

@@ -46,6 +46,21 @@ def test_hashes_are_chained_so_a_block_stands_for_its_whole_prefix() -> None:
     assert not set(first) & set(other_head)
 
 
+def test_a_salt_starts_a_chain_of_its_own() -> None:
+    """vLLM mixes a request's ``cache_salt`` into its first block: a pod's blocks of one salt
+    never serve another, so the index must not send one tenant after another's prefix."""
+    prompt = text(1, 3)
+    plain, acme, other = (block_hashes(prompt, salt=s) for s in ("", "acme", "other"))
+    assert plain == block_hashes(prompt)  # no salt: as before
+    assert block_hashes(prompt, salt="acme") == acme
+    assert not set(plain) & set(acme) and not set(acme) & set(other)
+    assert block_hashes(b"a" * (BLOCK_BYTES - 1), salt="acme") == []
+    index = PrefixIndex()
+    index.record("pool", acme, A)
+    assert index.match("pool", acme) == {A: 1.0}
+    assert index.match("pool", other) == {} and index.match("pool", plain) == {}
+
+
 def test_match_is_the_share_of_leading_blocks_each_pod_served() -> None:
     index = PrefixIndex()
     index.record("pool", block_hashes(text(1, 4)), A)
