@@ -211,14 +211,31 @@ class RedisStore:
 
     async def _eval(self, sha: str, script: str, keys: Sequence[str], args: list[str],
                     late: Callable[[Any], None] | None = None) -> Any:
-        """``late``: given the reply of a script whose caller gave up after it was sent (a
-        standalone Redis; a Cluster's router does not tell)."""
+        """``late``: given the reply (or the error) of a script whose caller gave up after it
+        was sent."""
         if self._router is None:  # the batcher keeps its own bound (a burst waits there)
             return await self._eval_once(sha, script, keys, args, late)
         # At most MAX_CONNECTIONS commands in flight: redis-py refuses a command when its pool
         # is exhausted rather than waiting (a burst of 150 calls turned into backend errors).
-        async with self._slots:
-            return await self._evalsha(sha, script, keys, args)
+        if late is None:
+            async with self._slots:
+                return await self._evalsha(sha, script, keys, args)
+        # On a Cluster the command runs in a task of its own, which a caller that gives up
+        # leaves running (redis-py would drop the connection, and the reply with it): its
+        # reply goes to ``late``. The task keeps its place in the bound until Redis answers,
+        # as the connection it holds does.
+        await self._slots.acquire()
+        try:
+            task = asyncio.get_running_loop().create_task(self._evalsha(sha, script, keys, args))
+        except BaseException:
+            self._slots.release()
+            raise
+        task.add_done_callback(lambda _: self._slots.release())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(partial(_hand_late, late))
+            raise
 
     async def _eval_once(self, sha: str, script: str, keys: Sequence[str], args: list[str],
                          late: Callable[[Any], None] | None = None) -> Any:
@@ -251,6 +268,14 @@ class RedisStore:
         # One standalone Redis: our own pipelined connections, one write per loop iteration.
         assert self._batcher is not None
         return await self._batcher.execute(*command, late=late)
+
+
+def _hand_late(late: Callable[[Any], None], task: asyncio.Task[Any]) -> None:
+    """The outcome of a command its caller gave up on, to ``late``: the reply, or the error."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    late(error if error is not None else task.result())
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from ratelimit.guard import GuardedStore
 from ratelimit.service import RateLimitService, rate_limit_process
 from sidecar_runtime.breaker import BreakerState
 from sidecar_runtime.settings import Settings
-from tests.harness.redis_servers import RedisServer
+from tests.harness.redis_servers import RedisClusterServers, RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -209,6 +209,50 @@ async def test_a_decision_that_missed_its_deadline_gives_its_slot_back_when_redi
                 assert time.monotonic() < deadline, "the late decision's slot was never freed"
                 await asyncio.sleep(0.05)
             # The cap holds: the slot "b" took is the only one.
+            answer = await stub.ShouldRateLimit(take_slot("c" * 24), timeout=5)
+            assert answer.overall_code == Response.OVER_LIMIT
+    finally:
+        await server.stop(grace_s=0.2)
+
+
+@pytest.mark.parametrize("policy", ["allow", "deny"])
+async def test_on_a_cluster_a_late_decision_gives_its_slot_back_too(
+        redis_cluster: RedisClusterServers, tmp_path: Path, policy: str) -> None:
+    """The same on a Redis Cluster: every master frozen for a little longer than the deadline
+    (within the connection's read timeout, a latency spike such as a fork). The decision runs
+    when they thaw; its reply, which redis-py would drop with the connection of a caller that
+    gave up, reaches the store, which takes the slot back."""
+    path = tmp_path / "ratelimit.yaml"
+    path.write_text(config(policy, CAPPED))
+    settings = Settings(redis_url=SecretStr(redis_cluster.url),
+                        redis_timeout_ms=int(DEADLINE_S * 1000), redis_breaker_failures=1)
+    server = rate_limit_process(str(path), "127.0.0.1", 0, 0, settings)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = rls_pb2_grpc.RateLimitServiceStub(channel)
+            store = server.service.store
+            assert isinstance(store, GuardedStore)
+            assert (await stub.ShouldRateLimit(PROBE, timeout=5)).overall_code == Response.OK
+            for node in redis_cluster.nodes:
+                node.pause()
+            try:
+                await stub.ShouldRateLimit(take_slot("a" * 24), timeout=5)  # its deadline passes
+            finally:
+                for node in redis_cluster.nodes:
+                    node.resume()
+            deadline = time.monotonic() + 10
+            while store.breaker_state is not BreakerState.CLOSED:  # a probe closes it
+                await stub.ShouldRateLimit(PROBE, timeout=5)
+                assert time.monotonic() < deadline, "Redis did not come back"
+                await asyncio.sleep(0.05)
+
+            async def free() -> bool:
+                answer = await stub.ShouldRateLimit(take_slot("b" * 24), timeout=5)
+                return bool(answer.overall_code == Response.OK)
+            while not await free():
+                assert time.monotonic() < deadline, "the late decision's slot was never freed"
+                await asyncio.sleep(0.05)
             answer = await stub.ShouldRateLimit(take_slot("c" * 24), timeout=5)
             assert answer.overall_code == Response.OVER_LIMIT
     finally:
