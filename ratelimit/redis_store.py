@@ -75,6 +75,8 @@ class RedisStore:
         self._batcher = CommandBatcher(client) if isinstance(client, Redis) else None
         self._undoing: set[asyncio.Task[None]] = set()
         """Refunds of decisions that came back after their deadline (:meth:`_undo_late`)."""
+        self._orphans: set[asyncio.Task[Any]] = set()
+        """Cluster decisions still running after their caller gave up (:meth:`_eval`)."""
         self._spec_texts: dict[int, tuple[BucketSpec, str, str, str]] = {}
         """id(spec) -> (spec, capacity, rate, flags) as the scripts read them: the spec objects
         of matched descriptors are kept by the Limiter and come back on every call, and
@@ -118,6 +120,9 @@ class RedisStore:
         await self._eval(SETTLE_SHA, SETTLE, tuple(keys), args)
 
     async def aclose(self) -> None:
+        for task in list(self._orphans):  # their replies would find no connection to come on
+            task.cancel()
+        await asyncio.gather(*self._orphans, return_exceptions=True)
         if self._router is not None:
             await self._router.aclose()
         if self._batcher is not None:
@@ -131,14 +136,28 @@ class RedisStore:
         if len(groups) == 1:  # its positions are 0, 1, ... in order
             admitted, results = await self._run(hits, groups[0])
             return StoreResult(admitted, tuple(results))
-        replies = await asyncio.gather(*(self._run(hits, group) for group in groups))
+        outcomes = await asyncio.gather(*(self._run(hits, group) for group in groups),
+                                        return_exceptions=True)
+        failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        replies = [o for o in outcomes if not isinstance(o, BaseException)]
         merged: dict[int, BucketResult] = {}
-        for group, (_, results) in zip(groups, replies, strict=True):
-            merged.update(zip(group.positions, results, strict=True))
-        admitted = all(ok for ok, _ in replies)
+        for group, outcome in zip(groups, outcomes, strict=True):
+            if not isinstance(outcome, BaseException):
+                merged.update(zip(group.positions, outcome[1], strict=True))
+        admitted = failed is None and all(ok for ok, _ in replies)
         if not admitted:
-            charged = [g for g, (ok, _) in zip(groups, replies, strict=True) if ok]
-            await asyncio.gather(*(self._refund(hits, group, merged) for group in charged))
+            # A group refused, or one failed (its master down, its deadline gone) while the
+            # others admitted: what they admitted is taken back, the request being answered
+            # without them (refused, or by on_backend_error).
+            charged = [g for g, o in zip(groups, outcomes, strict=True)
+                       if not isinstance(o, BaseException) and o[0]]
+            refunds = await asyncio.gather(*(self._refund(hits, group, merged)
+                                             for group in charged), return_exceptions=failed is not None)
+            if failed is not None:
+                if any(isinstance(r, BaseException) for r in refunds):
+                    log.warning("ratelimit_partial_decision_not_undone",
+                                detail="its slots free themselves when their lease expires")
+                raise failed
             for group in charged:
                 for i in group.positions:
                     merged[i] = _refunded(hits[i], merged[i])
@@ -223,7 +242,9 @@ class RedisStore:
         # On a Cluster the command runs in a task of its own, which a caller that gives up
         # leaves running (redis-py would drop the connection, and the reply with it): its
         # reply goes to ``late``. The task keeps its place in the bound until Redis answers,
-        # as the connection it holds does.
+        # as the connection it holds does. (A caller that gives up before the command is
+        # even sent, the slot map still loading, also gets it sent, then refunded: twice the
+        # Redis work in an outage, for one code path.)
         await self._slots.acquire()
         try:
             task = asyncio.get_running_loop().create_task(self._evalsha(sha, script, keys, args))
@@ -231,6 +252,8 @@ class RedisStore:
             self._slots.release()
             raise
         task.add_done_callback(lambda _: self._slots.release())
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ratelimit.bucket import BucketSpec, Hit, Settle
+from ratelimit.errors import BackendError
 from ratelimit.keys import bucket_key
 from ratelimit.memory_store import MemoryStore
 from ratelimit.redis_store import RedisStore
 from ratelimit.store import BucketStore
 from sidecar_runtime.redis_client import make_client
+from tests.harness.redis_servers import RedisClusterServers
 from tests.harness.waits import until
 
 pytestmark = pytest.mark.redis
@@ -225,3 +230,30 @@ async def test_slots_of_a_dead_holder_expire(store_with_short_leases: BucketStor
     while not (await store.decide([slot("dead", 1, "leaselive")])).admitted:
         assert asyncio.get_running_loop().time() < deadline, "the slot never expired"
         await asyncio.sleep(0.05)
+
+
+async def test_on_a_cluster_what_the_other_masters_admitted_is_taken_back_when_one_fails(
+        redis_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's buckets on two slots: one group fails (its master dropped the connection)
+    while the other admitted. The request gets ``on_backend_error``, so the slot the other
+    took is given back; before, it stayed taken for the lease's 10 minutes."""
+    store = RedisStore(make_client(redis_cluster.url, 2.0), margin_s=MARGIN_S)
+    slot = BucketSpec(1, 0, concurrent=True)
+    kept, lost = key("cap-kept"), key("cap-lost")
+    try:
+        client = store.client
+        assert isinstance(client, RedisCluster) and client.keyslot(kept) != client.keyslot(lost)
+        real_run = store._run
+
+        async def run(hits: Sequence[Hit], group: Any) -> Any:
+            if hits[group.positions[0]].key == lost:
+                raise RedisConnectionError("Connection closed by server.")
+            return await real_run(hits, group)
+        monkeypatch.setattr(store, "_run", run)
+        with pytest.raises(BackendError):
+            await store.decide([Hit(kept, slot, 1, "lease-a"), Hit(lost, slot, 1, "lease-a")])
+        monkeypatch.undo()
+        assert (await store.decide([Hit(kept, slot, 1, "lease-b")])).admitted
+        assert not (await store.decide([Hit(kept, slot, 1, "lease-c")])).admitted
+    finally:
+        await store.aclose()
