@@ -43,24 +43,23 @@ def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
             "warning: api_keys are listed but auth.required is false: any other caller is let "
             f"in and names its own tenant with the {config.auth.tenant_header} header; set "
             "auth.required: true in production"))
-    scoped = [name for name, model in config.models.items()
+    # A scope of tenant keeps apart only the tenants callers cannot name.
+    cached = [name for name, model in config.models.items()
               if model.cache is not None and model.cache.scope == "tenant"]
-    if scoped:
-        out.append(located.problem(
-            ("models", scoped[0], "cache", "scope"),
-            "warning: cache scope tenant with auth.required false keeps apart only tenants "
-            "callers cannot name: any unlisted caller names its own tenant "
-            f"({config.auth.tenant_header}) and reads that tenant's cached vectors. Set "
-            "auth.required: true where tenants must not see each other's entries"))
     salted = [name for name, model in config.models.items()
               if model.prefix_cache_scope == "tenant"]
-    if salted:
-        out.append(located.problem(
-            ("models", salted[0], "prefix_cache_scope"),
-            "warning: prefix_cache_scope tenant with auth.required false keeps apart only "
-            "tenants callers cannot name: any unlisted caller names its own tenant "
-            f"({config.auth.tenant_header}), gets that tenant's cache_salt and can time its "
-            "prompts. Set auth.required: true where tenants must not see each other's prefixes"))
+    for scoped, setting, path, given, kept in (
+            (cached, "cache scope", ("cache", "scope"), "reads that tenant's cached vectors",
+             "entries"),
+            (salted, "prefix_cache_scope", ("prefix_cache_scope",),
+             "gets that tenant's cache_salt and can time its prompts", "prefixes")):
+        if scoped:
+            out.append(located.problem(
+                ("models", scoped[0], *path),
+                f"warning: {setting} tenant with auth.required false keeps apart only tenants "
+                "callers cannot name: any unlisted caller names its own tenant "
+                f"({config.auth.tenant_header}) and {given}. Set auth.required: true where "
+                f"tenants must not see each other's {kept}"))
     # Which levels enforce, as the rate limiter reads them (an override inherits shadow).
     enforcing = {entry.level for entry in limit_entries(config) if not entry.shadow}
     levels = [name for name in ("api_key", "tenant") if name in enforcing]

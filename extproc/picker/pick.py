@@ -205,7 +205,8 @@ class EndpointPicker:
             keep += [a for a in pool.pods if a not in gone and a not in keep]
         return keep
 
-    def pick(self, cluster: str, prompt: bytes, priority: Priority, salt: str = "") -> Pick | None:
+    def pick(self, cluster: str, prompt: bytes, priority: Priority,
+             salt: str | None = None) -> Pick | None:
         """The pod for one request of ``cluster`` (None: the cluster has no picker). A named pod
         is counted as sent (and open until :meth:`done`) and remembered for the prompt's prefix.
         ``prompt`` is the text the model will see first to last (what vLLM's prefix cache keys

@@ -49,14 +49,14 @@ every request that carries it."""
 
 
 def block_hashes(prompt: bytes, block_bytes: int = BLOCK_BYTES, max_blocks: int = MAX_BLOCKS,
-                 salt: str = "") -> list[int]:
+                 salt: str | None = None) -> list[int]:
     """Chained hashes of the prompt's full blocks (a trailing partial block is left out: a
     conversation grows by appending, so its earlier turns keep matching). ``salt`` is the
     request's vLLM ``cache_salt``: vLLM mixes it into the first block, so the pod's blocks of
     one salt never serve another, and the chain here starts from it for the same reason."""
     count = min(len(prompt) // block_bytes, max_blocks)
     hashes: list[int] = []
-    chained = hash(("cache_salt", salt)) if salt else 0
+    chained = 0 if salt is None else hash(("cache_salt", salt))
     for start in range(0, count * block_bytes, block_bytes):
         chained = hash((chained, prompt[start:start + block_bytes]))
         hashes.append(chained)

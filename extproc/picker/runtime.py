@@ -28,7 +28,8 @@ class PickerRuntime:
         self.scraper = Scraper(self.picker.pools, self._config, clock=loop_time)
         self.metrics = EndpointMetrics(registry, self.picker.pools, loop_time)
 
-    def pick(self, cluster: str, prompt: bytes, priority: Priority, salt: str = "") -> Pick | None:
+    def pick(self, cluster: str, prompt: bytes, priority: Priority,
+             salt: str | None = None) -> Pick | None:
         pick = self.picker.pick(cluster, prompt, priority, salt)
         if pick is not None:
             if pick.endpoint is not None:

@@ -12,7 +12,7 @@ from extproc.actions import PASS, Action, Continue, ModeOverride, Settlement
 from extproc.admission import admission_metadata, new_lease, usage_metadata
 from extproc.bodies import Api, GenerationBody, parse_generation
 from extproc.cache_salt import FIELD as CACHE_SALT
-from extproc.cache_salt import tenant_salt
+from extproc.cache_salt import upstream_salt
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, output_per_sequence
 from extproc.errors import server_overloaded
@@ -224,13 +224,13 @@ class GenerationProcessor(BaseProcessor):
             raise refuse(self.phase, "request_body")
         parsed = parse_generation(self.api, body)
         model = resolve_model(self.ctx, parsed.model, "chat")
-        salt = tenant_salt(self.ctx.identity.tenant, parsed.doc) if model.salts_by_tenant else None
+        salt = upstream_salt(model.salts_by_tenant, self.ctx.identity.tenant, parsed.doc)
         counter = counter_for(model.tokenizer)
         counts = tuple(count_prompt(counter, prompt, model.media_tokens)
                        for prompt in parsed.prompts)
         demand = Demand(counts, parsed.max_output_tokens, parsed.choices, parsed.min_output_tokens)
         decision = decide_demand_for(self.ctx, model, demand)
-        pods = self._pick(decision, parsed, salt or "")
+        pods = self._pick(decision, parsed, salt)
         snapshot = self.ctx.snapshot
         canary = self.ctx.canaries.canary_for(model)
         plan = usage_plan(parsed)
@@ -271,7 +271,7 @@ class GenerationProcessor(BaseProcessor):
         if decision.upstream_model != parsed.model or snapshot.inject_priority or inject \
                 or client_priority or budget is not None or salt is not None:
             doc = dict(parsed.doc)
-            if salt is not None:  # the tenant's own, whatever the client sent
+            if salt is not None:  # never the client's own as sent
                 doc[CACHE_SALT] = salt
             if budget is not None:
                 doc["max_tokens"] = budget
@@ -296,11 +296,12 @@ class GenerationProcessor(BaseProcessor):
                         metadata=metadata, lb_endpoints=pods,
                         route=RouteChosen(model.name, decision.cluster, decision.variant))
 
-    def _pick(self, decision: Decision, parsed: GenerationBody, salt: str) -> tuple[str, ...]:
+    def _pick(self, decision: Decision, parsed: GenerationBody,
+              salt: str | None) -> tuple[str, ...]:
         """The pods to try, best first, when the pool has an endpoint picker (else none: Envoy
         balances it); a 503 ``server_overloaded`` for a low-priority request to a saturated
         pool. The prefix the picker keys on is the first prompt's text in order, within the
-        request's ``cache_salt`` (``salt``; "" for none)."""
+        request's ``cache_salt`` as vLLM gets it (``salt``)."""
         picker = self.ctx.picker
         spec = self.ctx.snapshot.config.clusters[decision.cluster].endpoint_picker
         if picker is None or spec is None:

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc.actions import Continue
+from extproc.actions import Action, Continue, Reply
 from extproc.stream import StreamState
 from sidecar_runtime.wire_names import (
     CAP_METADATA_KEY,
@@ -214,26 +214,34 @@ SALTED = {"llama-2-13b": {**NO_CANARY["llama-2-13b"], "prefix_cache_scope": "ten
 """``prefix_cache_scope: tenant``: every request carries its tenant's vLLM ``cache_salt``."""
 
 
-def salt_of(doc: dict[str, Any], tenant: str | None = None, **sections: Any) -> Any:
-    """The ``cache_salt`` vLLM gets for ``doc`` from ``tenant`` (open mode: the tenant
-    header; None: tenant ``default``); raises what extproc answers instead of routing."""
+def salted_action(doc: dict[str, Any], tenant: str | None = None, path: str = "/v1/chat/completions",
+                  **sections: Any) -> Action:
+    """What extproc answers to ``doc`` from ``tenant`` (open mode: the tenant header; None:
+    tenant ``default``)."""
     state = StreamState(snapshot(**sections), SECRET)
-    headers = {":path": "/v1/chat/completions", ":method": "POST"}
+    headers = {":path": path, ":method": "POST"}
     if tenant is not None:
         headers["x-tenant-id"] = tenant
     state.handle("request_headers", headers, b"", False)
+    prompt = {"prompt": "hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}
     action = state.handle("request_body", None, orjson.dumps(
-        {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}], **EXTRA, **doc}),
-        True)
-    if not isinstance(action, Continue):
-        raise AssertionError(action)
-    body = sent(action) if action.body is not None else None
+        {"model": "llama-2-13b", **prompt, **EXTRA, **doc}), True)
+    assert isinstance(action, Continue | Reply)  # no cache lookup, no rate check here
+    return action
+
+
+def salt_of(doc: dict[str, Any], tenant: str | None = None, **sections: Any) -> Any:
+    """The ``cache_salt`` vLLM gets; None when extproc leaves the client's bytes alone."""
+    action = salted_action(doc, tenant, **sections)
+    assert isinstance(action, Continue)
+    body = sent(action)
     return None if body is None else body.get("cache_salt", "<absent>")
 
 
-def test_a_shared_prefix_cache_leaves_the_body_and_a_clients_salt_alone() -> None:
-    assert salt_of({"max_tokens": 5}) is None  # the client's bytes, unchanged
-    assert salt_of({"max_tokens": 5, "cache_salt": "mine"}) is None
+def test_a_shared_prefix_cache_leaves_a_body_without_a_salt_alone() -> None:
+    assert salt_of({"max_tokens": 5}) is None
+    assert salt_of({"max_tokens": 5, "cache_salt": None}) is None
 
 
 def test_each_tenant_gets_a_salt_of_its_own_the_same_every_time() -> None:
@@ -242,7 +250,6 @@ def test_each_tenant_gets_a_salt_of_its_own_the_same_every_time() -> None:
     assert len({default, acme, other}) == 3
     assert salt_of({"max_tokens": 5}, "acme", models=SALTED) == acme  # any replica, any time
     assert isinstance(acme, str) and len(acme) == 43  # 256 bits, base64url, as vLLM suggests
-    assert "acme" not in acme
 
 
 def test_a_clients_own_salt_splits_its_tenant_but_never_joins_another() -> None:
@@ -255,24 +262,34 @@ def test_a_clients_own_salt_splits_its_tenant_but_never_joins_another() -> None:
     assert salt_of({"max_tokens": 5, "cache_salt": None}, "acme", models=SALTED) == acme
 
 
+def test_a_shared_model_never_passes_a_clients_salt_on_as_sent() -> None:
+    """vLLM's block hash does not cover the model's name: a client sending a tenant's salt to
+    a shared model on the same pool would join that tenant's blocks. Its salt is folded into
+    one no tenant's can equal; the same client salt still shares blocks with itself."""
+    acme = salt_of({"max_tokens": 5}, "acme", models=SALTED)
+    forged = salt_of({"max_tokens": 5, "cache_salt": acme}, "other")
+    assert forged not in (acme, None, "<absent>")
+    assert salt_of({"max_tokens": 5, "cache_salt": acme}, "third") == forged
+    assert salt_of({"max_tokens": 5, "cache_salt": "mine"}) not in (forged, "mine")
+
+
+@pytest.mark.parametrize("models", [SALTED, NO_CANARY])
 @pytest.mark.parametrize("bad", ["", 5, True, [], {"a": 1}])
-def test_a_salt_vllm_would_refuse_is_its_400(bad: object) -> None:
-    with pytest.raises(AssertionError) as caught:
-        salt_of({"max_tokens": 5, "cache_salt": bad}, "acme", models=SALTED)
-    reply = caught.value.args[0]
-    assert reply.status == 400
+def test_a_salt_vllm_would_refuse_is_its_400(bad: object, models: dict[str, Any]) -> None:
+    reply = salted_action({"max_tokens": 5, "cache_salt": bad}, "acme", models=models)
+    assert isinstance(reply, Reply) and reply.status == 400
     error = orjson.loads(reply.body)["error"]
     assert error["param"] == "cache_salt"
     assert error["message"] == "Parameter 'cache_salt' must be a non-empty string if provided."
 
 
-def test_a_completion_is_salted_too() -> None:
-    state = StreamState(snapshot(models=SALTED), SECRET)
-    state.handle("request_headers", {":path": "/v1/completions", ":method": "POST",
-                                     "x-tenant-id": "acme"}, b"", False)
-    action = state.handle("request_body", None,
-                          orjson.dumps({"model": "llama-2-13b", "prompt": "hi", "max_tokens": 5}),
-                          True)
-    assert isinstance(action, Continue) and action.body is not None
-    assert orjson.loads(action.body)["cache_salt"] == salt_of({"max_tokens": 5}, "acme",
-                                                               models=SALTED)
+def test_a_completion_and_the_canary_are_salted_too() -> None:
+    acme = salt_of({"max_tokens": 5}, "acme", models=SALTED)
+    completion = salted_action({"max_tokens": 5}, "acme", "/v1/completions", models=SALTED)
+    assert isinstance(completion, Continue) and completion.body is not None
+    assert orjson.loads(completion.body)["cache_salt"] == acme
+    canary = {"llama-2-13b": {**CANARY["llama-2-13b"], "prefix_cache_scope": "tenant"}}
+    action = salted_action({"max_tokens": 5}, "acme", models=canary)
+    assert isinstance(action, Continue)
+    body = sent(action)
+    assert body is not None and body["model"] == "llama-2-13b-v2" and body["cache_salt"] == acme

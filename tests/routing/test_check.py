@@ -266,8 +266,8 @@ def test_check_warns_that_a_tenant_prefix_cache_needs_authenticated_tenants(
     warnings = [str(p) for p in check_config(str(path))]
     assert warnings == ([f"{path}:8: warning: prefix_cache_scope tenant with auth.required "
                          "false keeps apart only tenants callers cannot name: any unlisted caller "
-                         "names its own tenant (x-tenant-id), gets that tenant's cache_salt and "
-                         "can time its prompts. Set auth.required: true where tenants must not "
+                         "names its own tenant (x-tenant-id) and gets that tenant's cache_salt "
+                         "and can time its prompts. Set auth.required: true where tenants must not "
                          "see each other's prefixes"] if warned else [])
 
 

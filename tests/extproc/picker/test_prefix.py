@@ -50,7 +50,7 @@ def test_a_salt_starts_a_chain_of_its_own() -> None:
     """vLLM mixes a request's ``cache_salt`` into its first block: a pod's blocks of one salt
     never serve another, so the index must not send one tenant after another's prefix."""
     prompt = text(1, 3)
-    plain, acme, other = (block_hashes(prompt, salt=s) for s in ("", "acme", "other"))
+    plain, acme, other = (block_hashes(prompt, salt=s) for s in (None, "acme", "other"))
     assert plain == block_hashes(prompt)  # no salt: as before
     assert block_hashes(prompt, salt="acme") == acme
     assert not set(plain) & set(acme) and not set(acme) & set(other)
