@@ -327,6 +327,15 @@ class RedisClusterServers:
         for node in self.nodes:
             node.flush()
 
+    def pause(self) -> None:
+        """Every master frozen (SIGSTOP) at once."""
+        for node in self.nodes:
+            node.pause()
+
+    def resume(self) -> None:
+        for node in self.nodes:
+            node.resume()
+
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -173,34 +172,17 @@ PROBE = rls_pb2.RateLimitRequest(domain="llm", descriptors=[ratelimit_pb2.RateLi
     entries=_entries(("kind", "requests"), ("tenant", "t")))])
 
 
-@dataclass
-class Freezable:
-    """A Redis, or every master of a Cluster, to freeze (SIGSTOP) and thaw at once."""
-
-    url: str
-    servers: Sequence[RedisServer]
-
-    def pause(self) -> None:
-        for server in self.servers:
-            server.pause()
-
-    def resume(self) -> None:
-        for server in self.servers:
-            server.resume()
-
-
 @pytest.fixture(params=["standalone", "cluster"])
-def freezable(request: pytest.FixtureRequest) -> Freezable:
-    if request.param == "standalone":
-        server: RedisServer = request.getfixturevalue("own_redis_server")
-        return Freezable(server.url, [server])
-    cluster: RedisClusterServers = request.getfixturevalue("redis_cluster")
-    return Freezable(cluster.url, cluster.nodes)
+def freezable(request: pytest.FixtureRequest) -> RedisServer | RedisClusterServers:
+    """A Redis, or a Cluster whose masters freeze and thaw together."""
+    name = "own_redis_server" if request.param == "standalone" else "redis_cluster"
+    server: RedisServer | RedisClusterServers = request.getfixturevalue(name)
+    return server
 
 
 @pytest.mark.parametrize("policy", ["allow", "deny"])
 async def test_a_decision_that_missed_its_deadline_gives_its_slot_back_when_redis_returns(
-        freezable: Freezable, tmp_path: Path, policy: str) -> None:
+        freezable: RedisServer | RedisClusterServers, tmp_path: Path, policy: str) -> None:
     """Redis frozen while a capped request is decided: the request is answered by
     ``on_backend_error``, the script runs when Redis thaws and takes the slot, and the service
     takes it back when that late reply arrives. Before, the slot stayed taken for the lease's

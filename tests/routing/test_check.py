@@ -236,39 +236,30 @@ SCOPED = GOOD + """\
 """
 
 
-@pytest.mark.parametrize(("text", "warned"), [
-    (SCOPED, True),
-    (SCOPED + "auth: {required: true}\n", False),
-    (SCOPED.replace("scope: tenant", "scope: shared"), False),
+SALTED = GOOD + "    prefix_cache_scope: tenant\n"
+CACHE_WARNING = ("11: warning: cache scope tenant with auth.required false keeps apart only "
+                 "tenants callers cannot name: any unlisted caller names its own tenant "
+                 "(x-tenant-id) and reads that tenant's cached vectors. Set auth.required: true "
+                 "where tenants must not see each other's entries")
+PREFIX_WARNING = ("8: warning: prefix_cache_scope tenant with auth.required false keeps apart "
+                  "only tenants callers cannot name: any unlisted caller names its own tenant "
+                  "(x-tenant-id) and gets that tenant's cache_salt and can time its prompts. Set "
+                  "auth.required: true where tenants must not see each other's prefixes")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (SCOPED, [CACHE_WARNING]),
+    (SCOPED + "auth: {required: true}\n", []),
+    (SCOPED.replace("scope: tenant", "scope: shared"), []),
+    (SALTED, [PREFIX_WARNING]),
+    (SALTED + "auth: {required: true}\n", []),
+    (SALTED.replace("scope: tenant", "scope: shared"), []),
 ])
 def test_check_warns_that_tenant_scoped_caches_need_authenticated_tenants(
-        tmp_path: pathlib.Path, text: str, warned: bool) -> None:
+        tmp_path: pathlib.Path, text: str, expected: list[str]) -> None:
+    """The embedding cache's scope and vLLM's prefix cache scope alike."""
     path = write(tmp_path, "scoped", text)
-    warnings = [str(p) for p in check_config(str(path))]
-    assert warnings == ([f"{path}:11: warning: cache scope tenant with auth.required false keeps "
-                         "apart only tenants callers cannot name: any unlisted caller names its "
-                         "own tenant (x-tenant-id) and reads that tenant's cached vectors. Set "
-                         "auth.required: true where tenants must not see each other's entries"]
-                        if warned else [])
-
-
-SALTED = GOOD + "    prefix_cache_scope: tenant\n"
-
-
-@pytest.mark.parametrize(("text", "warned"), [
-    (SALTED, True),
-    (SALTED + "auth: {required: true}\n", False),
-    (SALTED.replace("scope: tenant", "scope: shared"), False),
-])
-def test_check_warns_that_a_tenant_prefix_cache_needs_authenticated_tenants(
-        tmp_path: pathlib.Path, text: str, warned: bool) -> None:
-    path = write(tmp_path, "salted", text)
-    warnings = [str(p) for p in check_config(str(path))]
-    assert warnings == ([f"{path}:8: warning: prefix_cache_scope tenant with auth.required "
-                         "false keeps apart only tenants callers cannot name: any unlisted caller "
-                         "names its own tenant (x-tenant-id) and gets that tenant's cache_salt "
-                         "and can time its prompts. Set auth.required: true where tenants must not "
-                         "see each other's prefixes"] if warned else [])
+    assert [str(p) for p in check_config(str(path))] == [f"{path}:{w}" for w in expected]
 
 
 def test_check_command_prints_the_lines_and_exits_1(tmp_path: pathlib.Path) -> None:
