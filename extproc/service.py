@@ -193,7 +193,7 @@ class ExtprocService:
         self.registry = CollectorRegistry()
         self.reloader: Reloader[Snapshot] = Reloader(
             config_path, load_snapshot, settings.reload_interval_s,
-            ReloadMetrics(self.registry, "extproc"))
+            ReloadMetrics(self.registry, "extproc"), last_good=settings.last_good_config)
         self._settings = settings
         snapshot = self.reloader.current
         metrics = ExtprocMetrics(self.registry, lambda: snapshot().known_tenants)

@@ -121,6 +121,7 @@ class RateLimitService:
             settings.reload_interval_s,
             on_result=self._reloaded,
             errors=CONFIG_ERRORS,
+            last_good=settings.last_good_config,
         )
         self.store = store if store is not None else make_store(settings, self.metrics)
         self.limiter = Limiter(self.reloader.current, self.store, self.metrics, self._unknown_domain)

@@ -53,23 +53,43 @@ def path_signature(path: str) -> Hashable:
 class Reloader(Generic[T]):
     """Holds the snapshot built by ``load(path)`` and rebuilds it when the path changes.
 
-    A config that fails to load (one of ``errors``) leaves the old snapshot in place; the error
-    (for a config file, the ``FILE:LINE: message`` lines of ``llm-sidecar check``) is logged
-    once per change and reported to ``on_result(False, message)``. A file that changes again
-    while it is being loaded (an editor or a copy still writing it) is not judged: the next
-    poll loads it again. Loading runs in a thread, so streams are never stalled by it.
+    A changed path is loaded once it has stayed the same for one poll (a file written in steps,
+    a valid half of it included, is not applied while the writer pauses for less than that),
+    and applied only if it did not change again while it was loaded. A config that fails to
+    load (one of ``errors``) leaves the old snapshot in place; the error (for a config file,
+    the ``FILE:LINE: message`` lines of ``llm-sidecar check``) is logged once per change and
+    reported to ``on_result(False, message)``. Loading runs in a thread, so streams are never
+    stalled by it.
+
+    ``last_good``: a file where the process keeps a copy of the last config file that loaded
+    (a worker under ``--workers``: its supervisor's folder). A process started while the file
+    fails to load serves that copy instead, and goes on watching the file: a worker the
+    supervisor restarts after an edit that was refused keeps serving, as its siblings do.
     """
 
     def __init__(self, path: str | Path, load: Callable[[str], T], interval_s: float = 0.5,
                  on_result: Callable[[bool, str], None] | None = None,
-                 errors: tuple[type[Exception], ...] = (Exception,)) -> None:
+                 errors: tuple[type[Exception], ...] = (Exception,),
+                 last_good: str | None = None) -> None:
         self.path = str(path)
         self._load = load
         self._interval_s = interval_s
         self._on_result = on_result
         self._errors = errors
+        self._last_good = last_good if last_good and not os.path.isdir(self.path) else None
         self._signature = path_signature(self.path)
-        self._current = load(self.path)
+        self._seen: Hashable = self._signature
+        """The signature the last poll saw: a change is loaded once a poll sees it again."""
+        try:
+            self._current = load(self.path)
+        except errors as exc:
+            if self._last_good is None or not os.path.exists(self._last_good):
+                raise
+            self._current = load(self._last_good)
+            log.error("config_invalid_serving_last_good", path=self.path, error=str(exc),
+                      action="serving the last config that loaded until the file is fixed")
+        else:
+            self._keep(self._signature)
         self._listeners: list[Callable[[T], None]] = []
 
     def subscribe(self, listener: Callable[[T], None]) -> None:
@@ -82,10 +102,13 @@ class Reloader(Generic[T]):
         return self._current
 
     def check_now(self) -> bool:
-        """Reload if the path changed; True when a new snapshot was swapped in."""
+        """Reload if the path changed and has stayed the same since the last call; True when a
+        new snapshot was swapped in."""
         signature = path_signature(self.path)
-        if signature is None or signature == self._signature:
-            return False  # unchanged, or missing for a moment during a swap
+        settled = signature == self._seen
+        self._seen = signature
+        if signature is None or signature == self._signature or not settled:
+            return False  # unchanged, missing for a moment during a swap, or still changing
         try:
             fresh = self._load(self.path)
         except self._errors as exc:
@@ -96,11 +119,28 @@ class Reloader(Generic[T]):
                       action="kept the previous config")
             self._report(False, str(exc))
             return False
+        if path_signature(self.path) != signature:
+            return False  # changed while it was loaded: what was read may be half of it
         self._signature = signature
         self._current = fresh
+        self._keep(signature)
         log.info("config_reloaded", path=self.path)
         self._report(True, "")
         return True
+
+    def _keep(self, signature: Hashable) -> None:
+        """Copy the file that just loaded to ``last_good`` (if asked), unless it changed since."""
+        if self._last_good is None:
+            return
+        try:
+            data = Path(self.path).read_bytes()
+            if path_signature(self.path) != signature:
+                return
+            scratch = f"{self._last_good}.{os.getpid()}"
+            Path(scratch).write_bytes(data)
+            os.replace(scratch, self._last_good)
+        except OSError as exc:
+            log.warning("config_last_good_not_kept", path=self._last_good, error=str(exc))
 
     def _report(self, ok: bool, message: str) -> None:
         if self._on_result is not None:

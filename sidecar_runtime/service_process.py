@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from sidecar_runtime.procs import sidecar_command
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.settings import Settings
 from sidecar_runtime.signals import install_stop_handlers
-from sidecar_runtime.workers import TextPage, supervise, workers_problem
+from sidecar_runtime.workers import LAST_GOOD_CONFIG, TextPage, supervise, workers_problem
 
 log = get_logger("sidecar_runtime.service_process")
 
@@ -231,15 +232,23 @@ class ServiceCommand:
 def run_service(command: ServiceCommand, args: argparse.Namespace, settings: Settings) -> int:
     """Serve until SIGINT or SIGTERM, then drain; the exit code: 0, 1 for a bad config (or a
     failed worker), 2 for a ``--workers`` refused."""
-    try:
-        host, port = command.default_address(args.config)
-    except command.config_errors as exc:
-        print(str(exc), file=sys.stderr)
-        return 1
-    host = args.host if args.host is not None else host
-    port = args.port if args.port is not None else port
+    if args.host is not None and args.port is not None:
+        host, port = args.host, args.port  # a worker's: it may start on a file now refused
+    else:
+        try:
+            host, port = command.default_address(args.config)
+        except command.config_errors as exc:
+            print(str(exc), file=sys.stderr)
+            return 1
+        host = args.host if args.host is not None else host
+        port = args.port if args.port is not None else port
     if args.worker_ops_socket is not None:
         bind_worker(args.worker_index)
+        # The supervisor's own folder: every worker keeps the last config that loaded there,
+        # and one restarted while the file is refused starts from it
+        # (README: Workers: one process per core).
+        settings = settings.model_copy(update={"last_good_config": os.path.join(
+            os.path.dirname(args.worker_ops_socket), LAST_GOOD_CONFIG)})
     else:
         workers = args.workers if args.workers is not None else settings.workers
         if workers != 1:

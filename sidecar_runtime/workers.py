@@ -10,9 +10,13 @@ metrics port and answers ``/metrics`` with the workers' numbers merged
 - SIGTERM or SIGINT: the supervisor's ``/healthz`` turns 503 and every worker gets SIGTERM and
   drains as a single process does (gRPC health NOT_SERVING, streams in flight get
   ``LLM_SIDECAR_SHUTDOWN_GRACE_S``); exit 0 when every worker exited 0, else 1.
-- A worker that dies after it became healthy is restarted (its counters are kept in the sums).
-  One that dies before it became healthy (a crash at start-up would loop) stops everything:
-  exit 1.
+- A worker that dies after it became healthy is restarted (its counters are kept in the sums);
+  a restart that fails is tried again, 1 s later, then 2, 4... up to 30 s, the other workers
+  serving meanwhile. A worker started while the routing YAML is refused serves the last config
+  that loaded (kept in the supervisor's folder). Before every worker first became healthy, one
+  that dies (a crash at start-up would loop) stops everything: exit 1.
+- A worker whose ``/healthz`` does not answer within 2 s three times in a row (its event loop
+  stuck) is killed, and restarted as above: the kernel would go on giving it connections.
 - If the supervisor is killed outright, the kernel sends each worker SIGTERM
   (``PR_SET_PDEATHSIG``): they drain on their own.
 
@@ -48,9 +52,19 @@ from sidecar_runtime.wire_names import UNIX_PREFIX
 log = get_logger("sidecar_runtime.workers")
 READY_TIMEOUT_S = 120.0
 """How long a worker may take to answer ``/healthz`` (a loaded 2-core machine is slow)."""
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 2.0
+PROBE_MISSES = 3
+"""Probes of a serving worker's ``/healthz`` in a row that may go unanswered before it is
+killed as hung."""
+RESTART_BACKOFF_S = (1.0, 30.0)
+"""A failed restart is tried again after the first, doubling up to the second."""
 SCRAPE_TIMEOUT_S = 5.0
 KILL_MARGIN_S = 10.0
 """After the grace period, how long the supervisor still waits before SIGKILL."""
+LAST_GOOD_CONFIG = "last-good-config.yaml"
+"""In the supervisor's folder: the copy of the last config file a worker loaded, which a
+restarted worker serves while the file is refused (:class:`sidecar_runtime.reload.Reloader`)."""
 
 WorkerCommand = Callable[[int, str], list[str]]
 """(worker index, its ops socket path) → the command that runs the worker."""
@@ -105,6 +119,8 @@ class _Worker:
         self.child: Child | None = None
         self.ready = False
         self.last_text: str | None = None
+        self.misses = 0
+        """Health probes in a row it did not answer (see :data:`PROBE_MISSES`)."""
 
     def alive(self) -> bool:
         return self.child is not None and self.child.alive()
@@ -145,12 +161,14 @@ class Supervisor:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(worker.socket_path)
         worker.ready = False
+        worker.misses = 0
         worker.child = start(f"{self.service} worker {worker.index}",
                              self._command(worker.index, worker.socket_path))
 
-    async def _get(self, worker: _Worker, path: str) -> tuple[int, str]:
+    async def _get(self, worker: _Worker, path: str,
+                   timeout_s: float = SCRAPE_TIMEOUT_S) -> tuple[int, str]:
         connector = aiohttp.UnixConnector(path=worker.socket_path)
-        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, \
                 session.get(f"http://worker{path}") as resp:
             return resp.status, await resp.text()
@@ -179,24 +197,63 @@ class Supervisor:
             self._retired.append(worker.last_text)  # its counts stay in the sums
             worker.last_text = None
         self._restarts.labels(self.service).inc()
-        self._spawn(worker)
+        backoff = RESTART_BACKOFF_S[0]
+        while not self._stop.is_set():
+            self._spawn(worker)
+            try:
+                await self._wait_ready(worker)
+                return
+            except RuntimeError as exc:
+                log.error("worker_restart_failed", service=self.service, worker=worker.index,
+                          error=str(exc), action=f"trying again in {backoff:g}s")
+            _kill(worker)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), backoff)
+            backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
+
+    async def _probe(self, worker: _Worker) -> None:
+        """One health probe of a serving worker; the third miss in a row kills it (the watch
+        loop then restarts it)."""
         try:
-            await self._wait_ready(worker)
-        except RuntimeError as exc:
-            self._failed = str(exc)
+            status, _ = await self._get(worker, "/healthz", PROBE_TIMEOUT_S)
+        except (TimeoutError, OSError, aiohttp.ClientError):
+            status = 0
+        if status == 200 or not worker.ready or self._stopping:
+            worker.misses = 0
+            return
+        worker.misses += 1
+        if worker.misses >= PROBE_MISSES and worker.alive():
+            log.error("worker_hung", service=self.service, worker=worker.index,
+                      misses=worker.misses, action="killing it; it is restarted")
+            _kill(worker)
 
     async def _watch(self, stop: asyncio.Event) -> None:
-        restarting: set[asyncio.Task[None]] = set()
+        tasks: set[asyncio.Task[None]] = set()
+
+        def run(coro: Awaitable[None]) -> None:
+            task = asyncio.ensure_future(coro)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        next_probe = time.monotonic() + PROBE_INTERVAL_S
+        probing: dict[int, asyncio.Task[None]] = {}
         while not stop.is_set() and self._failed is None:
             for worker in self._workers:
                 if worker.ready and not worker.alive():
-                    task = asyncio.create_task(self._restart(worker))
-                    restarting.add(task)
-                    task.add_done_callback(restarting.discard)
+                    worker.ready = False  # restarting: not probed, not counted healthy
+                    run(self._restart(worker))
+            if time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + PROBE_INTERVAL_S
+                for worker in self._workers:
+                    busy = probing.get(worker.index)
+                    if worker.ready and worker.alive() and (busy is None or busy.done()):
+                        probing[worker.index] = asyncio.ensure_future(self._probe(worker))
+                        tasks.add(probing[worker.index])
+                        probing[worker.index].add_done_callback(tasks.discard)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.2)
-        for task in list(restarting):
+        for task in list(tasks):
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _drain(self) -> bool:
         """SIGTERM to every worker, wait for them; True when every one exited 0."""
@@ -234,7 +291,8 @@ class Supervisor:
         return exposition(families).decode()
 
     def healthy(self) -> bool:
-        return not self._stopping and all(w.ready and w.alive() for w in self._workers)
+        return not self._stopping and all(w.ready and w.alive() and w.misses < PROBE_MISSES
+                                          for w in self._workers)
 
     async def _start_ops(self) -> web.AppRunner:
         async def metrics(_: web.Request) -> web.Response:
@@ -299,6 +357,11 @@ class Supervisor:
             shutil.rmtree(self._dir, ignore_errors=True)
         log.info("workers_stopped", service=self.service, clean=clean)
         return 0 if clean and self._failed is None else 1
+
+
+def _kill(worker: _Worker) -> None:
+    if worker.child is not None and worker.child.alive():
+        worker.child.process.kill()
 
 
 def _wait_exits(children: list[Child], timeout_s: float) -> None:

@@ -4,6 +4,7 @@ its counts, and SIGTERM drains everything (a stream in flight finishes) with exi
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import queue
@@ -213,6 +214,44 @@ def test_extproc_workers_share_the_port_and_add_up(
         assert stream.exchange(message).WhichOneof("response") != "immediate_response"
     stream.close()
     assert_stops_cleanly(supervisor, workers)
+
+
+def test_a_worker_restarted_on_a_refused_edit_or_found_hung_serves_on(
+        extproc: tuple[Child, int, int, Path]) -> None:
+    """An edit that fails ``check`` is refused by the workers serving; a worker that dies after
+    it (an OOM kill) comes back on the last config that loaded instead of failing its start
+    and taking every worker down. A worker whose event loop is stuck (SIGSTOP: the kernel still
+    hands it connections) stops answering its health probes and is killed and replaced."""
+    supervisor, port, metrics, config = extproc
+    workers = _children(supervisor.process.pid)
+    good = config.read_text()
+    config.write_text(good + "no_such_key: 1\n")
+    reloads = "extproc_config_reloads_total"
+    wait_for(lambda: all(worker_metric(sock, reloads, result="error") == 1
+                         for _, sock in workers.values()), "the edit refused", supervisor)
+    os.kill(workers[0][0], signal.SIGKILL)
+    wait_for(lambda: merged_metric(metrics, "llm_sidecar_worker_restarts_total") == 1
+             and health_status(metrics) == 200, "worker 0 back on the last good config",
+             supervisor)
+    assert supervisor.alive()
+    for _ in range(8):
+        routed(port, "m1")  # whichever worker answers, m1 is routed
+
+    workers = _children(supervisor.process.pid)
+    os.kill(workers[1][0], signal.SIGSTOP)
+    try:
+        wait_for(lambda: merged_metric(metrics, "llm_sidecar_worker_restarts_total") == 2
+                 and health_status(metrics) == 200, "the hung worker replaced", supervisor)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(workers[1][0], signal.SIGCONT)
+    assert not Path(f"/proc/{workers[1][0]}").exists() or \
+        Path(f"/proc/{workers[1][0]}/stat").read_text().split()[2] == "Z"
+    for _ in range(8):
+        routed(port, "m1")
+    config.write_text(good)
+    supervisor.process.send_signal(signal.SIGTERM)
+    assert_stops_cleanly(supervisor, _children(supervisor.process.pid))
 
 
 # -- ratelimit ----------------------------------------------------------------------------

@@ -10,9 +10,11 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from routing.compiled import Snapshot, compile_config
+from routing.errors import ConfigError
 from routing.loader import load_config
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.reload_metrics import ReloadMetrics
@@ -53,6 +55,7 @@ def test_a_changed_file_is_swapped_in_whole(tmp_path: pathlib.Path) -> None:
     before = holder.current()
     assert holder.check_now() is False
     replace(path, with_model("mistral-7b"))
+    assert holder.check_now() is False  # seen once: it may still be changing
     assert holder.check_now() is True
     assert list(holder.current().models) == ["llama-2-13b", "mistral-7b"]
     assert list(before.models) == ["llama-2-13b"]  # a request holding the old one keeps it whole
@@ -80,6 +83,7 @@ def test_a_bad_file_keeps_the_old_config_and_is_reported_once(tmp_path: pathlib.
     assert registry.get_sample_value("test_config_reloads_total", {"result": "error"}) == 1
     assert registry.get_sample_value("test_config_last_reload_ok") == 0
     replace(path, with_model("mistral-7b"))
+    assert holder.check_now() is False
     assert holder.check_now() is True
     assert registry.get_sample_value("test_config_reloads_total", {"result": "ok"}) == 1
     assert registry.get_sample_value("test_config_last_reload_ok") == 1
@@ -101,6 +105,7 @@ def test_a_configmap_symlink_swap_is_seen(tmp_path: pathlib.Path) -> None:
     configmap(tmp_path, 1, GOOD)
     holder = Reloader(str(tmp_path / "routing.yaml"), load)
     configmap(tmp_path, 2, with_model("mistral-7b"))
+    assert holder.check_now() is False
     assert holder.check_now() is True
     assert "mistral-7b" in holder.current().models
 
@@ -123,12 +128,72 @@ def test_a_file_still_being_written_is_not_judged(tmp_path: pathlib.Path) -> Non
         finally:
             path.write_text(with_model("mistral-7b"))
 
+    assert holder.check_now() is False  # seen once
     holder._load = load_while_the_writer_finishes
-    assert holder.check_now() is False
+    assert holder.check_now() is False  # loaded, but it changed meanwhile: not judged
     assert failures == []
     holder._load = load
+    assert holder.check_now() is False
     assert holder.check_now() is True
     assert "mistral-7b" in holder.current().models
+
+
+def test_a_valid_half_of_a_file_is_not_applied(tmp_path: pathlib.Path) -> None:
+    """A file rewritten in place in two steps whose first step is a valid config on its own
+    (the models, not yet the rate limits): applied, its limits would be gone until the second.
+    Not applied when the second step comes before the next poll, nor when it comes while the
+    first is being loaded."""
+    path = tmp_path / "routing.yaml"
+    path.write_text(with_model("a"))
+    holder = Reloader(str(path), load)
+    path.write_text(GOOD)  # the first step: valid, and not what is meant
+    assert holder.check_now() is False
+    path.write_text(with_model("b"))  # the second, before the next poll
+    assert holder.check_now() is False
+    assert holder.check_now() is True
+    assert "b" in holder.current().models
+
+    path.write_text(GOOD)
+
+    def load_while_the_writer_finishes(p: str) -> Snapshot:
+        try:
+            return load(p)
+        finally:
+            path.write_text(with_model("c"))
+
+    assert holder.check_now() is False
+    holder._load = load_while_the_writer_finishes
+    assert holder.check_now() is False  # GOOD loaded, then changed: not swapped in
+    assert "b" in holder.current().models
+    holder._load = load
+    assert holder.check_now() is False
+    assert holder.check_now() is True
+    assert "c" in holder.current().models
+
+
+def test_a_worker_started_on_a_refused_edit_serves_the_last_config_that_loaded(
+        tmp_path: pathlib.Path) -> None:
+    """``last_good`` (the supervisor's folder under ``--workers``): every config that loads is
+    copied there; a process started while the file is refused serves the copy and still
+    watches the file."""
+    path, kept = tmp_path / "routing.yaml", tmp_path / "last-good.yaml"
+    path.write_text(with_model("a"))
+    first = Reloader(str(path), load, last_good=str(kept))
+    assert kept.read_text() == with_model("a")
+    replace(path, with_model("b"))
+    assert first.check_now() is False and first.check_now() is True
+    assert kept.read_text() == with_model("b")
+    bad = GOOD.replace("[vllm-short, vllm-long]", "[vllm-short, vllm-lng]")
+    replace(path, bad)
+    assert first.check_now() is False and first.check_now() is False
+    assert kept.read_text() == with_model("b")  # a refused file is never kept
+    restarted = Reloader(str(path), load, last_good=str(kept))
+    assert "b" in restarted.current().models
+    replace(path, with_model("c"))
+    assert restarted.check_now() is False and restarted.check_now() is True
+    assert "c" in restarted.current().models
+    with pytest.raises(ConfigError):  # nothing kept: a file that does not load stops it
+        Reloader(str(path.with_name("other.yaml")), load, last_good=str(tmp_path / "none"))
 
 
 async def test_polling_applies_a_change(tmp_path: pathlib.Path) -> None:
