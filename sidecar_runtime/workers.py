@@ -10,7 +10,8 @@ metrics port and answers ``/metrics`` with the workers' numbers merged
 - SIGTERM or SIGINT: the supervisor's ``/healthz`` turns 503 and every worker gets SIGTERM and
   drains as a single process does (gRPC health NOT_SERVING, streams in flight get
   ``LLM_SIDECAR_SHUTDOWN_GRACE_S``); exit 0 when every worker exited 0, else 1.
-- A worker that dies after it became healthy is restarted (its counters are kept in the sums);
+- A worker that dies after it became healthy is restarted (its counters are kept in the sums,
+  as last read: the supervisor reads every worker's ``/metrics`` every 5 s on its own);
   a restart that fails is tried again, 1 s later, then 2, 4... up to 30 s, the other workers
   serving meanwhile. A worker started while the routing YAML is refused serves the last config
   that loaded (kept in the supervisor's folder). Before every worker first became healthy, one
@@ -57,6 +58,9 @@ PROBE_TIMEOUT_S = 2.0
 PROBE_MISSES = 3
 """Probes of a serving worker's ``/healthz`` in a row that may go unanswered before it is
 killed as hung."""
+METRICS_REFRESH_S = 5.0
+"""How often the supervisor reads every worker's ``/metrics`` on its own, besides each scrape
+of its own: a worker that dies loses at most this much of its counts."""
 RESTART_BACKOFF_S = (1.0, 30.0)
 """A failed restart is tried again after the first, doubling up to the second."""
 SCRAPE_TIMEOUT_S = 5.0
@@ -193,8 +197,10 @@ class Supervisor:
         code = worker.child.process.returncode if worker.child else None
         log.error("worker_died", service=self.service, worker=worker.index, code=code,
                   action="restarting it")
-        if worker.last_text is not None:
-            self._retired.append(worker.last_text)  # its counts stay in the sums
+        if worker.last_text is not None:  # its counts stay in the sums, folded into one text
+            self._retired = [exposition(merge(
+                [Scrape(text, live=False) for text in (*self._retired, worker.last_text)]
+            )).decode()]
             worker.last_text = None
         self._restarts.labels(self.service).inc()
         backoff = RESTART_BACKOFF_S[0]
@@ -235,6 +241,7 @@ class Supervisor:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         next_probe = time.monotonic() + PROBE_INTERVAL_S
+        next_refresh = time.monotonic() + METRICS_REFRESH_S
         probing: dict[int, asyncio.Task[None]] = {}
         while not stop.is_set() and self._failed is None:
             for worker in self._workers:
@@ -249,6 +256,9 @@ class Supervisor:
                         probing[worker.index] = asyncio.ensure_future(self._probe(worker))
                         tasks.add(probing[worker.index])
                         probing[worker.index].add_done_callback(tasks.discard)
+            if time.monotonic() >= next_refresh:
+                next_refresh = time.monotonic() + METRICS_REFRESH_S
+                run(self._refresh())
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.2)
         for task in list(tasks):
@@ -275,13 +285,20 @@ class Supervisor:
 
     # -- ops HTTP -----------------------------------------------------------------------
 
-    async def metrics_text(self) -> str:
+    async def _refresh(self) -> None:
+        """Every live worker's ``/metrics`` read into ``last_text``."""
         async def scrape(worker: _Worker) -> None:
+            child = worker.child
             with contextlib.suppress(OSError, aiohttp.ClientError, asyncio.TimeoutError):
                 status, text = await self._get(worker, "/metrics")
-                if status == 200:
+                # Not if the worker was replaced meanwhile: the dead one's numbers, retired
+                # already, would be counted twice, then lost to the new one's first scrape.
+                if status == 200 and worker.child is child:
                     worker.last_text = text
         await asyncio.gather(*(scrape(w) for w in self._workers if w.alive()))
+
+    async def metrics_text(self) -> str:
+        await self._refresh()
         # A worker that did not answer this time counts with its last numbers (a sum that
         # dips for one scrape would read as a counter reset).
         scrapes = [Scrape(text, live=False) for text in self._retired]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -12,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llm_sidecar.cli import _dispatch, _parser
 from sidecar_runtime.metrics_merge import Scrape, exposition, merge
 from sidecar_runtime.settings import Settings
-from sidecar_runtime.workers import port_in_use, workers_problem
+from sidecar_runtime.workers import Supervisor, port_in_use, workers_problem
 
 
 def main(argv: list[str]) -> int:
@@ -138,3 +140,47 @@ def test_merge_keeps_help_and_type() -> None:
     assert "# TYPE llm_sidecar_requests_total counter" in text
     assert "# TYPE llm_sidecar_extproc_message_seconds histogram" in text
     assert "# HELP ratelimit_breaker_state b" in text
+
+
+class _Child:
+    """Stands in for a worker's process: alive until told otherwise."""
+
+    def __init__(self) -> None:
+        self.up = True
+        self.process = SimpleNamespace(returncode=-9)
+
+    def alive(self) -> bool:
+        return self.up
+
+
+async def test_a_worker_replaced_during_a_scrape_is_counted_once_and_retired_counts_fold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scrape that was in flight when its worker died and was replaced must not put the dead
+    worker's numbers back as the new one's (counted twice, then lost); a restart folds the
+    dead worker's counts into one retired text, which does not grow with every restart."""
+    supervisor = Supervisor("extproc", 1, lambda i, s: [], "127.0.0.1", 0, 1.0)
+    worker = supervisor._workers[0]
+    old, new = _Child(), _Child()
+    worker.child = old  # type: ignore[assignment]
+    worker.ready = True
+
+    async def replaced_meanwhile(_w: object, _path: str, _timeout: float = 5) -> tuple[int, str]:
+        worker.child = new  # type: ignore[assignment]  # the restart happened during the read
+        return 200, _worker(9, 0.05, 0, 1)
+    monkeypatch.setattr(supervisor, "_get", replaced_meanwhile)
+    await supervisor._refresh()
+    assert worker.last_text is None
+
+    monkeypatch.setattr(supervisor, "_spawn", lambda w: None)
+    monkeypatch.setattr(supervisor, "_wait_ready", _ready)
+    for requests in (3, 4, 5):
+        worker.last_text = _worker(requests, 0.05, 0, 1)
+        await supervisor._restart(worker)
+    assert len(supervisor._retired) == 1
+    retired = _samples(supervisor._retired[0].encode())
+    assert retired[("llm_sidecar_requests_total", (("model", "m"),))] == 12
+    shutil.rmtree(supervisor._dir)
+
+
+async def _ready(_worker: object) -> None:
+    return None
