@@ -9,7 +9,8 @@ the supervisor scrapes them all and merges the texts here. Pure: text in, text o
 - gauges: the largest, which for the state gauges this project has (breaker open = 1, canary
   tripped = 1, Redis without a password = 1) is the worst worker; except those in
   :data:`MIN_GAUGES`, where the worst worker is the smallest (a reload rejected = 0, the
-  oldest config still running).
+  oldest config still running), and those in :data:`SUMMED_GAUGES`, amounts each worker holds
+  (requests open on a pod), summed over the live workers.
 
 A worker that died and was replaced gives its last counters as a *retired* text: they keep
 being added (``live=False`` drops its gauges), so a sum never goes down because one worker
@@ -30,6 +31,9 @@ MIN_GAUGES = frozenset({
     "extproc_config_applied_timestamp_seconds",
 })
 """Gauges whose smallest worker value is the one to report."""
+SUMMED_GAUGES = frozenset({"llm_sidecar_endpoint_in_flight"})
+"""Gauges that count what each worker has (its requests open on a pod): the process's is the
+sum over the live workers."""
 
 SUMMED_TYPES = frozenset({"counter", "histogram", "summary", "gaugehistogram", "unknown",
                           "untyped"})
@@ -48,7 +52,7 @@ def _rule(family: Metric) -> str:
         return "sum"
     if family.name.endswith("_created") or family.name in MIN_GAUGES:
         return "min"
-    return "max"
+    return "live_sum" if family.name in SUMMED_GAUGES else "max"
 
 
 def merge(scrapes: Sequence[Scrape]) -> list[Metric]:
@@ -70,7 +74,7 @@ def merge(scrapes: Sequence[Scrape]) -> list[Metric]:
                 old = merged.get(key)
                 if old is None:
                     merged[key] = sample.value
-                elif rule == "sum":
+                elif rule in ("sum", "live_sum"):
                     merged[key] = old + sample.value
                 elif rule == "min":
                     merged[key] = min(old, sample.value)

@@ -135,6 +135,18 @@ def test_a_replaced_worker_keeps_its_counts_but_not_its_gauges() -> None:
     assert merged[("extproc_config_last_reload_ok", ())] == 1
 
 
+def test_requests_open_on_a_pod_add_up_over_the_live_workers() -> None:
+    def worker(open_requests: int) -> str:
+        registry = CollectorRegistry()
+        Gauge("llm_sidecar_endpoint_in_flight", "open", ["cluster", "endpoint"],
+              registry=registry).labels("pool", "10.0.0.1:8000").set(open_requests)
+        return generate_latest(registry).decode()
+    merged = _samples(exposition(merge([Scrape(worker(2)), Scrape(worker(3)),
+                                        Scrape(worker(7), live=False)])))
+    assert merged[("llm_sidecar_endpoint_in_flight",
+                   (("cluster", "pool"), ("endpoint", "10.0.0.1:8000")))] == 5
+
+
 def test_merge_keeps_help_and_type() -> None:
     text = exposition(merge([Scrape(_worker(1, 0.05, 0, 1))])).decode()
     assert "# TYPE llm_sidecar_requests_total counter" in text
