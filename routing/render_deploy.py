@@ -17,6 +17,8 @@ from typing import Any
 from routing.render_netpol import LABEL, PART_OF, network_policies
 from routing.schema import RoutingConfig
 from routing.units import parse_hostport
+from sidecar_runtime.settings import Settings
+from sidecar_runtime.workers import KILL_MARGIN_S
 
 IMAGE = "llm-sidecar:dev"
 SIM_PORT = 8000
@@ -28,6 +30,9 @@ ROUTING_CONFIGMAP = "llm-sidecar-routing"
 SECRET = "llm-sidecar"
 REDIS_PORT = 6379
 
+SERVICE_GRACE_S = int(Settings.model_fields["shutdown_grace_s"].default + KILL_MARGIN_S)
+"""extproc's and ratelimit's terminationGracePeriodSeconds: their drain (the default
+LLM_SIDECAR_SHUTDOWN_GRACE_S) and a margin."""
 GATEWAY_MEMORY_LIMIT_MIB = 1024
 ENVOY_MAX_HEAP_BYTES = GATEWAY_MEMORY_LIMIT_MIB * 3 // 4 * 1024 * 1024
 """``envoy.max_heap_bytes`` of the deployed routing YAML (unless it sets one): 3/4 of the
@@ -251,7 +256,10 @@ def kubernetes(config: RoutingConfig, routing_text: str) -> dict[str, list[dict[
             readinessProbe=_http_probe("/healthz", "metrics"),
             livenessProbe=_http_probe("/healthz", "metrics", period=10, failures=6),
             resources={"requests": {"cpu": "250m", "memory": "256Mi"}})
-        services += [_deployment(name, 2, [container], [config_volume]),
+        # Above the service's own drain (its streams in flight get LLM_SIDECAR_SHUTDOWN_GRACE_S)
+        # by the margin a worker supervisor waits before it kills: the kubelet's SIGKILL must
+        # not cut the drain short.
+        services += [_deployment(name, 2, [container], [config_volume], grace_s=SERVICE_GRACE_S),
                      _service(name, [("grpc", port), ("metrics", metrics)])]
     for role in REDIS_ROLES:
         redis_container = {
