@@ -16,8 +16,9 @@ metrics port and answers ``/metrics`` with the workers' numbers merged
   serving meanwhile. A worker started while the routing YAML is refused serves the last config
   that loaded (kept in the supervisor's folder). Before every worker first became healthy, one
   that dies (a crash at start-up would loop) stops everything: exit 1.
-- A worker whose ``/healthz`` does not answer within 2 s three times in a row (its event loop
-  stuck) is killed, and restarted as above: the kernel would go on giving it connections.
+- A worker whose ``/healthz`` does not answer within 3 s three times in a row (asked every
+  2 s; its event loop stuck) is killed, and restarted as above: the kernel would go on giving
+  it connections.
 - If the supervisor is killed outright, the kernel sends each worker SIGTERM
   (``PR_SET_PDEATHSIG``): they drain on their own.
 
@@ -53,8 +54,8 @@ from sidecar_runtime.wire_names import UNIX_PREFIX
 log = get_logger("sidecar_runtime.workers")
 READY_TIMEOUT_S = 120.0
 """How long a worker may take to answer ``/healthz`` (a loaded 2-core machine is slow)."""
-PROBE_INTERVAL_S = 1.0
-PROBE_TIMEOUT_S = 2.0
+PROBE_INTERVAL_S = 2.0
+PROBE_TIMEOUT_S = 3.0
 PROBE_MISSES = 3
 """Probes of a serving worker's ``/healthz`` in a row that may go unanswered before it is
 killed as hung."""
