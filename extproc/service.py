@@ -22,7 +22,7 @@ from extproc.actions import NO_METADATA, Continue, Lookup, Phase, Reply, Step, e
 from extproc.cache.guard import VectorCache, open_vector_cache
 from extproc.cache.metrics import CacheMetrics
 from extproc.cache.store import MemoryVectorStore
-from extproc.canary.guard import CanaryGuards, GuardedTelemetry
+from extproc.canary.guard import CANARY_TRIPS, CanaryGuards, GuardedTelemetry
 from extproc.canary.report import MIN_SAMPLES, render_all
 from extproc.context import EndpointPicking
 from extproc.picker.runtime import PickerRuntime
@@ -44,6 +44,7 @@ from sidecar_runtime.reload import Reloader
 from sidecar_runtime.reload_metrics import ReloadMetrics
 from sidecar_runtime.settings import Settings
 from sidecar_runtime.wire_names import DONE_METADATA_KEY, TOKENS_METADATA_KEY
+from sidecar_runtime.workers import LAST_GOOD_CONFIG, worker_file
 
 log = get_logger("extproc.service")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -193,13 +194,17 @@ class ExtprocService:
         self.registry = CollectorRegistry()
         self.reloader: Reloader[Snapshot] = Reloader(
             config_path, load_snapshot, settings.reload_interval_s,
-            ReloadMetrics(self.registry, "extproc"), last_good=settings.last_good_config)
+            ReloadMetrics(self.registry, "extproc"),
+            last_good=worker_file(settings.worker_dir, LAST_GOOD_CONFIG))
         self._settings = settings
         snapshot = self.reloader.current
         metrics = ExtprocMetrics(self.registry, lambda: snapshot().known_tenants)
-        self._guards = CanaryGuards()
+        self._guards = CanaryGuards(worker_file(settings.worker_dir, CANARY_TRIPS))
+        self._canary_tripped = metrics.canary_tripped
         self._telemetry = GuardedTelemetry(LoggedTelemetry(metrics), self._guards, snapshot,
                                            metrics.canary_tripped)
+        self._sync_canaries()  # a worker restarted after a sibling's guard tripped
+        self._syncing: asyncio.Task[None] | None = None
         audit_redis(settings.redis_url, settings.dev_mode, self.registry, "extproc")
         audit_key_id_secret(settings.key_id_secret, settings.dev_mode, self.registry)
         self._cache = open_vector_cache(settings, CacheMetrics(self.registry))
@@ -214,15 +219,34 @@ class ExtprocService:
         self.ops_pages: Mapping[str, Callable[[Mapping[str, str]], str]] = {
             "/canary": lambda query: canary_page(self.registry, query)}
 
+    def _sync_canaries(self) -> None:
+        for model in self._guards.sync(self.reloader.current()):
+            self._canary_tripped.labels(model).set(1)
+
+    async def _sync_canaries_every(self, interval_s: float) -> None:
+        """Other workers' canary verdicts, as often as the config is polled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                self._sync_canaries()
+            except Exception:  # a bad file must not end the polling
+                log.exception("extproc_internal_error", where="canary guard sync")
+
     async def open(self, server: Server) -> None:
         await self._cache.connect()
         await self._picker.start()
+        if self._settings.worker_dir is not None:
+            self._syncing = asyncio.create_task(
+                self._sync_canaries_every(self._settings.reload_interval_s))
         servicer = ExternalProcessor(self.reloader.current, self._settings, self._telemetry,
                                      self._guards, self._cache, self._limits, self._picker,
                                      self._settlements, self._drift)
         pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
 
     async def close(self) -> None:
+        if self._syncing is not None:
+            self._syncing.cancel()
+            await asyncio.gather(self._syncing, return_exceptions=True)
         await self._settlements.aclose()  # the streams are done: send the last batch
         await self._cache.aclose()
         await self._limits.aclose()

@@ -31,6 +31,7 @@ from sidecar_runtime.redis_client import make_client
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.service_process import Listen, ServiceProcess
 from sidecar_runtime.settings import Settings, redis_url_for_logs
+from sidecar_runtime.workers import LAST_GOOD_CONFIG, worker_file
 
 log = get_logger("ratelimit")
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
@@ -121,7 +122,7 @@ class RateLimitService:
             settings.reload_interval_s,
             on_result=self._reloaded,
             errors=CONFIG_ERRORS,
-            last_good=settings.last_good_config,
+            last_good=worker_file(settings.worker_dir, LAST_GOOD_CONFIG),
         )
         self.store = store if store is not None else make_store(settings, self.metrics)
         self.limiter = Limiter(self.reloader.current, self.store, self.metrics, self._unknown_domain)

@@ -40,7 +40,7 @@ from sidecar_runtime.procs import sidecar_command
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.settings import Settings
 from sidecar_runtime.signals import install_stop_handlers
-from sidecar_runtime.workers import LAST_GOOD_CONFIG, TextPage, supervise, workers_problem
+from sidecar_runtime.workers import TextPage, supervise, workers_problem
 
 log = get_logger("sidecar_runtime.service_process")
 
@@ -244,11 +244,11 @@ def run_service(command: ServiceCommand, args: argparse.Namespace, settings: Set
         port = args.port if args.port is not None else port
     if args.worker_ops_socket is not None:
         bind_worker(args.worker_index)
-        # The supervisor's own folder: every worker keeps the last config that loaded there,
-        # and one restarted while the file is refused starts from it
-        # (README: Workers: one process per core).
-        settings = settings.model_copy(update={"last_good_config": os.path.join(
-            os.path.dirname(args.worker_ops_socket), LAST_GOOD_CONFIG)})
+        # The supervisor's own folder: every worker keeps the last config that loaded there
+        # (one restarted while the file is refused starts from it), and extproc's the canary
+        # guards' verdicts (README: Workers: one process per core).
+        settings = settings.model_copy(
+            update={"worker_dir": os.path.dirname(args.worker_ops_socket)})
     else:
         workers = args.workers if args.workers is not None else settings.workers
         if workers != 1:

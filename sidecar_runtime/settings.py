@@ -79,10 +79,10 @@ class Settings(BaseSettings):
     reload_interval_s: float = 0.5
     """How often the routing YAML is checked for changes."""
 
-    last_good_config: str | None = None
-    """Where a worker keeps a copy of the last config file that loaded, and starts from when
-    the file is refused (set by the ``--workers`` supervisor for its workers, in its own
-    folder; see README, "Workers")."""
+    worker_dir: str | None = None
+    """The folder the workers of one ``--workers`` supervisor share (set by the supervisor for
+    them): the copy of the last config file that loaded, the canary guards' verdicts (README,
+    "Workers")."""
 
 
 

@@ -377,6 +377,11 @@ class Supervisor:
         return 0 if clean and self._failed is None else 1
 
 
+def worker_file(worker_dir: str | None, name: str) -> str | None:
+    """``name`` in the folder a supervisor's workers share (None outside ``--workers``)."""
+    return None if worker_dir is None else os.path.join(worker_dir, name)
+
+
 def _kill(worker: _Worker) -> None:
     if worker.child is not None and worker.child.alive():
         worker.child.process.kill()

@@ -2,15 +2,21 @@
 
 Each extproc replica judges from what it saw itself (rolling windows of the last requests per
 variant). Once tripped, the canary's share is 0 until its ``canary:`` config changes; a reload
-that leaves it as it was keeps the guard's verdict.
+that leaves it as it was keeps the guard's verdict. The workers of one replica (``--workers``)
+share their verdicts through a folder of their supervisor's: a trip in one stops the canary in
+all of them within a poll, and a worker restarted later starts with it stopped.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import Gauge
 
@@ -22,6 +28,8 @@ from routing.schema import GuardSpec
 from sidecar_runtime.logs import get_logger
 
 log = get_logger("extproc.canary.guard")
+CANARY_TRIPS = "canary-trips"
+"""The folder, in a ``--workers`` supervisor's, where its workers share tripped guards."""
 WINDOW = 2000
 ERROR_FLOOR = 0.01
 
@@ -92,10 +100,12 @@ class CanaryGuards:
     :attr:`policy`, a new immutable value each time a guard trips, which streams read.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared: str | None = None) -> None:
         self._guards: dict[tuple[str, Canary], _Guard] = {}
         self.policy: CanaryPolicy = OPEN_CANARIES
         """The canaries in force: the one thing routing reads from the guards."""
+        self._shared = shared
+        """A folder the workers of one replica share: one file per tripped (model, canary)."""
 
     def effective(self, model: ModelRoute) -> Canary | None:
         """The canary to use for ``model`` now: None once its guard has tripped."""
@@ -137,7 +147,53 @@ class CanaryGuards:
             self._publish()
             log.warning("canary_guard_tripped", model=model.name, canary=model.canary.model,
                         reason=reason)
+            self._share(model.name, model.canary, reason)
         return reason
+
+    def _share(self, model: str, canary: Canary, reason: str) -> None:
+        if self._shared is None:
+            return
+        try:
+            os.makedirs(self._shared, exist_ok=True)
+            path = Path(self._shared, _trip_name(model, canary))
+            scratch = path.with_name(f"{path.name}.{os.getpid()}")
+            scratch.write_text(json.dumps({"model": model, "canary": repr(canary),
+                                           "reason": reason}))
+            os.replace(scratch, path)
+        except OSError as exc:
+            log.warning("canary_guard_not_shared", model=model, error=str(exc))
+
+    def sync(self, snapshot: Snapshot) -> list[str]:
+        """Take the trips other workers shared for canaries still configured as they were;
+        the models whose canary this stopped."""
+        if self._shared is None or not os.path.isdir(self._shared):
+            return []
+        stopped: list[str] = []
+        for model in snapshot.models.values():
+            canary = model.canary
+            if canary is None or canary.guard is None:
+                continue
+            guard = self._guards.get((model.name, canary))
+            if guard is not None and guard.tripped:
+                continue
+            try:
+                shared = json.loads(Path(self._shared, _trip_name(model.name, canary)).read_text())
+            except (OSError, ValueError):
+                continue
+            if shared.get("model") != model.name or shared.get("canary") != repr(canary):
+                continue
+            self._guards[(model.name, canary)] = _Guard(canary, tripped=str(shared["reason"]))
+            stopped.append(model.name)
+            log.warning("canary_guard_tripped", model=model.name, canary=canary.model,
+                        reason=shared["reason"], by="another worker")
+        if stopped:
+            self._publish()
+        return stopped
+
+
+def _trip_name(model: str, canary: Canary) -> str:
+    """The file of a tripped (model, canary config): any change to the config is another."""
+    return "trip-" + hashlib.sha256(f"{model}\0{canary!r}".encode()).hexdigest()[:32] + ".json"
 
 
 class GuardedTelemetry(ForwardingTelemetry):

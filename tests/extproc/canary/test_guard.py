@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -97,3 +98,35 @@ def test_guard_stops_the_canary_until_its_config_changes() -> None:
     fresh = snapshot(models=changed)
     guards.observe(fresh, BASE)
     assert guards.effective(fresh.models["llama-2-13b"]) is not None
+
+
+def test_workers_share_a_trip_and_a_restarted_one_starts_with_it(tmp_path: Path) -> None:
+    """``--workers``: each worker guards from its own share of the traffic; a trip in one stops
+    the canary in the others at their next sync, and in a worker started later, as long as
+    the canary's config is the one that tripped."""
+    canary = {"model": "v2", "cluster": "vllm-canary", "percent": 50,
+              "guard": {"min_samples": 3}}
+    models: dict[str, dict[str, Any]] = {
+        "llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "canary": canary},
+        "bge-m3": {"kind": "embedding", "clusters": ["embed"]}}
+    snap = snapshot(models=models)
+    model = snap.models["llama-2-13b"]
+    shared = str(tmp_path / "canary-trips")
+    first, second = CanaryGuards(shared), CanaryGuards(shared)
+    assert second.sync(snap) == []  # nothing tripped yet (the folder does not even exist)
+    for _ in range(3):
+        first.observe(snap, BASE)
+    reasons = [first.observe(snap, replace(BASE, variant="canary", status=502, errored=True))
+               for _ in range(3)]
+    assert reasons[-1] is not None and first.effective(model) is None
+    assert second.effective(model) is model.canary  # until it syncs
+    assert second.sync(snap) == ["llama-2-13b"]
+    assert second.effective(model) is None and second.tripped() == {"llama-2-13b": reasons[-1]}
+    assert second.sync(snap) == []  # once
+    restarted = CanaryGuards(shared)
+    assert restarted.sync(snap) == ["llama-2-13b"] and restarted.effective(model) is None
+    # A changed canary is another one: the old verdict does not stop it.
+    changed = snapshot(models={**models, "llama-2-13b": {**models["llama-2-13b"],
+                                                         "canary": {**canary, "percent": 10}}})
+    assert CanaryGuards(shared).sync(changed) == []
+    assert CanaryGuards().sync(snap) == []  # a single process shares nothing
