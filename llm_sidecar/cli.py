@@ -23,6 +23,10 @@ def _parser() -> argparse.ArgumentParser:
                                    "vLLM simulators; Ctrl-C stops it")
     up.add_argument("--config", default=None,
                     help="routing YAML (default: the example config shipped in the package)")
+    up.add_argument("--extproc-metrics-port", type=int, default=9101,
+                    help="extproc's /metrics and /healthz (default 9101)")
+    up.add_argument("--ratelimit-metrics-port", type=int, default=9102,
+                    help="ratelimit's /metrics and /healthz (default 9102)")
 
     from extproc.main import add_arguments as extproc_args
     extproc_args(sub.add_parser("extproc", help="the ext_proc gRPC service"))

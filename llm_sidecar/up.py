@@ -19,7 +19,7 @@ from routing.loader import load_config
 from routing.render import write_all
 from routing.schema import RoutingConfig
 from routing.units import parse_hostport, parse_service_address
-from sidecar_runtime.grpc_listen import HELD_PORT_WAIT_S
+from sidecar_runtime.grpc_listen import HELD_PORT_WAIT_S, listening
 from sidecar_runtime.procs import (
     Child,
     envoy_binary,
@@ -47,6 +47,43 @@ def _wait_service(address: str, child: Child) -> None:
         wait_unix(host[len(UNIX_PREFIX):], 30, child)
     else:  # a port a connection still holds is waited for by the service itself
         wait_tcp(_connect_host(host), port, 30 + HELD_PORT_WAIT_S, child)
+
+
+def local_ports(config: RoutingConfig, extproc_metrics_port: int,
+                ratelimit_metrics_port: int) -> list[tuple[str, str, int]]:
+    """(what, host, port) of every TCP port ``up`` will listen on."""
+    wanted: list[tuple[str, str]] = [("envoy.listen", config.envoy.listen),
+                                     ("envoy.admin", config.envoy.admin)]
+    services = [("services.extproc", config.services.extproc)]
+    if config.rate_limits is not None:
+        services.append(("services.ratelimit", config.services.ratelimit))
+    wanted += [(what, address) for what, address in services
+               if not address.startswith(UNIX_PREFIX)]
+    wanted += [(f"clusters.{name}.endpoints", endpoint)
+               for name, cluster in config.clusters.items() if cluster.simulator is not None
+               for endpoint in cluster.endpoints]
+    found = [(what, *parse_hostport(address)) for what, address in wanted]
+    found.append(("extproc's metrics (--extproc-metrics-port)", "127.0.0.1",
+                  extproc_metrics_port))
+    if config.rate_limits is not None:
+        found.append(("ratelimit's metrics (--ratelimit-metrics-port)", "127.0.0.1",
+                      ratelimit_metrics_port))
+    return found
+
+
+def port_problems(ports: list[tuple[str, str, int]]) -> list[str]:
+    """Why ``up`` cannot listen on ``ports``: one taken twice, or by something running now.
+    Checked before anything starts: a service's readiness wait would take whoever listens
+    there for the child it started."""
+    problems: list[str] = []
+    seen: dict[int, str] = {}
+    for what, host, port in ports:
+        if port in seen:
+            problems.append(f"port {port} is both {seen[port]} and {what}")
+        elif listening(_connect_host(host), port):
+            problems.append(f"{host}:{port} ({what}) is in use already")
+        seen.setdefault(port, what)
+    return problems
 
 
 def missing_upstream_keys(config: RoutingConfig,
@@ -124,14 +161,39 @@ def stop_all(children: list[Child]) -> None:
         child.stop()
 
 
+class _Interrupted(Exception):
+    """SIGINT or SIGTERM while the gateway is starting."""
+
+
+def _interrupt(*_: object) -> None:
+    raise _Interrupted
+
+
 def run(args: argparse.Namespace) -> int:
     path = args.config or example_config_path()
     config = load_config(path)
+    problems = port_problems(local_ports(config, args.extproc_metrics_port,
+                                         args.ratelimit_metrics_port))
+    if problems:
+        for problem in problems:
+            print(f"llm-sidecar up: {problem}", file=sys.stderr)
+        return 1
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # while starting: stop starting, at once
+        signal.signal(sig, _interrupt)
     with tempfile.TemporaryDirectory(prefix="llm-sidecar-") as workdir:
-        children = start_all(config, path, workdir)
+        try:
+            children = start_all(config, path, workdir,
+                                 extproc_metrics_port=args.extproc_metrics_port,
+                                 ratelimit_metrics_port=args.ratelimit_metrics_port)
+        except (_Interrupted, KeyboardInterrupt):
+            print("llm-sidecar stopped before it was up", file=sys.stderr)
+            return 130
+        except (RuntimeError, TimeoutError, OSError) as exc:  # a child failed to start
+            print(f"llm-sidecar up: {exc}; stopped everything", file=sys.stderr)
+            return 1
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         host, port = parse_hostport(config.envoy.listen)
         print(f"llm-sidecar is up: http://{_connect_host(host)}:{port}/v1 "
               f"(OpenAI API; Ctrl-C stops it)", flush=True)

@@ -59,6 +59,19 @@ def sidecar_command(*args: str) -> list[str]:
 class Child:
     name: str
     process: subprocess.Popen[bytes]
+    log_path: str | None = None
+    """Where its output goes, when not to this process's."""
+
+    def log_tail(self, lines: int = 3) -> str:
+        """The last lines of its log ("" without one): why a child that died said it did."""
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path, "rb") as handle:
+                text = handle.read()[-8192:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -85,7 +98,7 @@ def start(name: str, command: Sequence[str], *, log_path: str | None = None,
     finally:
         if out is not None:
             out.close()
-    return Child(name, process)
+    return Child(name, process, log_path)
 
 
 def _wait_until(ready: Callable[[], bool], timeout_s: float, child: Child | None,
@@ -95,7 +108,9 @@ def _wait_until(ready: Callable[[], bool], timeout_s: float, child: Child | None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child is not None and not child.alive():
-            raise RuntimeError(f"{child.name} exited with code {child.process.returncode}")
+            tail = child.log_tail()
+            raise RuntimeError(f"{child.name} exited with code {child.process.returncode}"
+                               + (f"; its log ends:\n{tail}" if tail else ""))
         with contextlib.suppress(OSError):
             if ready():
                 return
