@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -15,8 +16,9 @@ from pydantic import BaseModel, ValidationError
 from routing.errors import ConfigError, Problem
 from routing.ratelimits import UINT32_MAX, limit_entries
 from routing.schema import TENANT_RULE, Limit, RoutingConfig, is_tenant
-from routing.units import parse_rate
+from routing.units import parse_hostport, parse_rate
 from routing.yamlsrc import Located, Path, read_yaml
+from sidecar_runtime.wire_names import UNIX_PREFIX
 
 
 def load_config(path: str) -> RoutingConfig:
@@ -71,6 +73,39 @@ def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
             f"name a new tenant ({config.auth.tenant_header}) and get fresh buckets; only "
             "model limits bind everyone. Set auth.required: true where they must hold"))
     return out
+
+
+def _local_ports(config: RoutingConfig, add: Callable[[Path, str], None]) -> None:
+    """Two listeners of one gateway host on one port: Envoy's listener and admin, the two
+    services, and the simulated pools (which ``up`` and the renders run there)."""
+    used: dict[int, str] = {}
+    candidates: list[tuple[Path, str, str]] = [
+        (("envoy", "listen"), "envoy.listen", config.envoy.listen),
+        (("envoy", "admin"), "envoy.admin", config.envoy.admin)]
+    for kind in ("extproc", "ratelimit"):
+        address = getattr(config.services, kind)
+        if not address.startswith(UNIX_PREFIX):
+            candidates.append((("services", kind), f"services.{kind}", address))
+    for name, spec in config.clusters.items():
+        if spec.simulator is not None:
+            candidates += [(("clusters", name, "endpoints", i), f"{name}'s endpoint {endpoint}",
+                            endpoint) for i, endpoint in enumerate(spec.endpoints)]
+    for path, what, address in candidates:
+        host, port = parse_hostport(address)
+        if not _local_host(host):
+            continue
+        first = used.get(port)
+        if first is None:
+            used[port] = what
+        elif first == what:  # one pool's endpoint, listed twice
+            add(path, f"{path[1]} lists endpoint {address} twice: list it once")
+        else:
+            add(path, f"{what} and {first} both use port {port}: give each its own")
+
+
+def _local_host(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::", "[::]", "localhost") or host.startswith("127.") \
+        or host in ("::1", "[::1]")
 
 
 def validate(located: Located) -> RoutingConfig:
@@ -212,6 +247,17 @@ def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
         if not config.services.failure_mode_allow:
             add(("services", "fallback_cluster"), "fallback_cluster is only used when extproc "
                 "fails open: set services.failure_mode_allow: true (or remove it)")
+
+    for name, model in config.models.items():
+        largest = max((config.clusters[c].max_context for c in model.clusters
+                       if c in config.clusters), default=None)
+        if model.kind == "chat" and largest is not None and model.default_max_tokens >= largest:
+            add(("models", name, "default_max_tokens"),
+                f"default_max_tokens {model.default_max_tokens} leaves no room for a prompt in "
+                f"the largest pool of {name!r} (max_context {largest}): every request without "
+                "max_tokens would be refused; use less than max_context")
+
+    _local_ports(config, add)
 
     owners: dict[str, str] = {}
     for name, spec in config.clusters.items():

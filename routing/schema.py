@@ -47,6 +47,11 @@ def _check_name(value: str) -> str:
     return value
 
 
+MAX_ENVOY_DURATION_S = 3650 * 86400
+"""The longest timeout accepted: ten years, far below protobuf's Duration range, which
+Envoy refuses beyond (render would write a bootstrap Envoy does not start)."""
+
+
 class EnvoySection(Strict):
     listen: str = "0.0.0.0:10000"
     """host:port of Envoy's listener for clients (OpenAI API, and GET /healthz for probes)."""
@@ -56,7 +61,7 @@ class EnvoySection(Strict):
     """Longest time to receive a whole request; responses are never cut by a total timeout."""
     stream_idle_timeout: str = "5m"
     """A stream (an SSE generation included) with no bytes for this long is ended."""
-    max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=4_294_967_295)
     """Bodies above this get a 413 from Envoy (buffered for ext_proc)."""
     max_connections: int = Field(default=10000, ge=1)
     """Client connections Envoy holds open at once; past it new ones are closed on accept
@@ -91,7 +96,8 @@ class EnvoySection(Strict):
     @field_validator("request_timeout", "stream_idle_timeout")
     @classmethod
     def _duration(cls, value: str) -> str:
-        parse_duration(value)
+        if parse_duration(value) > MAX_ENVOY_DURATION_S:
+            raise ValueError(f"{value} is longer than Envoy takes (at most 3650d)")
         return value
 
 

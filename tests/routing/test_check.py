@@ -69,6 +69,35 @@ CASES = {
                  ["9: rate_limits.tenant.default.requests: bad rate '10/fortnight': use N/s, "
                   "N/min, N/h, N/d or N/5m-style windows, with an optional k or M suffix, "
                   "like 100k/min"]),
+    "listen_on_the_admin_port": (GOOD + 'envoy: {listen: "0.0.0.0:9901"}\n',
+                                 ["8: envoy.admin and envoy.listen both use port 9901: give each "
+                                  "its own"]),
+    "services_on_one_port": (GOOD + 'services: {extproc: "127.0.0.1:6000", '
+                             'ratelimit: "127.0.0.1:6000"}\n',
+                             ["8: services.ratelimit and services.extproc both use port 6000: "
+                              "give each its own"]),
+    "simulated_endpoint_twice": (GOOD.replace('{endpoints: ["10.0.0.11:8000"], max_context: 2048}',
+                                              '{endpoints: ["127.0.0.1:7001", "127.0.0.1:7001"], '
+                                              'max_context: 2048, simulate: true}'),
+                                 ["3: vllm-short lists endpoint 127.0.0.1:7001 twice: list it "
+                                  "once"]),
+    "simulated_endpoint_on_a_service_port": (
+        GOOD.replace('{endpoints: ["10.0.0.11:8000"], max_context: 2048}',
+                     '{endpoints: ["127.0.0.1:50051"], max_context: 2048, simulate: true}'),
+        ["3: vllm-short's endpoint 127.0.0.1:50051 and services.extproc both use port 50051: "
+         "give each its own"]),
+    "default_budget_fills_every_pool": (GOOD + "    default_max_tokens: 40000\n",
+                                        ["8: default_max_tokens 40000 leaves no room for a "
+                                         "prompt in the largest pool of 'llama-2-13b' "
+                                         "(max_context 32768): every request without "
+                                         "max_tokens would be refused; use less than "
+                                         "max_context"]),
+    "envoy_values_out_of_its_range": (GOOD + "envoy: {max_request_bytes: 99999999999, "
+                                      "stream_idle_timeout: 9999999999d}\n",
+                                      ["8: envoy.stream_idle_timeout: 9999999999d is longer "
+                                       "than Envoy takes (at most 3650d)",
+                                       "8: envoy.max_request_bytes: Input should be less than "
+                                       "or equal to 4294967295"]),
     "bad_prefix_cache_scope": (GOOD + "    prefix_cache_scope: key\n",
                                ["8: models.llama-2-13b.prefix_cache_scope: Input should be "
                                 "'shared' or 'tenant'"]),
