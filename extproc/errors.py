@@ -67,6 +67,14 @@ def model_not_found(model: str) -> ClientError:
 
 def context_length_exceeded(model: str, limit: int, requested: int, prompt: int,
                             output: int) -> ClientError:
+    if requested > prompt + output:  # the client's X-Context-Length asked for more
+        return ClientError(
+            413, "context_length_exceeded",
+            f"This model's maximum context length is {limit} tokens. However, the "
+            f"X-Context-Length header asks for {requested} tokens ({prompt} in the prompt, "
+            f"{output} for the completion). Please send a smaller X-Context-Length, or none.",
+            param="X-Context-Length",
+        )
     return ClientError(
         413, "context_length_exceeded",
         f"This model's maximum context length is {limit} tokens. However, you requested "

@@ -45,7 +45,7 @@ COMMAND = ServiceCommand(
     name="extproc",
     default_address=default_address,
     build=ExtprocService,
-    config_errors=(ConfigError,),
+    config_errors=(ConfigError, OSError),  # a port in use too: one line, as ratelimit
     preflight=warn_memory_cache,
     supervisor_pages={"/canary": canary_text},
 )

@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from routing.errors import ConfigError
 from sidecar_runtime.logs import configure
 from sidecar_runtime.settings import Settings
@@ -73,7 +75,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as err:  # a bad LLM_SIDECAR_* variable: one line each
+        for problem in err.errors():  # never its value: it may be a password or a key
+            name = "LLM_SIDECAR_" + "_".join(str(part) for part in problem["loc"]).upper()
+            print(f"llm-sidecar: {name}: {problem['msg']}", file=sys.stderr)
+        return 2
     configure(settings.log_level, service=f"llm-sidecar-{args.command}")
     try:
         return _dispatch(args, settings)
@@ -97,7 +105,13 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "render":
         from routing.loader import load_config
         from routing.render import write_all
-        for path in write_all(load_config(args.config), args.out):
+        try:
+            written = write_all(load_config(args.config), args.out)
+        except (FileExistsError, NotADirectoryError, PermissionError) as exc:
+            print(f"llm-sidecar render: --out {args.out}: {exc.strerror}: give a folder",
+                  file=sys.stderr)
+            return 1
+        for path in written:
             print(path)
         return 0
     if args.command == "up":

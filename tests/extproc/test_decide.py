@@ -39,6 +39,13 @@ def test_above_every_pool_is_413() -> None:
     with pytest.raises(ClientError) as caught:
         decide(LLAMA, Demand((10,), 1), 32769, "k", 500, 5000)
     assert (caught.value.status, caught.value.code) == (413, "context_length_exceeded")
+    # The header asked for it, not the prompt: the error says so (and names it as the param).
+    assert caught.value.param == "X-Context-Length"
+    assert "X-Context-Length header asks for 32769 tokens" in caught.value.message
+    with pytest.raises(ClientError) as counted:
+        decide(LLAMA, Demand((32760,), 10), 0, "k", 500, 5000)
+    assert counted.value.param == "messages"
+    assert "you requested 32770 tokens (32760 in the prompt, 10 for" in counted.value.message
 
 
 def test_default_max_tokens_counts_when_unset() -> None:
