@@ -65,7 +65,7 @@ from extproc.errors import error_body
 from extproc.hit_limits import answer, hit_check
 from extproc.processors.base import (
     BaseProcessor,
-    body_required,
+    body_refused,
     decide_for,
     envoys_own_answer,
     resolve_model,
@@ -119,8 +119,9 @@ class EmbeddingsProcessor(BaseProcessor):
         self.phase = advance(EMBEDDINGS, self.phase, event, new)
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
-        if end_of_stream:
-            return body_required()
+        refused = body_refused(self.ctx, end_of_stream)
+        if refused is not None:
+            return refused
         # Whether the model is cached is only known from the body, and Envoy honours a mode
         # override only on a headers answer: ask for the response now, skip its body later.
         return Continue(mode=_STREAM_RESPONSE)

@@ -20,7 +20,7 @@ from extproc.output_budget import upstream_max_tokens
 from extproc.picker.pick import Priority
 from extproc.processors.base import (
     BaseProcessor,
-    body_required,
+    body_refused,
     decide_demand_for,
     envoys_own_answer,
     resolve_model,
@@ -73,8 +73,9 @@ class GenerationProcessor(BaseProcessor):
         end, whatever the phase: the pod has one request less open from this replica)."""
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
-        if end_of_stream:
-            return body_required()
+        refused = body_refused(self.ctx, end_of_stream)
+        if refused is not None:
+            return refused
         return _READ_RESPONSE
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:

@@ -155,6 +155,30 @@ def test_a_post_without_body_is_400() -> None:
     assert isinstance(action, Reply) and action.status == 400
 
 
+@pytest.mark.parametrize(("path", "encoding", "refused"), [
+    ("/v1/chat/completions", "gzip", True), ("/v1/embeddings", "br", True),
+    ("/v1/completions", " GZIP ", True), ("/v1/chat/completions", "identity", False),
+    ("/v1/chat/completions", None, False),
+])
+def test_a_compressed_body_is_a_415_that_says_so(path: str, encoding: str | None,
+                                                 refused: bool) -> None:
+    """Neither extproc nor vLLM decompresses a request body: a gzip body used to be read as
+    JSON and refused as "str is not valid UTF-8". Now it is refused at its headers, by name."""
+    state = StreamState(snapshot(), SECRET)
+    headers = {":path": path, ":method": "POST"}
+    if encoding is not None:
+        headers["content-encoding"] = encoding
+    action = state.handle("request_headers", headers, b"", False)
+    assert isinstance(action, Reply) is refused
+    if isinstance(action, Reply):
+        assert encoding is not None
+        error = orjson.loads(action.body)["error"]
+        assert (action.status, error["code"], error["param"]) == (
+            415, "unsupported_content_encoding", "content-encoding")
+        assert error["message"].startswith(
+            f"Request bodies with content-encoding {encoding.strip().lower()!r}")
+
+
 def test_required_auth_rejects_unknown_keys_before_the_body() -> None:
     import hashlib
     snap = snapshot(auth={"required": True},
