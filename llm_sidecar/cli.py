@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a routing YAML: exit 0 (warnings, if any, "
                                          "on stderr as FILE:LINE: warning: ...), or 1 with one "
                                          "FILE:LINE: message per problem")
-    check.add_argument("--config", required=True)
+    check.add_argument("--config", required=True, help="the routing YAML to check")
 
     sub.add_parser("schema", help="print the routing YAML's JSON Schema (for editors: "
                                   "# yaml-language-server: $schema=FILE)")

@@ -182,8 +182,9 @@ def _pydantic_problems(exc: ValidationError, located: Located) -> list[Problem]:
                        f"(known clusters: {known or 'none yet'})")
         elif kind == "too_short" and loc in (("clusters",), ("models",)):
             message = f"{loc[0]} is empty: define at least one"
-        elif loc[-1] == "percent" and kind in ("less_than_equal", "greater_than_equal",
-                                               "float_parsing", "float_type"):
+        elif loc[-1] == "percent" and (kind in ("less_than_equal", "greater_than_equal",
+                                                "float_parsing", "float_type")
+                                       or isinstance(err["input"], bool)):
             message = (f"{dotted}: {err['input']!r} is not a percentage: use 0 to 100 "
                        "(5 sends 5% of the sticky keys to the canary)")
         else:

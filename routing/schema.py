@@ -246,6 +246,13 @@ class CanarySpec(Strict):
     """What keeps a client on one variant: its API key, its tenant, or nothing (per request)."""
     guard: GuardSpec | None = None
 
+    @field_validator("percent", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: object) -> object:
+        if isinstance(value, bool):  # YAML's yes/no/on/off: pydantic would read 1 or 0
+            raise ValueError("a percentage is a number, not true or false")
+        return value
+
 
 class CacheSpec(Strict):
     namespace: str

@@ -108,6 +108,9 @@ CASES = {
     "bad_percent": (GOOD + "    canary: {model: v2, cluster: vllm-long, percent: 150}\n",
                     ["8: models.llama-2-13b.canary.percent: 150 is not a percentage: use 0 to "
                      "100 (5 sends 5% of the sticky keys to the canary)"]),
+    "yes_as_percent": (GOOD + "    canary: {model: v2, cluster: vllm-long, percent: yes}\n",
+                       ["8: models.llama-2-13b.canary.percent: True is not a percentage: use 0 "
+                        "to 100 (5 sends 5% of the sticky keys to the canary)"]),
     "negative_percent": (GOOD + "    canary: {model: v2, cluster: vllm-long, percent: -1}\n",
                          ["8: models.llama-2-13b.canary.percent: -1 is not a percentage: use 0 to "
                           "100 (5 sends 5% of the sticky keys to the canary)"]),
