@@ -107,9 +107,12 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
         from routing.render import write_all
         try:
             written = write_all(load_config(args.config), args.out)
-        except (FileExistsError, NotADirectoryError, PermissionError) as exc:
+        except (FileExistsError, NotADirectoryError) as exc:
             print(f"llm-sidecar render: --out {args.out}: {exc.strerror}: give a folder",
                   file=sys.stderr)
+            return 1
+        except PermissionError as exc:
+            print(f"llm-sidecar render: --out {args.out}: {exc.strerror}", file=sys.stderr)
             return 1
         for path in written:
             print(path)

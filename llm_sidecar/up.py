@@ -166,6 +166,10 @@ class _Interrupted(Exception):
 
 
 def _interrupt(*_: object) -> None:
+    """The first SIGINT or SIGTERM while starting: stop starting. Later ones are ignored, so
+    the stopping itself is not cut short (a child left running dies with this process)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     raise _Interrupted
 
 
@@ -182,18 +186,20 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # while starting: stop starting, at once
         signal.signal(sig, _interrupt)
     with tempfile.TemporaryDirectory(prefix="llm-sidecar-") as workdir:
+        children: list[Child] = []
         try:
             children = start_all(config, path, workdir,
                                  extproc_metrics_port=args.extproc_metrics_port,
                                  ratelimit_metrics_port=args.ratelimit_metrics_port)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
         except (_Interrupted, KeyboardInterrupt):
+            stop_all(children)  # started already, if the signal came just after (else none)
             print("llm-sidecar stopped before it was up", file=sys.stderr)
             return 130
         except (RuntimeError, TimeoutError, OSError) as exc:  # a child failed to start
             print(f"llm-sidecar up: {exc}; stopped everything", file=sys.stderr)
             return 1
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         host, port = parse_hostport(config.envoy.listen)
         print(f"llm-sidecar is up: http://{_connect_host(host)}:{port}/v1 "
               f"(OpenAI API; Ctrl-C stops it)", flush=True)

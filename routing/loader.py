@@ -37,6 +37,14 @@ def check_config(path: str) -> list[Problem]:
 def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
     """Problems that do not stop the config from running, each ``FILE:LINE: warning: ...``."""
     out: list[Problem] = []
+    for name, model in config.models.items():
+        largest = max(config.clusters[c].max_context for c in model.clusters)
+        if model.kind == "chat" and model.default_max_tokens >= largest:
+            out.append(located.problem(
+                ("models", name, "default_max_tokens"),
+                f"warning: default_max_tokens {model.default_max_tokens} leaves no room for a "
+                f"prompt in the largest pool of {name!r} (max_context {largest}): every "
+                "request without max_tokens gets a 413; use less than max_context"))
     if config.auth.required:
         return out  # every warning below is about open mode
     if config.api_keys:
@@ -78,11 +86,11 @@ def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
 def _local_ports(config: RoutingConfig, add: Callable[[Path, str], None]) -> None:
     """Two listeners of one gateway host on one port: Envoy's listener and admin, the two
     services, and the simulated pools (which ``up`` and the renders run there)."""
-    used: dict[int, str] = {}
+    used: dict[int, list[tuple[str, str]]] = {}
     candidates: list[tuple[Path, str, str]] = [
         (("envoy", "listen"), "envoy.listen", config.envoy.listen),
         (("envoy", "admin"), "envoy.admin", config.envoy.admin)]
-    for kind in ("extproc", "ratelimit"):
+    for kind in ("extproc", "ratelimit") if config.rate_limits is not None else ("extproc",):
         address = getattr(config.services, kind)
         if not address.startswith(UNIX_PREFIX):
             candidates.append((("services", kind), f"services.{kind}", address))
@@ -94,17 +102,23 @@ def _local_ports(config: RoutingConfig, add: Callable[[Path, str], None]) -> Non
         host, port = parse_hostport(address)
         if not _local_host(host):
             continue
-        first = used.get(port)
+        # One port, on one address or on all of them (a wildcard): two listeners cannot.
+        first = next((w for h, w in used.get(port, ())
+                      if h == host or h in _WILDCARD or host in _WILDCARD), None)
+        used.setdefault(port, []).append((host, what))
         if first is None:
-            used[port] = what
-        elif first == what:  # one pool's endpoint, listed twice
+            continue
+        if first == what:  # one pool's endpoint, listed twice
             add(path, f"{path[1]} lists endpoint {address} twice: list it once")
         else:
             add(path, f"{what} and {first} both use port {port}: give each its own")
 
 
+_WILDCARD = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
 def _local_host(host: str) -> bool:
-    return host in ("", "0.0.0.0", "::", "[::]", "localhost") or host.startswith("127.") \
+    return host in _WILDCARD or host == "localhost" or host.startswith("127.") \
         or host in ("::1", "[::1]")
 
 
@@ -248,15 +262,6 @@ def cross_check(config: RoutingConfig, located: Located) -> list[Problem]:
         if not config.services.failure_mode_allow:
             add(("services", "fallback_cluster"), "fallback_cluster is only used when extproc "
                 "fails open: set services.failure_mode_allow: true (or remove it)")
-
-    for name, model in config.models.items():
-        largest = max((config.clusters[c].max_context for c in model.clusters
-                       if c in config.clusters), default=None)
-        if model.kind == "chat" and largest is not None and model.default_max_tokens >= largest:
-            add(("models", name, "default_max_tokens"),
-                f"default_max_tokens {model.default_max_tokens} leaves no room for a prompt in "
-                f"the largest pool of {name!r} (max_context {largest}): every request without "
-                "max_tokens would be refused; use less than max_context")
 
     _local_ports(config, add)
 

@@ -160,6 +160,8 @@ def compose(config: RoutingConfig, routing_file: str) -> dict[str, Any]:
             "volumes": [f"./{routing_file.rsplit('/', 1)[0]}:{CONFIG_DIR}:ro"],
             "healthcheck": health(f"http://127.0.0.1:{metrics}/healthz"),
             "depends_on": {_redis_of(name).name: healthy},
+            # Docker's own 10 s would SIGKILL the 30 s drain (as the Kubernetes grace above).
+            "stop_grace_period": f"{SERVICE_GRACE_S}s",
         }
     services[GATEWAY] = {
         "build": ".", "image": IMAGE,

@@ -206,11 +206,11 @@ class Supervisor:
         self._restarts.labels(self.service).inc()
         backoff = RESTART_BACKOFF_S[0]
         while not self._stop.is_set():
-            self._spawn(worker)
             try:
+                self._spawn(worker)  # a fork can fail too (ENOMEM, EAGAIN): tried again
                 await self._wait_ready(worker)
                 return
-            except RuntimeError as exc:
+            except (RuntimeError, OSError) as exc:
                 log.error("worker_restart_failed", service=self.service, worker=worker.index,
                           error=str(exc), action=f"trying again in {backoff:g}s")
             _kill(worker)

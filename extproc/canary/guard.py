@@ -9,6 +9,7 @@ all of them within a poll, and a worker restarted later starts with it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -135,6 +136,7 @@ class CanaryGuards:
             stale = [k for k in self._guards if k[0] == model.name]
             for old in stale:
                 del self._guards[old]
+                self._unshare(*old)  # a config that comes back later starts afresh
             guard = self._guards[key] = _Guard(model.canary)
             if stale:
                 self._publish()
@@ -163,6 +165,11 @@ class CanaryGuards:
         except OSError as exc:
             log.warning("canary_guard_not_shared", model=model, error=str(exc))
 
+    def _unshare(self, model: str, canary: Canary) -> None:
+        if self._shared is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(Path(self._shared, _trip_name(model, canary)))
+
     def sync(self, snapshot: Snapshot) -> list[str]:
         """Take the trips other workers shared for canaries still configured as they were;
         the models whose canary this stopped."""
@@ -180,7 +187,8 @@ class CanaryGuards:
                 shared = json.loads(Path(self._shared, _trip_name(model.name, canary)).read_text())
             except (OSError, ValueError):
                 continue
-            if shared.get("model") != model.name or shared.get("canary") != repr(canary):
+            if not isinstance(shared, dict) or shared.get("model") != model.name \
+                    or shared.get("canary") != repr(canary) or "reason" not in shared:
                 continue
             self._guards[(model.name, canary)] = _Guard(canary, tripped=str(shared["reason"]))
             stopped.append(model.name)

@@ -73,7 +73,8 @@ CASES = {
                                  ["8: envoy.admin and envoy.listen both use port 9901: give each "
                                   "its own"]),
     "services_on_one_port": (GOOD + 'services: {extproc: "127.0.0.1:6000", '
-                             'ratelimit: "127.0.0.1:6000"}\n',
+                             'ratelimit: "127.0.0.1:6000"}\n'
+                             'rate_limits: {model: {default: {requests: 5/s}}}\n',
                              ["8: services.ratelimit and services.extproc both use port 6000: "
                               "give each its own"]),
     "simulated_endpoint_twice": (GOOD.replace('{endpoints: ["10.0.0.11:8000"], max_context: 2048}',
@@ -86,12 +87,6 @@ CASES = {
                      '{endpoints: ["127.0.0.1:50051"], max_context: 2048, simulate: true}'),
         ["3: vllm-short's endpoint 127.0.0.1:50051 and services.extproc both use port 50051: "
          "give each its own"]),
-    "default_budget_fills_every_pool": (GOOD + "    default_max_tokens: 40000\n",
-                                        ["8: default_max_tokens 40000 leaves no room for a "
-                                         "prompt in the largest pool of 'llama-2-13b' "
-                                         "(max_context 32768): every request without "
-                                         "max_tokens would be refused; use less than "
-                                         "max_context"]),
     "envoy_values_out_of_its_range": (GOOD + "envoy: {max_request_bytes: 99999999999, "
                                       "stream_idle_timeout: 9999999999d}\n",
                                       ["8: envoy.stream_idle_timeout: 9999999999d is longer "
@@ -280,6 +275,19 @@ PREFIX_WARNING = ("8: warning: prefix_cache_scope tenant with auth.required fals
 
 
 @pytest.mark.parametrize(("text", "expected"), [
+    # A budget no prompt fits next to (warned, not refused: clients that always send
+    # max_tokens are served, as before the warning).
+    (GOOD + "    default_max_tokens: 40000\nauth: {required: true}\n",
+     ["8: warning: default_max_tokens 40000 leaves no room for a prompt in the largest pool "
+      "of 'llama-2-13b' (max_context 32768): every request without max_tokens gets a 413; use "
+      "less than max_context"]),
+    (GOOD + "    default_max_tokens: 32767\n", []),
+    # Two local listeners on one port but two addresses; ratelimit's address unused without
+    # rate_limits.
+    (GOOD.replace('{endpoints: ["10.0.0.11:8000"], max_context: 2048}',
+                  '{endpoints: ["127.0.0.1:7001", "127.0.0.2:7001"], max_context: 2048, '
+                  'simulate: true}'), []),
+    (GOOD + 'services: {extproc: "127.0.0.1:6000", ratelimit: "127.0.0.1:6000"}\n', []),
     (SCOPED, [CACHE_WARNING]),
     (SCOPED + "auth: {required: true}\n", []),
     (SCOPED.replace("scope: tenant", "scope: shared"), []),

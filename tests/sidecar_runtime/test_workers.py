@@ -159,7 +159,10 @@ class _Child:
 
     def __init__(self) -> None:
         self.up = True
-        self.process = SimpleNamespace(returncode=-9)
+        self.process = SimpleNamespace(returncode=-9, kill=self.stop)
+
+    def stop(self) -> None:
+        self.up = False
 
     def alive(self) -> bool:
         return self.up
@@ -196,3 +199,23 @@ async def test_a_worker_replaced_during_a_scrape_is_counted_once_and_retired_cou
 
 async def _ready(_worker: object) -> None:
     return None
+
+
+async def test_a_restart_whose_fork_fails_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory pressure that OOM-killed a worker can make the fork of its replacement fail
+    (ENOMEM, EAGAIN): the restart is tried again, not given up for good."""
+    supervisor = Supervisor("extproc", 1, lambda i, s: [], "127.0.0.1", 0, 1.0)
+    worker = supervisor._workers[0]
+    worker.child = _Child()  # type: ignore[assignment]
+    attempts: list[int] = []
+
+    def spawn(_w: object) -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(supervisor, "_spawn", spawn)
+    monkeypatch.setattr(supervisor, "_wait_ready", _ready)
+    monkeypatch.setattr("sidecar_runtime.workers.RESTART_BACKOFF_S", (0.01, 0.01))
+    await supervisor._restart(worker)
+    assert len(attempts) == 2
+    shutil.rmtree(supervisor._dir)

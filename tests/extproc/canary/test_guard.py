@@ -130,3 +130,7 @@ def test_workers_share_a_trip_and_a_restarted_one_starts_with_it(tmp_path: Path)
                                                          "canary": {**canary, "percent": 10}}})
     assert CanaryGuards(shared).sync(changed) == []
     assert CanaryGuards().sync(snap) == []  # a single process shares nothing
+    # A worker that serves the changed config forgets the old verdict for all of them, as a
+    # single process does: the old config, back later, starts afresh.
+    second.observe(changed, BASE)
+    assert CanaryGuards(shared).sync(snap) == []
