@@ -48,6 +48,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def assert_no_orphans(kids: set[int]) -> None:
+    """Every process ``up`` started has exited (within 10 s)."""
+    deadline = time.monotonic() + 10
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in kids if alive(k)], "orphans left behind"
+
+
 def up_command(config: pathlib.Path) -> list[str]:
     return [sys.executable, "-m", "llm_sidecar", "up", "--config", str(config),
             "--extproc-metrics-port", str(free_port()),
@@ -79,10 +87,7 @@ def test_up_serves_and_stops_every_child(tmp_path: pathlib.Path, sig: signal.Sig
         assert reply.usage is not None and reply.usage.completion_tokens == 2
         proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [k for k in kids if alive(k)], "orphans left behind"
+        assert_no_orphans(kids)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -132,10 +137,7 @@ def test_ctrl_c_while_starting_stops_at_once_and_leaves_nothing(tmp_path: pathli
         assert "is up" not in out
         assert err.strip().splitlines()[-1] == "llm-sidecar stopped before it was up"
         assert "Traceback" not in err
-        deadline = time.monotonic() + 10
-        while any(alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [k for k in kids if alive(k)], "orphans left behind"
+        assert_no_orphans(kids)
     finally:
         if proc.poll() is None:
             proc.kill()
