@@ -3,7 +3,15 @@ marks the slow tiers, so ``pytest -m "not e2e and not fuzz" -n 4`` is the fast e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Before anything imports grpc: tests start processes (subprocess with a preexec_fn, which runs
+# Python's at-fork handlers in the child) while grpc.aio channels of earlier tests keep gRPC's
+# threads busy. gRPC's fork handlers then ran in the child ("Other threads are currently
+# calling into gRPC, skipping fork() handlers") and the child could abort before its exec (a
+# worker supervisor exited -6 in one CI run). No test forks a process that keeps using gRPC.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest
 
