@@ -84,6 +84,12 @@ def context_length_exceeded(model: str, limit: int, requested: int, prompt: int,
     )
 
 
+def unsupported_content_encoding(encoding: str) -> ClientError:
+    return ClientError(415, "unsupported_content_encoding",
+                       f"Request bodies with content-encoding {encoding!r} are not supported; "
+                       "send the JSON uncompressed.", param="content-encoding")
+
+
 def invalid_api_key() -> ClientError:
     return ClientError(401, "invalid_api_key",
                        "Incorrect or missing API key. Send it as Authorization: Bearer KEY.")

@@ -14,7 +14,7 @@ from typing import Protocol
 from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply, Step
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, decide, parse_context_hint
-from extproc.errors import ClientError, bad_request, model_not_found
+from extproc.errors import bad_request, model_not_found, unsupported_content_encoding
 from extproc.records import RequestRecord
 from routing.compiled import ModelRoute
 
@@ -111,15 +111,12 @@ def body_required() -> Reply:
 
 
 def body_refused(ctx: RequestContext, end_of_stream: bool) -> Reply | None:
-    """The answer to a request whose body cannot be read, at its headers: none, or one
-    compressed (neither extproc nor vLLM decompresses a request body; it would be read as
-    bad JSON)."""
+    """The answer to a request whose body cannot be read, at its headers: none; raises the 415
+    of one compressed (neither extproc nor vLLM decompresses a request body; it would be read
+    as bad JSON)."""
     if end_of_stream:
         return body_required()
     encoding = ctx.headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
-        err = ClientError(415, "unsupported_content_encoding",
-                          f"Request bodies with content-encoding {encoding!r} are not "
-                          "supported; send the JSON uncompressed.", param="content-encoding")
-        return Reply(err.status, err.body())
+        raise unsupported_content_encoding(encoding)
     return None
