@@ -139,12 +139,12 @@ class RedisStore:
         outcomes = await asyncio.gather(*(self._run(hits, group) for group in groups),
                                         return_exceptions=True)
         failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
-        replies = [o for o in outcomes if not isinstance(o, BaseException)]
         merged: dict[int, BucketResult] = {}
         for group, outcome in zip(groups, outcomes, strict=True):
             if not isinstance(outcome, BaseException):
                 merged.update(zip(group.positions, outcome[1], strict=True))
-        admitted = failed is None and all(ok for ok, _ in replies)
+        admitted = failed is None and all(not isinstance(o, BaseException) and o[0]
+                                          for o in outcomes)
         if not admitted:
             # A group refused, or one failed (its master down, its deadline gone) while the
             # others admitted: what they admitted is taken back, the request being answered
