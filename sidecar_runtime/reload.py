@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from sidecar_runtime.files import replace_file
 from sidecar_runtime.logs import get_logger
 
 T = TypeVar("T")
@@ -136,9 +137,7 @@ class Reloader(Generic[T]):
             data = Path(self.path).read_bytes()
             if path_signature(self.path) != signature:
                 return
-            scratch = f"{self._last_good}.{os.getpid()}"
-            Path(scratch).write_bytes(data)
-            os.replace(scratch, self._last_good)
+            replace_file(self._last_good, data)
         except OSError as exc:
             log.warning("config_last_good_not_kept", path=self._last_good, error=str(exc))
 

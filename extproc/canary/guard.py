@@ -26,6 +26,7 @@ from extproc.records import RequestRecord
 from extproc.telemetry.events import ForwardingTelemetry, Telemetry
 from routing.compiled import Canary, ModelRoute, Snapshot
 from routing.schema import GuardSpec
+from sidecar_runtime.files import replace_file
 from sidecar_runtime.logs import get_logger
 
 log = get_logger("extproc.canary.guard")
@@ -157,11 +158,8 @@ class CanaryGuards:
             return
         try:
             os.makedirs(self._shared, exist_ok=True)
-            path = Path(self._shared, _trip_name(model, canary))
-            scratch = path.with_name(f"{path.name}.{os.getpid()}")
-            scratch.write_text(json.dumps({"model": model, "canary": repr(canary),
-                                           "reason": reason}))
-            os.replace(scratch, path)
+            replace_file(os.path.join(self._shared, _trip_name(model, canary)), json.dumps(
+                {"model": model, "canary": repr(canary), "reason": reason}).encode())
         except OSError as exc:
             log.warning("canary_guard_not_shared", model=model, error=str(exc))
 
