@@ -15,7 +15,7 @@ import tempfile
 import threading
 from importlib import resources
 
-from routing.loader import load_config
+from routing.loader import load_config, local_listeners
 from routing.render import write_all
 from routing.schema import RoutingConfig
 from routing.units import parse_hostport, parse_service_address
@@ -51,18 +51,10 @@ def _wait_service(address: str, child: Child) -> None:
 
 def local_ports(config: RoutingConfig, extproc_metrics_port: int,
                 ratelimit_metrics_port: int) -> list[tuple[str, str, int]]:
-    """(what, host, port) of every TCP port ``up`` will listen on."""
-    wanted: list[tuple[str, str]] = [("envoy.listen", config.envoy.listen),
-                                     ("envoy.admin", config.envoy.admin)]
-    services = [("services.extproc", config.services.extproc)]
-    if config.rate_limits is not None:
-        services.append(("services.ratelimit", config.services.ratelimit))
-    wanted += [(what, address) for what, address in services
-               if not address.startswith(UNIX_PREFIX)]
-    wanted += [(f"clusters.{name}.endpoints", endpoint)
-               for name, cluster in config.clusters.items() if cluster.simulator is not None
-               for endpoint in cluster.endpoints]
-    found = [(what, *parse_hostport(address)) for what, address in wanted]
+    """(what, host, port) of every TCP port ``up`` will listen on: the config's
+    (:func:`routing.loader.local_listeners`) and the services' metrics ports."""
+    found = [(".".join(map(str, path[:3])), *parse_hostport(address))
+             for path, address in local_listeners(config)]
     found.append(("extproc's metrics (--extproc-metrics-port)", "127.0.0.1",
                   extproc_metrics_port))
     if config.rate_limits is not None:

@@ -83,22 +83,30 @@ def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
     return out
 
 
-def _local_ports(config: RoutingConfig, add: Callable[[Path, str], None]) -> None:
-    """Two listeners of one gateway host on one port: Envoy's listener and admin, the two
-    services, and the simulated pools (which ``up`` and the renders run there)."""
-    used: dict[int, list[tuple[str, str]]] = {}
-    candidates: list[tuple[Path, str, str]] = [
-        (("envoy", "listen"), "envoy.listen", config.envoy.listen),
-        (("envoy", "admin"), "envoy.admin", config.envoy.admin)]
+def local_listeners(config: RoutingConfig) -> list[tuple[Path, str]]:
+    """(where in the YAML, ``host:port``) of every TCP port the gateway's own processes listen
+    on: Envoy's listener and admin, the services (ratelimit only with ``rate_limits``; a Unix
+    socket is no port), and the endpoints of the simulated pools (which ``up`` and the
+    renders run there)."""
+    found: list[tuple[Path, str]] = [(("envoy", "listen"), config.envoy.listen),
+                                     (("envoy", "admin"), config.envoy.admin)]
     for kind in ("extproc", "ratelimit") if config.rate_limits is not None else ("extproc",):
         address = getattr(config.services, kind)
         if not address.startswith(UNIX_PREFIX):
-            candidates.append((("services", kind), f"services.{kind}", address))
+            found.append((("services", kind), address))
     for name, spec in config.clusters.items():
         if spec.simulator is not None:
-            candidates += [(("clusters", name, "endpoints", i), f"{name}'s endpoint {endpoint}",
-                            endpoint) for i, endpoint in enumerate(spec.endpoints)]
-    for path, what, address in candidates:
+            found += [(("clusters", name, "endpoints", i), endpoint)
+                      for i, endpoint in enumerate(spec.endpoints)]
+    return found
+
+
+def _local_ports(config: RoutingConfig, add: Callable[[Path, str], None]) -> None:
+    """Two of :func:`local_listeners` on one port of one host."""
+    used: dict[int, list[tuple[str, str]]] = {}
+    for path, address in local_listeners(config):
+        what = f"{path[1]}'s endpoint {address}" if path[0] == "clusters" \
+            else ".".join(map(str, path))
         host, port = parse_hostport(address)
         if not _local_host(host):
             continue
