@@ -237,10 +237,11 @@ class Supervisor:
     async def _watch(self, stop: asyncio.Event) -> None:
         tasks: set[asyncio.Task[None]] = set()
 
-        def run(coro: Awaitable[None]) -> None:
+        def run(coro: Awaitable[None]) -> asyncio.Task[None]:
             task = asyncio.ensure_future(coro)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+            return task
         next_probe = time.monotonic() + PROBE_INTERVAL_S
         next_refresh = time.monotonic() + METRICS_REFRESH_S
         probing: dict[int, asyncio.Task[None]] = {}
@@ -254,9 +255,7 @@ class Supervisor:
                 for worker in self._workers:
                     busy = probing.get(worker.index)
                     if worker.ready and worker.alive() and (busy is None or busy.done()):
-                        probing[worker.index] = asyncio.ensure_future(self._probe(worker))
-                        tasks.add(probing[worker.index])
-                        probing[worker.index].add_done_callback(tasks.discard)
+                        probing[worker.index] = run(self._probe(worker))
             if time.monotonic() >= next_refresh:
                 next_refresh = time.monotonic() + METRICS_REFRESH_S
                 run(self._refresh())
