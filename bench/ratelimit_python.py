@@ -93,6 +93,9 @@ class _InstantStore:
     async def settle(self, settles: Sequence[Settle]) -> None:
         return None
 
+    async def connect(self) -> None:
+        return None
+
     async def aclose(self) -> None:
         return None
 

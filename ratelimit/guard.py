@@ -17,14 +17,18 @@ from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import BucketStore, StoreResult
 from sidecar_runtime.breaker import BreakerState
 from sidecar_runtime.guarded import BackendError, Guard
+from sidecar_runtime.logs import get_logger
 
 T = TypeVar("T")
+log = get_logger("ratelimit.backend")
 
 PENDING_MAX = 16_384
 """Ends of requests (slot releases, token settles) kept to try again after the store failed
 them: beyond this the oldest are dropped (their slots free themselves when their lease
 expires; their reservations stand)."""
 RETRY_BATCH = 256
+CONNECT_TIMEOUT_S = 2.0
+"""How long start-up waits for the store to get ready (:meth:`GuardedStore.connect`)."""
 
 
 class GuardedStore:
@@ -56,6 +60,16 @@ class GuardedStore:
     @property
     def breaker_state(self) -> BreakerState:
         return self._guard.state
+
+    async def connect(self) -> None:
+        """Get the store ready before the first request (connections, TLS, AUTH, scripts), so
+        that request's deadline does not pay for it. A store that is down is not an error
+        here (it is logged): decisions take ``on_backend_error`` until it answers."""
+        try:
+            await asyncio.wait_for(self.inner.connect(), max(self._timeout_s, CONNECT_TIMEOUT_S))
+        except (TimeoutError, BackendError) as exc:
+            log.warning("ratelimit_backend_unreachable_at_start", error=str(exc) or "timeout",
+                        detail="decisions take on_backend_error until it answers")
 
     async def decide(self, hits: Sequence[Hit]) -> StoreResult:
         result = await self._guarded(lambda: self.inner.decide(hits))

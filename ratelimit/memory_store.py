@@ -103,6 +103,9 @@ class MemoryStore:
     def __len__(self) -> int:
         return len(self._buckets)
 
+    async def connect(self) -> None:
+        return None
+
     async def aclose(self) -> None:
         self._buckets.clear()
         self._slots.clear()

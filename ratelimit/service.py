@@ -137,6 +137,7 @@ class RateLimitService:
         log.warning("ratelimit_unknown_domain", domain=domain, detail="answered OK, not limited")
 
     async def open(self, server: Server) -> None:
+        await self.store.connect()
         RateLimitServicer(self.limiter).register(server)
 
     async def close(self) -> None:

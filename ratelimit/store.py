@@ -26,6 +26,11 @@ class StoreResult(NamedTuple):
 
 
 class BucketStore(Protocol):
+    async def connect(self) -> None:
+        """Get ready for the first decision before it comes (connections, scripts); raise on
+        backend trouble."""
+        ...
+
     async def decide(self, hits: Sequence[Hit]) -> StoreResult:
         """Decide and apply ``hits`` all or nothing; raise on backend trouble."""
         ...

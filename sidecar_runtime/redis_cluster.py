@@ -153,6 +153,12 @@ class ClusterRouter:
         except RedisConnectionError as exc:
             raise self._mark_down(node, exc) from exc
 
+    async def on_every_master(self, *args: Any) -> list[Any]:
+        """Run one command on every master of the slot map (``SCRIPT LOAD`` at start-up: it
+        also opens a connection to each), in parallel; the replies in the map's order."""
+        await self.ready()
+        return list(await asyncio.gather(*(self._send(node, args) for node in _owners(self._nodes))))
+
     async def execute_many(self, commands: Sequence[tuple[str, Command]]) -> list[Any]:
         """Run ``(routing key, command)`` pairs: one pipeline per master, masters in parallel;
         the replies in order. Any master down: :class:`NodeDownError` before anything is sent."""

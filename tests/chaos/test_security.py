@@ -17,6 +17,7 @@ import pytest
 from sidecar_runtime.procs import free_port, wait_http_ok
 from sidecar_runtime.redis_audit import exposure
 from tests.chaos.support import (
+    DEADLINE_S,
     LOAD_KEY,
     cache_probe,
     chaos_doc,
@@ -50,7 +51,9 @@ def tls_redis(tls_files: TlsFiles) -> Iterator[TlsRedis]:
 
 @pytest.fixture(scope="module")
 def tls_gw(tmp_path_factory: pytest.TempPathFactory, tls_redis: TlsRedis) -> Iterator[Gateway]:
-    env = {"LLM_SIDECAR_REDIS_URL": tls_redis.url}
+    # The chaos rigs' deadline: a healthy TLS Redis sometimes misses 50 ms on a busy machine.
+    env = {"LLM_SIDECAR_REDIS_URL": tls_redis.url,
+           "LLM_SIDECAR_REDIS_TIMEOUT_MS": str(round(DEADLINE_S * 1000))}
     with running_gateway(chaos_doc(), str(tmp_path_factory.mktemp("gw-tls")), env=env,
                          capture_logs=True) as gw:
         yield gw

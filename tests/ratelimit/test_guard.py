@@ -40,6 +40,13 @@ class ScriptedStore:
     async def settle(self, settles: Sequence[Settle]) -> None:
         self.calls += 1
 
+    async def connect(self) -> None:
+        self.calls += 1
+        if self.mode == "hang":
+            await asyncio.sleep(10)
+        if self.mode == "fail":
+            raise BackendError("connection refused")
+
     async def aclose(self) -> None:
         return None
 
@@ -165,3 +172,19 @@ async def test_ends_the_store_failed_are_applied_once_it_answers_again() -> None
     assert [s.lease for s in inner.applied] == ["a" * 24, "b" * 24, "c" * 24]
     assert metrics.settlements.labels("retried")._value.get() == 3
     await guard.aclose()
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail", "hang"])
+async def test_start_up_gets_the_store_ready_and_never_waits_on_a_dead_one(
+        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that is down or hung at start-up is logged, not fatal, and does not hold the
+    start beyond its bound; the breaker is untouched (the first request finds out)."""
+    monkeypatch.setattr("ratelimit.guard.CONNECT_TIMEOUT_S", 0.1)
+    inner = ScriptedStore()
+    inner.mode = mode
+    guard = GuardedStore(inner, timeout_s=0.05, cooldown_s=1.0, metrics=RateLimitMetrics())
+    started = time.monotonic()
+    await guard.connect()
+    assert inner.calls == 1
+    assert time.monotonic() - started < 5  # the bound is 0.1 s; "hang" sleeps 10
+    assert breaker_of(guard) is BreakerState.CLOSED
