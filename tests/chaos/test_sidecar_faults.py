@@ -29,6 +29,7 @@ from sidecar_runtime.procs import free_port, wait_tcp
 from tests.chaos.load import Call, Load, Record, percentile
 from tests.chaos.replicas import Replica, ResettingPod, add_to_envoy, start_replica
 from tests.chaos.support import (
+    DEADLINE_S,
     LOAD_KEY,
     cache_lookups,
     chaos_doc,
@@ -124,8 +125,11 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     with process_redis() as server, serving(ResettingPod().start, "a resetting pod") as pod:
+        # The chaos rigs' deadline: the probes here count on Redis deciding (a healthy answer
+        # sometimes misses the 50 ms default on a busy machine); Redis is never faulted here.
         env = {"LLM_SIDECAR_REDIS_URL": server.url, "LLM_SIDECAR_DEV_MODE": "true",
-               "LLM_SIDECAR_SHUTDOWN_GRACE_S": "10"}
+               "LLM_SIDECAR_SHUTDOWN_GRACE_S": "10",
+               "LLM_SIDECAR_REDIS_TIMEOUT_MS": str(round(DEADLINE_S * 1000))}
         with running_gateway(faulty_doc(pod, free_port()), str(tmp_path_factory.mktemp("chaos-sc")),
                              env=env, capture_logs=True) as gw:
             extproc_b = start_replica(gw, "extproc")

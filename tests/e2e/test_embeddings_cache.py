@@ -309,7 +309,8 @@ def test_redis_killed_mid_run_is_a_bypass_never_an_error(
     d = default_doc()
     d["models"]["bge-m3"]["cache"] = CACHE
     with running_gateway(d, str(tmp_path_factory.mktemp("gw-cache-kill")),
-                         env={"LLM_SIDECAR_REDIS_URL": own_redis_server.url}) as gw:
+                         env={"LLM_SIDECAR_REDIS_URL": own_redis_server.url,
+                              "LLM_SIDECAR_REDIS_TIMEOUT_MS": "1000"}) as gw:
         embeddings(gw, "bge-m3", ["k1"])
         wait_stored(own_redis_server, 1)
         assert embeddings(gw, "bge-m3", ["k1"])[0] == "hit"
