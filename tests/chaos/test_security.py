@@ -65,7 +65,7 @@ def test_buckets_and_cache_over_tls_with_a_password(tls_gw: Gateway, tls_redis: 
     assert verdict == "enforced", tls_gw.logs()[-3000:]
     first = cache_probe(tls_gw.url)
     assert first in ("miss", "hit")
-    wait_until(lambda: cache_probe(tls_gw.url) == "hit", 5, 0.05)
+    wait_until(lambda: cache_probe(tls_gw.url) == "hit", 10, 0.05)
     with tls_redis.client(socket_timeout=2) as client:
         keys = [key.decode() for key in client.keys("*")]
     assert keys, "nothing was written to the TLS Redis"

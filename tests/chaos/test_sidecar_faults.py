@@ -208,7 +208,7 @@ def test_replicas_share_rate_limits_and_the_cache(rig: Rig) -> None:
                                                           ("b", rig.extproc_b.metrics))}
     post(gw.url, embed_call("shared between replicas"))
     wait_until(lambda: all(post(gw.url, embed_call("shared between replicas"))
-                           .headers.get("x-llm-cache") == "hit" for _ in range(4)), 5, 0.05)
+                           .headers.get("x-llm-cache") == "hit" for _ in range(4)), 10, 0.05)
     after = {r: cache_lookups(url, "hit") for r, url in (("a", gw.extproc_metrics),
                                                          ("b", rig.extproc_b.metrics))}
     assert all(after[r] > before[r] for r in after), "both replicas answered from the cache"

@@ -68,6 +68,11 @@ def gw(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
         yield gateway
 
 
+def settled(gw: Gateway) -> float:
+    """Token-bucket settlements the ratelimit service applied (from extproc or Envoy)."""
+    return metric(gw.ratelimit_metrics, "ratelimit_settlements_total", what="tokens")
+
+
 def client(gw: Gateway, tenant: str, key: str = "sk-any") -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.openai_base, api_key=key, max_retries=0, timeout=30,
                          default_headers={"x-tenant-id": tenant})
@@ -116,8 +121,13 @@ def open_stream(gw: Gateway, tenant: str, max_tokens: int | None = None,
 def test_concurrent_requests_never_overshoot_and_refunds_admit_the_next(gw: Gateway) -> None:
     """20 requests arrive together at a bucket that fits 4 reservations: 4 are admitted. They
     use ~30 tokens each, so the refunds admit the next 4 at once."""
+    before = settled(gw)
     reserved = reservation(gw)
     assert 4 * reserved <= 1200 < 5 * reserved, reserved
+    # A request's settlements come in one call (extproc's batch or Envoy's stream-done call),
+    # so the count moves once, by the number of token buckets a request settles.
+    wait_until(lambda: settled(gw) > before, 10)
+    per_request = settled(gw) - before
 
     def one(_: int) -> int:
         try:
@@ -126,14 +136,17 @@ def test_concurrent_requests_never_overshoot_and_refunds_admit_the_next(gw: Gate
         except openai.RateLimitError:
             return -1
 
+    settled_before = settled(gw)
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
         first = list(pool.map(one, range(20)))
     used = [u for u in first if u >= 0]
     assert len(used) == 4, first
     assert all(u < reserved for u in used)
+    # Every request of the batch settles (a refused one settles nothing, but is counted), a
+    # moment after its client read the answer: the refunds are in once all 20 are.
+    wait_until(lambda: settled(gw) >= settled_before + 20 * per_request, 10)
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
         second = list(pool.map(one, range(20)))
-    # The settle happens when Envoy's stream is done, a moment after each client read its answer.
     assert sum(u >= 0 for u in second) == (1200 - sum(used)) // reserved == 4, second
 
 

@@ -40,8 +40,9 @@ async def _chats(url: str, count: int) -> list[int]:
 def test_more_requests_in_flight_than_a_connection_carries_open_more_connections(
         tmp_path: Any) -> None:
     doc = default_doc()
-    # ~2 s a request: they are all in flight together, each holding its ext_proc stream.
-    doc["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 50}
+    # ~6 s a request: they are all in flight together, each holding its ext_proc stream, even
+    # when a loaded machine takes seconds to send them all.
+    doc["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 150}
     count = 2 * GRPC_MAX_CONCURRENT_STREAMS + 50
     with running_gateway(doc, str(tmp_path)) as gw:
         assert asyncio.run(_chats(gw.url, 4)) == [200] * 4

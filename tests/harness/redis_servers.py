@@ -385,8 +385,11 @@ def _form_cluster(nodes: list[ProcessRedis]) -> None:
 
 
 def _cluster_ok(node: ProcessRedis, size: int) -> bool:
-    with node.client(socket_timeout=1, decode_responses=True) as client:
-        info = client.cluster("INFO")
+    try:
+        with node.client(socket_timeout=1, decode_responses=True) as client:
+            info = client.cluster("INFO")
+    except (redis.RedisError, OSError):  # a slow answer on a loaded machine: ask again
+        return False
     return bool(info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == size)
 
 

@@ -25,7 +25,11 @@ from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
 
-DEADLINE_S = 0.05
+DEADLINE_S = 0.2
+"""The chaos rigs' deadline: these tests count deadlines, so a healthy Redis must never miss
+one, and it sometimes misses the 50 ms default on a busy 2-core machine."""
+SLACK_S = 0.5
+"""What a lookup may take beyond the deadline on a loaded machine: far below a hang."""
 
 
 @pytest.fixture(params=["memory", "redis", "cluster"])
@@ -92,17 +96,18 @@ async def test_killed_redis_is_a_bypass_then_the_cache_comes_back(
         own_redis_server: RedisServer) -> None:
     cache, registry = cache_on(own_redis_server)
     try:
+        assert await cache.connect()  # as extproc does before it listens
         ks = keys(4)
         assert await cache.store_now(CacheWrite(tuple((k, b"f") for k in ks), 60))
         assert await cache.lookup(ks) == (b"f",) * 4
         own_redis_server.kill()
         started = time.monotonic()
         assert await cache.lookup(ks) is None
-        assert time.monotonic() - started < DEADLINE_S + 0.2
+        assert time.monotonic() - started < DEADLINE_S + SLACK_S
         assert breaker_of(cache) is BreakerState.OPEN
         assert await cache.lookup(ks) is None  # not even tried
         own_redis_server.restart()  # empty
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 10
         while (found := await cache.lookup(ks)) is None:
             assert time.monotonic() < deadline, "the cache never came back"
             await asyncio.sleep(0.05)
@@ -116,6 +121,7 @@ async def test_killed_redis_is_a_bypass_then_the_cache_comes_back(
 async def test_frozen_redis_costs_one_deadline(own_redis_server: RedisServer) -> None:
     cache, registry = cache_on(own_redis_server)
     try:
+        assert await cache.connect()  # as extproc does before it listens
         ks = keys(2)
         assert await cache.lookup(ks) == (None, None)
         own_redis_server.pause()
@@ -123,7 +129,7 @@ async def test_frozen_redis_costs_one_deadline(own_redis_server: RedisServer) ->
             started = time.monotonic()
             assert await cache.lookup(ks) is None
             took = time.monotonic() - started
-            assert DEADLINE_S * 0.8 < took < DEADLINE_S + 0.2
+            assert DEADLINE_S * 0.8 < took < DEADLINE_S + SLACK_S
             started = time.monotonic()
             assert await cache.lookup(ks) is None
             assert time.monotonic() - started < DEADLINE_S  # the breaker answers at once

@@ -24,8 +24,14 @@ from tests.harness.redis_servers import RedisClusterServers, RedisServer
 pytestmark = pytest.mark.redis
 
 Response = rls_pb2.RateLimitResponse
-DEADLINE_S = 0.05
-SLACK_S = 0.15
+DEADLINE_S = 0.2
+"""The chaos rigs' deadline: these tests count deadlines, so a healthy Redis must never miss
+one, and it sometimes misses the 50 ms default on a busy 2-core machine."""
+SLACK_S = 0.5
+"""What an answer may take beyond the deadline on a loaded machine: far below a hang (5 s)."""
+RECOVERY_BOUND_S = 3.0
+"""The service tries Redis again one breaker cooldown (1 s) after it failed; the rest is margin
+for a loaded machine."""
 COOLDOWN_S = Settings().redis_breaker_cooldown_ms / 1000  # the default, 1 s
 REQUEST = rls_pb2.RateLimitRequest(
     domain="llm",
@@ -118,7 +124,7 @@ async def test_killed_redis(client: Client, own_redis_server: RedisServer) -> No
         if fresh:
             print(f"enforcement resumed {time.monotonic() - restarted:.2f} s after the restart")
             break
-        assert time.monotonic() - restarted < 2.0, "enforcement did not resume within 2 s"
+        assert time.monotonic() - restarted < RECOVERY_BOUND_S, "enforcement did not resume"
         await asyncio.sleep(0.05)
     assert client.breaker() is BreakerState.CLOSED
     codes = [(await client.ask())[0].overall_code for _ in range(3)]
@@ -142,7 +148,7 @@ async def test_frozen_redis_costs_one_deadline(client: Client, own_redis_server:
         response, _ = await client.ask()
         if response.overall_code == Response.OK and response.statuses[0].limit_remaining < 3:
             break
-        assert time.monotonic() - resumed < 2.0, "enforcement did not resume within 2 s"
+        assert time.monotonic() - resumed < RECOVERY_BOUND_S, "enforcement did not resume"
         await asyncio.sleep(0.05)
 
 
@@ -192,8 +198,9 @@ async def test_a_decision_that_missed_its_deadline_gives_its_slot_back_when_redi
     the reply of a caller that gave up with its connection."""
     path = tmp_path / "ratelimit.yaml"
     path.write_text(config(policy, CAPPED))
-    settings = Settings(redis_url=SecretStr(freezable.url),
-                        redis_timeout_ms=int(DEADLINE_S * 1000), redis_breaker_failures=1)
+    # The default deadline: the freeze must outlast it and stay within the read timeout.
+    settings = Settings(redis_url=SecretStr(freezable.url), redis_timeout_ms=50,
+                        redis_breaker_failures=1)
     server = rate_limit_process(str(path), "127.0.0.1", 0, 0, settings)
     await server.start()
     try:

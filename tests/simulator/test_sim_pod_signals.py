@@ -121,8 +121,8 @@ async def test_a_repeated_prefix_hits_the_cache_and_skips_its_prefill(
     assert samples["vllm:prefix_cache_hits_total"] == 384  # 24 whole blocks; the last token is computed
     assert cold >= 2.0
     # 16 uncached tokens: 80 ms of prefill against 2 s. Relative to the cold run, so a loaded
-    # machine slows both rather than failing a fixed bound.
-    assert warm < cold / 4
+    # machine slows both rather than failing a fixed bound; half leaves room for a stall.
+    assert warm < cold / 2
 
 
 async def test_a_different_prefix_misses_and_a_shared_head_hits_partly(
