@@ -98,8 +98,10 @@ def plan_output(
     prefix_blocks: tuple[bytes, ...] | None = None,
     natural_stop: bool = False,
     min_tokens: int = 0,
+    choice: int = 0,
 ) -> SequencePlan:
-    """The output of one prompt (see module docstring); checks the context window first."""
+    """The output of one prompt (see module docstring); checks the context window first.
+    ``choice``: which of the prompt's ``n`` sequences (each samples other words)."""
     check_context(prompt_tokens, max_tokens, max_model_len)
     room = max_model_len - prompt_tokens
     natural = max(default_output_tokens, min_tokens)
@@ -111,7 +113,8 @@ def plan_output(
         count, finish = natural, "stop"
     else:
         count, finish = room, "length"
-    return SequencePlan(prompt_tokens, output_pieces(prompt_seed(prompt), count), finish, prefix_blocks)
+    seed = prompt_seed(prompt) + (b"\0choice %d" % choice if choice else b"")
+    return SequencePlan(prompt_tokens, output_pieces(seed, count), finish, prefix_blocks)
 
 
 def prompt_seed(prompt: Prompt) -> bytes:

@@ -240,8 +240,10 @@ async def _generate(request: web.Request, parsed: GenerationRequest, *, chat: bo
             prompt_blocks(prompt, state.tokenizer, config.prefix_block_size, salt=parsed.cache_salt),
             config.natural_stop,
             parsed.min_tokens,
+            choice,
         )
         for prompt in parsed.prompts
+        for choice in range(parsed.n)
     )
     meta = ResponseMeta(_request_id(request, "chatcmpl" if chat else "cmpl"), int(time.time()), model)
     if parsed.stream:
@@ -249,7 +251,7 @@ async def _generate(request: web.Request, parsed: GenerationRequest, *, chat: bo
     async with aclosing(state.engine.run(plans, parsed.priority)) as events:
         async for _ in events:
             pass
-    body = chat_completion(meta, plans[0]) if chat else text_completion(meta, plans)
+    body = chat_completion(meta, plans) if chat else text_completion(meta, plans, parsed.n)
     return json_response(body)
 
 
@@ -273,6 +275,7 @@ async def _stream(
     await response.prepare(request)
     continuous = parsed.continuous_usage
     interval = state.config.stream_interval
+    opened = False
     pending: dict[int, list[str]] = {}
     """Each sequence's tokens not yet sent (``stream_interval`` above 1)."""
     try:
@@ -280,9 +283,11 @@ async def _stream(
             async for event in events:
                 prompt_tokens = plans[event.seq].prompt_tokens
                 chunks: list[dict[str, Any]] = []
-                if chat and event.token == 0:
+                if chat and not opened:  # vLLM's first iteration: a role chunk per choice
+                    opened = True
                     opening = Usage(prompt_tokens, 0) if continuous else None
-                    chunks.append(sse.chat_role_chunk(meta, opening))
+                    chunks.extend(sse.chat_role_chunk(meta, opening, index)
+                                  for index in range(len(plans)))
                 texts = pending.setdefault(event.seq, [])
                 texts.append(event.text)
                 if len(texts) == interval or event.finish_reason is not None:
@@ -290,7 +295,8 @@ async def _stream(
                     texts.clear()
                     usage = Usage(prompt_tokens, event.token + 1) if continuous else None
                     if chat:
-                        chunks.append(sse.chat_token_chunk(meta, text, event.finish_reason, usage))
+                        chunks.append(sse.chat_token_chunk(meta, text, event.finish_reason, usage,
+                                                           event.seq))
                     else:
                         chunks.append(
                             sse.completion_token_chunk(meta, event.seq, text, event.finish_reason, usage)
@@ -299,7 +305,7 @@ async def _stream(
                     await response.write(b"".join(sse.sse_event(chunk) for chunk in chunks))
         if parsed.include_usage:
             kind = "chat.completion.chunk" if chat else "text_completion"
-            await response.write(sse.sse_event(sse.usage_chunk(meta, kind, usage_of(plans))))
+            await response.write(sse.sse_event(sse.usage_chunk(meta, kind, usage_of(plans, parsed.n))))
         await response.write(sse.DONE)
         await response.write_eof()
     except ConnectionResetError:

@@ -25,6 +25,8 @@ class GenerationRequest:
     ``max_tokens`` is a chat request's ``max_completion_tokens`` when set and not 0, else
     ``max_tokens``; ``min_tokens`` is vLLM's (0: not set). ``cache_salt`` is vLLM's prefix-cache
     salt (``None``: not set): prompts share cached blocks only with prompts of the same salt.
+    ``n``: the choices generated per prompt (vLLM's ``n``; ``best_of``, which vLLM V1 dropped,
+    is ignored with the other fields the simulator does not act on).
     """
 
     model: str | None
@@ -36,6 +38,7 @@ class GenerationRequest:
     priority: int
     min_tokens: int = 0
     cache_salt: str | None = None
+    n: int = 1
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,10 @@ def _generation(
         raise validation_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
                                f"got {min_tokens}.", "min_tokens", min_tokens)
     n = _optional_int(fields, "n")
-    if n is not None and n != 1:
-        raise validation_error("The vLLM simulator only supports n=1.", "n", n)
+    if n is None:
+        n = 1
+    elif n < 1:
+        raise validation_error(f"n must be at least 1, got {n}.", "n", n)
     stream = _optional_bool(fields, "stream") or False
     include_usage, continuous = _stream_options(fields, stream)
     return GenerationRequest(
@@ -127,6 +132,7 @@ def _generation(
         priority=_priority(fields),
         min_tokens=min_tokens,
         cache_salt=_cache_salt(fields),
+        n=n,
     )
 
 

@@ -43,13 +43,30 @@ class Usage:
         return body
 
 
-def usage_of(plans: Sequence[SequencePlan]) -> Usage:
-    """Usage summed over the sequences of a request."""
-    return Usage(sum(p.prompt_tokens for p in plans), sum(len(p.pieces) for p in plans))
+def usage_of(plans: Sequence[SequencePlan], n: int = 1) -> Usage:
+    """Usage summed over the sequences of a request, ``n`` per prompt in a row: vLLM counts
+    each prompt once, however many choices it has, and every choice's tokens."""
+    return Usage(sum(p.prompt_tokens for p in plans[::n]), sum(len(p.pieces) for p in plans))
 
 
-def chat_completion(meta: ResponseMeta, plan: SequencePlan) -> dict[str, Any]:
-    """A ``chat.completion`` body with one assistant choice."""
+def chat_completion(meta: ResponseMeta, plans: Sequence[SequencePlan]) -> dict[str, Any]:
+    """A ``chat.completion`` body with one assistant choice per sequence (``n``)."""
+    return {
+        "id": meta.id,
+        "object": "chat.completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [_chat_choice(index, plan) for index, plan in enumerate(plans)],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage_of(plans, len(plans)).to_dict(),
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "kv_transfer_params": None,
+    }
+
+
+def _chat_choice(index: int, plan: SequencePlan) -> dict[str, Any]:
     message = {
         "role": "assistant",
         "content": plan.text,
@@ -59,31 +76,19 @@ def chat_completion(meta: ResponseMeta, plan: SequencePlan) -> dict[str, Any]:
         "function_call": None,
         "reasoning": None,
     }
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
         "logprobs": None,
         "finish_reason": plan.finish_reason,
         "stop_reason": None,
         "token_ids": None,
     }
-    return {
-        "id": meta.id,
-        "object": "chat.completion",
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [choice],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": usage_of([plan]).to_dict(),
-        "prompt_logprobs": None,
-        "prompt_token_ids": None,
-        "kv_transfer_params": None,
-    }
 
 
-def text_completion(meta: ResponseMeta, plans: Sequence[SequencePlan]) -> dict[str, Any]:
-    """A ``text_completion`` body with one choice per prompt, in prompt order."""
+def text_completion(meta: ResponseMeta, plans: Sequence[SequencePlan], n: int = 1) -> dict[str, Any]:
+    """A ``text_completion`` body with ``n`` choices per prompt, in prompt order (the index of
+    prompt ``i``'s choice ``j`` is ``i * n + j``, as vLLM numbers them)."""
     choices = [
         {
             "index": index,
@@ -103,7 +108,7 @@ def text_completion(meta: ResponseMeta, plans: Sequence[SequencePlan]) -> dict[s
         "choices": choices,
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": usage_of(plans).to_dict(),
+        "usage": usage_of(plans, n).to_dict(),
         "kv_transfer_params": None,
     }
 

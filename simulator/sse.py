@@ -2,17 +2,17 @@
 
 Wire form: each event is ``data: <json>\\n\\n`` and the stream ends with ``data: [DONE]\\n\\n``.
 
-Chat (``chat_completion_stream_generator``, chunks dumped with ``exclude_unset``): the first chunk
-carries ``delta: {"role": "assistant", "content": ""}``; each token then has a chunk with
-``delta: {"content": ...}``; the last token's chunk also carries ``finish_reason`` and
-``stop_reason``. Token chunks have no ``usage`` key at all (not ``null``) unless
-``continuous_usage_stats`` is set, in which case every chunk carries the usage so far. With
-``include_usage`` a final chunk has ``choices: []`` and the total ``usage`` (dumped with
-``exclude_none``, so no null fields).
+Chat (``chat_completion_stream_generator``, chunks dumped with ``exclude_unset``): the first
+chunks, one per choice (``n``), carry ``delta: {"role": "assistant", "content": ""}``; each token
+then has a chunk with ``delta: {"content": ...}`` and its choice's ``index``; a choice's last
+token's chunk also carries ``finish_reason`` and ``stop_reason``. Token chunks have no ``usage``
+key at all (not ``null``) unless ``continuous_usage_stats`` is set, in which case every chunk
+carries the usage so far. With ``include_usage`` a final chunk has ``choices: []`` and the total
+``usage`` (dumped with ``exclude_none``, so no null fields).
 
 Text completions (``completion_stream_generator``): no role chunk; each token has a chunk whose
-choice carries ``index`` (the prompt's position), ``text``, ``logprobs``, ``finish_reason`` and
-``stop_reason``; usage rules as for chat.
+choice carries ``index`` (prompt ``i``'s choice ``j`` is ``i * n + j``), ``text``,
+``logprobs``, ``finish_reason`` and ``stop_reason``; usage rules as for chat.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def sse_event(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def chat_role_chunk(meta: ResponseMeta, usage: Usage | None = None) -> dict[str, Any]:
-    """The opening chat chunk that announces the assistant role."""
+def chat_role_chunk(meta: ResponseMeta, usage: Usage | None = None, index: int = 0) -> dict[str, Any]:
+    """The opening chat chunk that announces the assistant role (one per choice)."""
     choice = {
-        "index": 0,
+        "index": index,
         "delta": {"role": "assistant", "content": ""},
         "logprobs": None,
         "finish_reason": None,
@@ -44,11 +44,13 @@ def chat_role_chunk(meta: ResponseMeta, usage: Usage | None = None) -> dict[str,
 
 
 def chat_token_chunk(
-    meta: ResponseMeta, text: str, finish_reason: str | None, usage: Usage | None = None
+    meta: ResponseMeta, text: str, finish_reason: str | None, usage: Usage | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A chat chunk with one token; ``finish_reason`` set only on the last token."""
+    """A chat chunk with one token of choice ``index``; ``finish_reason`` set only on its last
+    token."""
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "delta": {"content": text},
         "logprobs": None,
         "finish_reason": finish_reason,

@@ -41,7 +41,8 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "model": "chunky-v2", "cluster": "vllm-canary", "percent": 100, "sticky": "request"}}
     # 100k/d refills ~1.2 tokens/s: a settle is visible to the token.
     d["rate_limits"] = {"tenant": {"overrides": {
-        name: {"tokens": f"{DAY_CAP}/d"} for name in ("json", "sse", "plain", "cont", "chunky")
+        name: {"tokens": f"{DAY_CAP}/d"}
+        for name in ("json", "sse", "plain", "cont", "chunky", "n-json", "n-sse", "n-chunky")
     } | {name: {"tokens": "100/h"} for name in ("abort-usage", "abort-running")}}}
     with running_gateway(d, str(tmp_path_factory.mktemp("gw-envoy-usage"))) as gateway:
         yield gateway
@@ -248,3 +249,37 @@ def test_a_large_non_streamed_answer_is_never_held_by_envoy(gw: Gateway) -> None
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as resp:
         assert resp.status == 200 and len(json.loads(resp.read())["data"]) == 2048
+
+
+@pytest.mark.parametrize(("tenant", "model", "stream"), [
+    ("n-json", "llama-2-13b", False),  # extproc reads the answer
+    ("n-sse", "llama-2-13b", True),    # Envoy reads the usage chunk, the Lua filter strips it
+    ("n-chunky", "chunky", True),      # extproc reads the canary's stream, 4 tokens a chunk
+])
+def test_n_choices_are_settled_to_every_choices_tokens(gw: Gateway, tenant: str, model: str,
+                                                       stream: bool) -> None:
+    """``n: 3`` brings three answers for one admission: the settlement is vLLM's usage, the
+    tokens of all three (a settlement that read one choice would charge a third), and a client
+    that did not ask for the usage chunk gets the three choices and no usage."""
+    prompt = probe_prompt_tokens(gw)
+
+    def send() -> int:
+        c = client(gw, tenant)
+        if not stream:
+            answer = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, n=3)
+            assert [choice.index for choice in answer.choices] == [0, 1, 2]
+            assert answer.usage is not None and answer.usage.completion_tokens == 18
+            return answer.usage.total_tokens
+        chunks = list(c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6,
+                                                n=3, stream=True))
+        assert all(chunk.choices and chunk.usage is None for chunk in chunks)
+        texts: dict[int, str] = {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        assert sorted(texts) == [0, 1, 2]
+        assert [len(texts[i].split()) for i in range(3)] == [6, 6, 6]  # a word a token
+        return prompt + 18
+
+    lost, total, refill = charged_by(gw, tenant, send)
+    assert total - refill <= lost <= total, (lost, total)

@@ -192,10 +192,12 @@ def test_a_key_in_the_query_reaches_neither_a_pool_nor_the_access_log(gw: Gatewa
         assert "sk-in-the-query" not in handle.read()
 
 
-# The simulator serves n = 1 only (n and best_of are covered by tests/extproc); batches it serves.
+# best_of (which vLLM V1 dropped) is covered by tests/extproc.
 @pytest.mark.parametrize(("make", "reservation"), [
     # "hello": ceil(5 / 3) = 2 tokens + 8 per message + 8 per chat prompt, + 10 of output.
     (lambda c: chat(c, "hello", max_tokens=10), 18 + 10),
+    # n = 3: three answers of up to 10 tokens for one prompt.
+    (lambda c: chat(c, "hello", max_tokens=10, n=3), 18 + 3 * 10),
     # max_completion_tokens 0 is "not set": the model's default_max_tokens, 256.
     (lambda c: chat(c, "hello", max_completion_tokens=0), 18 + 256),
     # Three prompts of 1, 2 and 3 tokens, 5 tokens of output each.

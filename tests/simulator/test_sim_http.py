@@ -116,6 +116,47 @@ async def test_completion_sse_interleaves_prompts_by_index(
     assert all(e["object"] == "text_completion" and "usage" not in e for e in events[:-1])
 
 
+async def test_n_choices_are_generated_counted_and_streamed_as_vllm_does(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    """``n``: that many choices per prompt, each its own words; usage counts every choice's
+    tokens and each prompt once; a stream opens with a role chunk per choice and numbers the
+    tokens by choice (completions: prompt ``i``'s choice ``j`` is ``i * n + j``)."""
+    sim = await start_sim(decode_ms_per_token=1.0)
+    status, body = await _post(http, sim, "/v1/chat/completions",
+                               {"messages": HELLO, "max_tokens": 4, "n": 3})
+    assert status == 200
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    texts = [c["message"]["content"] for c in body["choices"]]
+    assert len(set(texts)) == 3
+    assert body["usage"] == {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21,
+                             "prompt_tokens_details": None}
+    _, one = await _post(http, sim, "/v1/chat/completions", {"messages": HELLO, "max_tokens": 4})
+    assert one["choices"][0]["message"]["content"] == texts[0]  # choice 0 is n = 1's answer
+
+    stream = {"messages": HELLO, "max_tokens": 4, "n": 3, "stream": True,
+              "stream_options": {"include_usage": True}}
+    async with http.post(sim.url + "/v1/chat/completions", json=stream) as response:
+        events = _events(await response.read())
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    assert [c["choices"][0]["delta"] for c in chunks[:3]] == [{"role": "assistant", "content": ""}] * 3
+    by_choice: dict[int, str] = {}
+    for chunk in chunks[3:]:
+        [choice] = chunk["choices"]
+        by_choice[choice["index"]] = by_choice.get(choice["index"], "") + choice["delta"]["content"]
+    assert [by_choice[i] for i in range(3)] == texts
+    assert usage["usage"]["completion_tokens"] == 12 and usage["usage"]["prompt_tokens"] == 9
+
+    status, body = await _post(http, sim, "/v1/completions",
+                               {"prompt": ["a", "b c"], "max_tokens": 2, "n": 2})
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    _, single = await _post(http, sim, "/v1/completions", {"prompt": ["a", "b c"], "max_tokens": 2})
+    assert [body["choices"][i]["text"] for i in (0, 2)] == [c["text"] for c in single["choices"]]
+    assert body["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == 2 * single["usage"]["completion_tokens"] == 8
+
+
 @pytest.mark.parametrize(
     ("path", "data", "message"),
     [

@@ -148,10 +148,11 @@ CHAT_ERRORS = [
         "min_tokens must be greater than or equal to 0, got -1. (parameter=min_tokens, value=-1)",
     ),
     (
-        {"messages": HELLO, "n": 2},
+        {"messages": HELLO, "n": 0},
         "n",
-        "The vLLM simulator only supports n=1. (parameter=n, value=2)",
+        "n must be at least 1, got 0. (parameter=n, value=0)",
     ),
+    ({"messages": HELLO, "n": "2"}, "n", "'n' must be an integer"),
     ({"messages": HELLO, "stream": "yes"}, "stream", "'stream' must be a boolean"),
     (
         {"messages": HELLO, "stream_options": {"include_usage": True}},

@@ -48,7 +48,7 @@ def test_usage_shapes() -> None:
 
 
 def test_chat_completion_body() -> None:
-    body = chat_completion(META, SequencePlan(7, ("a", " b"), "length"))
+    body = chat_completion(META, [SequencePlan(7, ("a", " b"), "length")])
     assert body == {
         **HEAD,
         "object": "chat.completion",
