@@ -236,8 +236,8 @@ def test_an_upstream_error_is_settled_to_zero(gw: Gateway) -> None:
     settles = settled(gw)
     with pytest.raises(openai.BadRequestError):
         client(gw, "cont").chat.completions.create(model="llama-2-13b", messages=MESSAGES,
-                                                   max_tokens=5, n=2,  # the simulator's 400
-                                                   stream=True)
+                                                   max_tokens=5, stream=True,
+                                                   extra_body={"min_tokens": 10})  # vLLM's 400
     wait_until(lambda: settled(gw) >= settles + 1, 10, 0.05)
 
 

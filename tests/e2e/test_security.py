@@ -182,10 +182,10 @@ def test_429s_and_bad_requests_of_clients_never_stop_the_canary(
             status, pool = status_of(gw, key)
             assert status == 200
             pools[pool].append(key)
-        # Each canary key: a request vLLM refuses (the simulator serves n=1 only), then a flood
+        # Each canary key: a request vLLM refuses (min_tokens above max_tokens), then a flood
         # of 429s from the rate limiter: 8 OK, 8 x 400, 8 x 1 OK, 8 x 10 x 429 on the canary.
         for key in pools["vllm-canary"]:
-            assert status_of(gw, key, n=2) == (400, "vllm-canary")
+            assert status_of(gw, key, min_tokens=2) == (400, "vllm-canary")
             assert status_of(gw, key) == (200, "vllm-canary")
             assert {status_of(gw, key)[0] for _ in range(10)} == {429}
         metrics = urllib.request.urlopen(f"{gw.extproc_metrics}/metrics", timeout=5).read()

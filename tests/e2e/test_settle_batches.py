@@ -206,7 +206,8 @@ def test_an_upstream_error_is_settled_to_zero(gw: Gateway) -> None:
     settles = settled(gw)
     start = remaining(chat(model="llama-2-13b", messages=MESSAGES, max_tokens=1))
     with pytest.raises(openai.BadRequestError):
-        chat(model="llama-2-13b", messages=MESSAGES, max_tokens=50, n=2)  # the simulator's 400
+        chat(model="llama-2-13b", messages=MESSAGES, max_tokens=50,
+             extra_body={"min_tokens": 60})  # vLLM's 400
     wait_until(lambda: settled(gw) >= settles + 2, 10, 0.05)
     after = remaining(chat(model="llama-2-13b", messages=MESSAGES, max_tokens=1))
     assert after >= start - 40  # nothing of the 50-token reservation kept
