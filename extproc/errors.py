@@ -90,6 +90,12 @@ def unsupported_content_encoding(encoding: str) -> ClientError:
                        "send the JSON uncompressed.", param="content-encoding")
 
 
+def unsupported_media_type() -> ClientError:
+    return ClientError(415, "unsupported_media_type",
+                       "Unsupported Media Type: Only 'application/json' is allowed; send the "
+                       "body with content-type: application/json.", param="content-type")
+
+
 def invalid_api_key() -> ClientError:
     return ClientError(401, "invalid_api_key",
                        "Incorrect or missing API key. Send it as Authorization: Bearer KEY.")

@@ -210,6 +210,12 @@ async def clear_requests(request: web.Request) -> web.Response:
 
 
 def _body(request: web.Request) -> object:
+    # vLLM's ``validate_json_request`` runs before the body is read: any media type but
+    # application/json (a missing one too) is its RequestValidationError, a 400.
+    media_type = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise bad_request("1 validation error:\n  Unsupported Media Type: Only "
+                          "'application/json' is allowed\n")
     parsed = request.get(BODY)
     if parsed is None:
         raise bad_request("The request body is empty; expected a JSON object.")

@@ -14,7 +14,12 @@ from typing import Protocol
 from extproc.actions import PASS, Action, Continue, Headers, ModeOverride, Reply, Step
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, decide, parse_context_hint
-from extproc.errors import bad_request, model_not_found, unsupported_content_encoding
+from extproc.errors import (
+    bad_request,
+    model_not_found,
+    unsupported_content_encoding,
+    unsupported_media_type,
+)
 from extproc.records import RequestRecord
 from routing.compiled import ModelRoute
 
@@ -113,10 +118,15 @@ def body_required() -> Reply:
 def body_refused(ctx: RequestContext, end_of_stream: bool) -> Reply | None:
     """The answer to a request whose body cannot be read, at its headers: none; raises the 415
     of one compressed (neither extproc nor vLLM decompresses a request body; it would be read
-    as bad JSON)."""
+    as bad JSON), and of one that is not ``application/json``: vLLM refuses any other media
+    type, a missing one too (``validate_json_request``), so such a request would only reach a
+    pod, and spend its rate limits, to be refused there."""
     if end_of_stream:
         return body_required()
     encoding = ctx.headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise unsupported_content_encoding(encoding)
+    media_type = ctx.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise unsupported_media_type()
     return None

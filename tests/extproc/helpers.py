@@ -25,6 +25,11 @@ BASE: dict[str, Any] = {
 }
 
 
+JSON_POST = {":method": "POST", "content-type": "application/json"}
+"""The headers of a request with a JSON body, as clients send it (extproc refuses a body of any
+other media type, as vLLM does)."""
+
+
 def snapshot(**sections: Any) -> Snapshot:
     doc = {**BASE, **sections}
     return compile_config(validate(Located("test.yaml", doc, {})))

@@ -16,7 +16,7 @@ from extproc.records import RouteChosen, outcome
 from extproc.stream import StreamState
 from extproc.telemetry.metrics import ExtprocMetrics
 from sidecar_runtime.wire_names import DONE_METADATA_KEY, RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
-from tests.extproc.helpers import snapshot
+from tests.extproc.helpers import JSON_POST, snapshot
 from tests.extproc.served import Recorder, Served
 
 SECRET = b"test-secret"
@@ -25,7 +25,7 @@ SSE = {":status": "200", "content-type": "text/event-stream"}
 
 def chat(recorder: Recorder, **doc: object) -> Served:
     state = Served(StreamState(snapshot(), SECRET), recorder)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST,
                                      "x-request-id": "r1"}, b"", False)
     body = {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}], **doc}
     assert isinstance(state.handle("request_body", None, orjson.dumps(body), True), Continue)
@@ -93,11 +93,11 @@ def test_after_a_normal_end_closing_records_nothing_more(ending: str) -> None:
 def test_a_request_never_routed_is_not_a_request_record() -> None:
     recorder = Recorder()
     state = Served(StreamState(snapshot(), SECRET), recorder)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST}, b"",
                  False)
     state.close()  # the client left before sending its body
     state2 = Served(StreamState(snapshot(), SECRET), recorder)
-    state2.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
+    state2.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST}, b"",
                   False)
     state2.handle("request_body", None, b"{nope", True)  # a 400: counted as a rejection
     state2.close()
@@ -110,7 +110,7 @@ def test_aborted_requests_count_in_the_metrics_with_their_tokens() -> None:
     registry = CollectorRegistry()
     metrics = ExtprocMetrics(registry, lambda: frozenset({"default"}))
     state = Served(StreamState(snapshot(), SECRET), metrics)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST}, b"",
                  False)
     state.handle("request_body", None, orjson.dumps(
         {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}],
@@ -138,7 +138,7 @@ def embeddings(recorder: Recorder, inputs: list[str], model: str = "bge-m3") -> 
     snap = snapshot(models={"bge-m3": CACHED,
                             "plain": {"kind": "embedding", "clusters": ["embed"]}})
     state = Served(StreamState(snap, SECRET), recorder)
-    state.handle("request_headers", {":path": "/v1/embeddings", ":method": "POST"}, b"", False)
+    state.handle("request_headers", {":path": "/v1/embeddings", **JSON_POST}, b"", False)
     step = state.handle("request_body", None, orjson.dumps({"model": model, "input": inputs}),
                         True)
     if isinstance(step, Lookup):
@@ -190,7 +190,7 @@ def test_time_to_first_token_counts_from_the_routed_body_not_the_clients_upload(
     now = [10.0]
     recorder = Recorder()
     state = Served(StreamState(snapshot(), SECRET, clock=lambda: now[0]), recorder)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"},
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST},
                  b"", False)
     now[0] += 2.0  # the upload
     body = {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}],

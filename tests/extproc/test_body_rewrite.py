@@ -19,7 +19,7 @@ from sidecar_runtime.wire_names import (
     ENVOY_USAGE_HEADER,
     RESERVATION_METADATA_KEY,
 )
-from tests.extproc.helpers import snapshot
+from tests.extproc.helpers import JSON_POST, snapshot
 
 SECRET = b"test-secret"
 CANARY: dict[str, dict[str, Any]] = {"llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "canary": {
@@ -38,7 +38,7 @@ EXTRA = {"temperature": 0.5, "user": "u-1", "logit_bias": {"42": -100}}
 
 def routed(doc: dict[str, Any], **sections: Any) -> Continue:
     state = StreamState(snapshot(**sections), SECRET)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST,
                                      ENVOY_USAGE_HEADER: "1"}, b"", False)
     action = state.handle("request_body", None, orjson.dumps(
         {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}], **EXTRA, **doc}),
@@ -149,7 +149,7 @@ def test_without_injection_a_clients_priority_is_dropped(value: object) -> None:
 def test_a_completion_gets_a_budget_only_where_vllm_would_give_it_the_window(
         doc: dict[str, Any], changed: dict[str, Any] | None) -> None:
     state = StreamState(snapshot(**TOKENS), SECRET)
-    state.handle("request_headers", {":path": "/v1/completions", ":method": "POST"}, b"", False)
+    state.handle("request_headers", {":path": "/v1/completions", **JSON_POST}, b"", False)
     action = state.handle("request_body", None,
                           orjson.dumps({"model": "llama-2-13b", **doc}), True)
     assert isinstance(action, Continue)
@@ -219,7 +219,7 @@ def salted_action(doc: dict[str, Any], tenant: str | None = None, path: str = "/
     """What extproc answers to ``doc`` from ``tenant`` (open mode: the tenant header; None:
     tenant ``default``)."""
     state = StreamState(snapshot(**sections), SECRET)
-    headers = {":path": path, ":method": "POST"}
+    headers = {":path": path, **JSON_POST}
     if tenant is not None:
         headers["x-tenant-id"] = tenant
     state.handle("request_headers", headers, b"", False)

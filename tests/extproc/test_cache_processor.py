@@ -13,7 +13,7 @@ from extproc.cache.keys import KEY_PREFIX
 from extproc.stream import StreamState
 from sidecar_runtime.wire_names import CLIENT_CREDENTIALS, DONE_METADATA_KEY, TOKENS_METADATA_KEY
 from simulator.embeddings import embed, encode_base64
-from tests.extproc.helpers import snapshot
+from tests.extproc.helpers import JSON_POST, snapshot
 
 SECRET = b"test-secret"
 CACHED: dict[str, Any] = {"kind": "embedding", "clusters": ["embed"],
@@ -28,7 +28,7 @@ def snap(**bge: Any) -> Any:
 
 def start(snapshot_: Any = None, **headers: str) -> StreamState:
     state = StreamState(snapshot_ or snap(), SECRET)
-    first = state.handle("request_headers", {":path": "/v1/embeddings", ":method": "POST",
+    first = state.handle("request_headers", {":path": "/v1/embeddings", **JSON_POST,
                                              "x-request-id": "r1", **headers}, b"", False)
     # The response is asked for before the model is known (only a headers answer may do it).
     assert first == Continue(mode=ModeOverride(response_headers=True, response_body="streamed"))

@@ -28,7 +28,7 @@ from ratelimit.wire import response_to_proto
 from routing.compiled import listed_key_id
 from sidecar_runtime.wire_names import RESERVATION_METADATA_KEY
 from simulator.embeddings import embed
-from tests.extproc.helpers import snapshot
+from tests.extproc.helpers import JSON_POST, snapshot
 from tests.extproc.served import Recorder, Served
 
 SECRET = b"test-secret"
@@ -135,7 +135,7 @@ def test_the_wire_reads_the_rate_limit_services_own_429() -> None:
 
 def hit_stream(snapshot_: Any, recorder: Recorder) -> Any:
     state = Served(StreamState(snapshot_, SECRET), recorder)
-    state.handle("request_headers", {":path": "/v1/embeddings", ":method": "POST",
+    state.handle("request_headers", {":path": "/v1/embeddings", **JSON_POST,
                                      "authorization": f"Bearer {KEY}"}, b"", False)
     lookup = state.handle("request_body", None,
                           orjson.dumps({"model": "bge-m3", "input": ["a"]}), True)
@@ -170,7 +170,7 @@ def test_a_hit_without_request_limits_is_answered_at_once_and_recorded() -> None
 
 def reserve(inputs: list[str], cached: set[str]) -> Continue:
     state = StreamState(snap(), SECRET)
-    state.handle("request_headers", {":path": "/v1/embeddings", ":method": "POST"}, b"", False)
+    state.handle("request_headers", {":path": "/v1/embeddings", **JSON_POST}, b"", False)
     lookup = state.handle("request_body", None,
                           orjson.dumps({"model": "bge-m3", "input": inputs}), True)
     assert isinstance(lookup, Lookup)

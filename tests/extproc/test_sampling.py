@@ -15,7 +15,7 @@ from extproc.bodies import parse_generation
 from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.stream import StreamState
 from sidecar_runtime.wire_names import DONE_METADATA_KEY, ENVOY_USAGE_HEADER, TOKENS_METADATA_KEY
-from tests.extproc.helpers import snapshot
+from tests.extproc.helpers import JSON_POST, snapshot
 from tests.extproc.served import Recorder, Served
 
 LIMITS = {"tenant": {"default": {"tokens": "1M/h"}}}
@@ -86,7 +86,7 @@ def routed(doc: dict[str, Any], *, marker: bool = True, **sections: Any
     ``x-llm-envoy-usage``)."""
     records = Recorder()
     state = Served(StreamState(snapshot(**sections), b"secret"), records)
-    headers = {":path": "/v1/chat/completions", ":method": "POST", "x-request-id": "r-1"}
+    headers = {":path": "/v1/chat/completions", **JSON_POST, "x-request-id": "r-1"}
     if marker:
         headers[ENVOY_USAGE_HEADER] = "1"
     state.handle("request_headers", headers, b"", False)

@@ -18,13 +18,13 @@ from structlog.testing import capture_logs
 from extproc.records import Rejection, RequestRecord, RouteChosen
 from extproc.service import ExternalProcessor
 from sidecar_runtime.settings import Settings
-from tests.extproc.helpers import snapshot
+from tests.extproc.helpers import JSON_POST, snapshot
 from tests.extproc.served import Recorder
 from tests.fuzz.driver import body_message, headers_message
 
 CHAT = orjson.dumps({"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}],
                      "stream": True})
-HEADERS = {":path": "/v1/chat/completions", ":method": "POST", "x-request-id": "r1"}
+HEADERS = {":path": "/v1/chat/completions", **JSON_POST, "x-request-id": "r1"}
 SSE = {":status": "200", "content-type": "text/event-stream"}
 TOKEN = b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
 

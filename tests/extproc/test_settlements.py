@@ -30,7 +30,7 @@ from sidecar_runtime.wire_names import (
     TOKENS_METADATA_KEY,
     USED_ENTRY,
 )
-from tests.extproc.helpers import snapshot
+from tests.extproc.helpers import JSON_POST, snapshot
 
 SECRET = b"test-secret"
 KEY = "sk-settle-0123456789abcdef"
@@ -92,7 +92,7 @@ def run(snapshot_: Any, body: dict[str, Any], response: bytes, status: str = "20
         path: str = "/v1/chat/completions") -> tuple[Continue, Continue]:
     """(the request-body answer, the answer that ends the response)."""
     state = StreamState(snapshot_, SECRET)
-    state.handle("request_headers", {":path": path, ":method": "POST",
+    state.handle("request_headers", {":path": path, **JSON_POST,
                                      "authorization": f"Bearer {KEY}", "x-request-id": "r1",
                                      **(client_headers or {})}, b"", False)
     routed = state.handle("request_body", None, orjson.dumps(body), True)
@@ -170,7 +170,7 @@ def test_an_unread_stream_that_errors_is_settled_zero_at_its_headers() -> None:
     snap = snapshot(api_keys=API_KEYS, rate_limits={"tenant": {"default": {"tokens": "1k/min"}}},
                     telemetry={"sample": 0, "envoy_usage": True})
     state = StreamState(snap, SECRET)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST,
                                      "authorization": f"Bearer {KEY}",
                                      "x-llm-envoy-usage": "1"}, b"", False)
     state.handle("request_body", None, orjson.dumps({**CHAT, "stream": True}), True)
@@ -184,7 +184,7 @@ def test_a_read_stream_whose_usage_envoy_reads_is_left_to_envoy() -> None:
     because it was sampled) must not settle it a second time."""
     snap = limits(tenant={"default": {"tokens": "1k/min"}})
     state = StreamState(snap, SECRET)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST,
                                      "authorization": f"Bearer {KEY}",
                                      "x-llm-envoy-usage": "1"}, b"", False)
     state.handle("request_body", None, orjson.dumps(
@@ -202,7 +202,7 @@ def test_a_read_stream_without_usage_for_envoy_is_settled_by_extproc() -> None:
     with it, and takes it out of what the client gets."""
     snap = limits(tenant={"default": {"tokens": "1k/min"}})
     state = StreamState(snap, SECRET)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST,
                                      "authorization": f"Bearer {KEY}"}, b"", False)
     routed = state.handle("request_body", None, orjson.dumps({**CHAT, "stream": True}), True)
     assert isinstance(routed, Continue) and routed.body is not None

@@ -10,7 +10,7 @@ from extproc.actions import Continue, Reply
 from extproc.context import spoofed_headers
 from extproc.records import Rejection, RouteChosen
 from extproc.stream import StreamState
-from tests.extproc.helpers import snapshot
+from tests.extproc.helpers import JSON_POST, snapshot
 from tests.extproc.served import Recorder, Served
 
 SECRET = b"test-secret"
@@ -19,7 +19,8 @@ SECRET = b"test-secret"
 def start(path: str = "/v1/chat/completions", method: str = "POST",
           **headers: str) -> StreamState:
     state = StreamState(snapshot(), SECRET)
-    action = state.handle("request_headers", {":path": path, ":method": method, **headers},
+    action = state.handle("request_headers", {":path": path, ":method": method,
+                                              "content-type": "application/json", **headers},
                           b"", False)
     assert isinstance(action, Continue)
     return state
@@ -70,7 +71,7 @@ def test_trailers_after_a_body_pass() -> None:
 def test_spoofed_llm_headers_are_removed_and_ignored() -> None:
     state = StreamState(snapshot(), SECRET)
     first = state.handle("request_headers", {
-        ":path": "/v1/chat/completions", ":method": "POST", "x-llm-cluster": "vllm-long",
+        ":path": "/v1/chat/completions", **JSON_POST, "x-llm-cluster": "vllm-long",
         "x-llm-tenant": "vip"}, b"", False)
     assert isinstance(first, Continue)
     assert set(first.remove_headers) == {"x-llm-cluster", "x-llm-tenant"}
@@ -151,7 +152,7 @@ def test_unknown_paths_and_methods(path: str, method: str, status: int) -> None:
 def test_a_post_without_body_is_400() -> None:
     state = StreamState(snapshot(), SECRET)
     action = state.handle("request_headers",
-                          {":path": "/v1/chat/completions", ":method": "POST"}, b"", True)
+                          {":path": "/v1/chat/completions", **JSON_POST}, b"", True)
     assert isinstance(action, Reply) and action.status == 400
 
 
@@ -165,7 +166,7 @@ def test_a_compressed_body_is_a_415_that_says_so(path: str, encoding: str | None
     """Neither extproc nor vLLM decompresses a request body: a gzip body used to be read as
     JSON and refused as "str is not valid UTF-8". Now it is refused at its headers, by name."""
     state = StreamState(snapshot(), SECRET)
-    headers = {":path": path, ":method": "POST"}
+    headers = {":path": path, **JSON_POST}
     if encoding is not None:
         headers["content-encoding"] = encoding
     action = state.handle("request_headers", headers, b"", False)
@@ -179,17 +180,43 @@ def test_a_compressed_body_is_a_415_that_says_so(path: str, encoding: str | None
             f"Request bodies with content-encoding {encoding.strip().lower()!r}")
 
 
+@pytest.mark.parametrize(("path", "content_type", "refused"), [
+    ("/v1/chat/completions", "application/json", False),
+    ("/v1/embeddings", " Application/JSON ; charset=utf-8", False),
+    ("/v1/completions", None, True),  # curl -d without -H, or a raw client
+    ("/v1/chat/completions", "application/x-www-form-urlencoded", True),  # curl -d's default
+    ("/v1/embeddings", "text/plain", True),
+    ("/v1/chat/completions", "application/merge-patch+json", True),
+    ("/v1/chat/completions", "", True),
+])
+def test_a_body_that_is_not_application_json_is_a_415_before_any_work(
+        path: str, content_type: str | None, refused: bool) -> None:
+    """vLLM refuses any other media type (a missing one too); refused at the headers, such a
+    request no longer reaches a pod, and spends no rate limit, only to be refused there."""
+    state = StreamState(snapshot(), SECRET)
+    headers = {":path": path, ":method": "POST"}
+    if content_type is not None:
+        headers["content-type"] = content_type
+    action = state.handle("request_headers", headers, b"", False)
+    assert isinstance(action, Reply) is refused
+    if isinstance(action, Reply):
+        error = orjson.loads(action.body)["error"]
+        assert (action.status, error["code"], error["param"]) == (
+            415, "unsupported_media_type", "content-type")
+        assert "Only 'application/json' is allowed" in error["message"]
+
+
 def test_required_auth_rejects_unknown_keys_before_the_body() -> None:
     import hashlib
     snap = snapshot(auth={"required": True},
                     api_keys=[{"name": "bot", "sha256": hashlib.sha256(b"sk-good").hexdigest(),
                                "tenant": "legal"}])
     state = StreamState(snap, SECRET)
-    action = state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+    action = state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST,
                                               "authorization": "Bearer sk-bad"}, b"", False)
     assert isinstance(action, Reply) and action.status == 401
     state = StreamState(snap, SECRET)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST,
                                      "authorization": "Bearer sk-good"}, b"", False)
     ok = body(state, chat_doc())
     assert isinstance(ok, Continue)
@@ -206,7 +233,7 @@ def test_a_stream_is_recorded_and_charged_at_done_even_if_its_end_never_arrives(
     recorder = Recorder()
     records = recorder.records
     state = Served(StreamState(snapshot(), SECRET), recorder)
-    state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"}, b"",
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST}, b"",
                  False)
     body(state, chat_doc(max_tokens=2, stream=True))
     state.handle("response_headers", {":status": "200", "content-type": "text/event-stream"},
@@ -225,7 +252,7 @@ def test_a_stream_is_recorded_and_charged_at_done_even_if_its_end_never_arrives(
 
 def test_a_bad_tenant_header_is_an_openai_400_before_the_body() -> None:
     state = StreamState(snapshot(), SECRET)
-    action = state.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST",
+    action = state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST,
                                               "x-tenant-id": "\uff4c\uff45\uff47\uff41\uff4c"}, b"", False)
     assert isinstance(action, Reply) and action.status == 400
     error = orjson.loads(action.body)["error"]
@@ -359,7 +386,7 @@ def test_a_query_never_reaches_a_pool() -> None:
     """A client's key in the query (``?key=sk-...``) would land in vLLM's access log."""
     def headers_answer(path: str) -> dict[str, str]:
         action = StreamState(snapshot(), SECRET).handle(
-            "request_headers", {":path": path, ":method": "POST"}, b"", False)
+            "request_headers", {":path": path, **JSON_POST}, b"", False)
         assert isinstance(action, Continue)
         return dict(action.set_headers)
 

@@ -15,6 +15,7 @@ with atheris.instrument_imports(include=["extproc"]):
     from extproc import bodies, stream  # noqa: F401
     from extproc.processors import base, embeddings, generation  # noqa: F401
 
+from tests.extproc.helpers import JSON_POST
 from tests.fuzz.driver import rich_snapshot, run_stream
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models")
@@ -24,7 +25,7 @@ SNAPSHOT = rich_snapshot()
 def one_input(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
     path = PATHS[fdp.ConsumeIntInRange(0, len(PATHS) - 1)]
-    headers = {":path": path, ":method": "POST",
+    headers = {":path": path, **JSON_POST,
                "authorization": "Bearer " + fdp.ConsumeUnicodeNoSurrogates(12),
                "x-context-length": fdp.ConsumeUnicodeNoSurrogates(6),
                "x-tenant-id": fdp.ConsumeUnicodeNoSurrogates(8)}

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.extproc.helpers import JSON_POST
 from tests.fuzz.driver import LISTED_KEY, run_stream
 
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"]
@@ -104,13 +105,13 @@ def test_openai_shaped_bodies_with_hostile_values(path: str, method: str, header
        chunks=st.lists(st.binary(max_size=300), max_size=4))
 def test_random_bytes_as_body_and_as_the_response(path: str, body: bytes,
                                                   chunks: list[bytes]) -> None:
-    run_stream({":path": path, ":method": "POST"}, body, response_chunks=chunks)
+    run_stream({":path": path, **JSON_POST}, body, response_chunks=chunks)
 
 
 @FUZZ
 @given(doc=json_values, path=st.sampled_from(PATHS))
 def test_any_json_document(doc: Any, path: str) -> None:
-    run_stream({":path": path, ":method": "POST"}, json.dumps(doc).encode())
+    run_stream({":path": path, **JSON_POST}, json.dumps(doc).encode())
 
 
 @FUZZ
@@ -119,7 +120,7 @@ def test_any_json_document(doc: Any, path: str) -> None:
 def test_a_valid_request_survives_any_response_stream(chunks: list[bytes]) -> None:
     body = orjson.dumps({"model": "llama-2-13b", "stream": True, "max_tokens": 5,
                          "messages": [{"role": "user", "content": "hi"}]})
-    answers = run_stream({":path": "/v1/chat/completions", ":method": "POST"}, body,
+    answers = run_stream({":path": "/v1/chat/completions", **JSON_POST}, body,
                          response_chunks=chunks)
     assert answers[1].status is None  # routed, then every response chunk answered
 
@@ -184,7 +185,7 @@ def _parse_cpu(body: bytes) -> float:
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_bodies(name: str) -> None:
     body = HOSTILE[name]
-    headers = {":path": PATH_OF.get(name, "/v1/chat/completions"), ":method": "POST",
+    headers = {":path": PATH_OF.get(name, "/v1/chat/completions"), **JSON_POST,
                **HEADERS_OF.get(name, {})}
     # CPU time, not wall time: what stalls the event loop is the work, and on a loaded 2-core
     # machine the wall clock also counts other processes' turns (6.9 s for a 0.5 s parse). CPU
@@ -217,9 +218,9 @@ def test_an_embeddings_batch_is_capped_at_openais_2048_inputs() -> None:
     """Two million one-letter inputs (8 MB) used to keep the event loop busy for seconds."""
     for count, status in ((2048, None), (2049, 400)):
         body = orjson.dumps({"model": "bge-m3", "input": ["a"] * count})
-        answers = run_stream({":path": "/v1/embeddings", ":method": "POST"}, body)
+        answers = run_stream({":path": "/v1/embeddings", **JSON_POST}, body)
         assert answers[1].status == status
-    answers = run_stream({":path": "/v1/embeddings", ":method": "POST"}, HOSTILE["2M embedding inputs"])
+    answers = run_stream({":path": "/v1/embeddings", **JSON_POST}, HOSTILE["2M embedding inputs"])
     error = orjson.loads(answers[1].response.immediate_response.body)["error"]
     assert error["param"] == "input" and "2048" in error["message"]
 
@@ -230,7 +231,7 @@ def test_an_embeddings_batch_is_capped_at_openais_2048_inputs() -> None:
 ])
 def test_generation_bounds_refuse_the_work_they_cap(name: str, param: str) -> None:
     """A million one-id prompts used to route as one tier-high request after ~2 s of CPU."""
-    answers = run_stream({":path": PATH_OF.get(name, "/v1/chat/completions"), ":method": "POST"},
+    answers = run_stream({":path": PATH_OF.get(name, "/v1/chat/completions"), **JSON_POST},
                          HOSTILE[name])
     assert answers[1].status == 400
     error = orjson.loads(answers[1].response.immediate_response.body)["error"]

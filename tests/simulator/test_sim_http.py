@@ -170,7 +170,8 @@ async def test_malformed_bodies_are_400_json(
     start_sim: StartSim, http: aiohttp.ClientSession, path: str, data: bytes, message: str
 ) -> None:
     sim = await start_sim()
-    async with http.post(sim.url + path, data=data) as response:
+    async with http.post(sim.url + path, data=data,
+                         headers={"Content-Type": "application/json"}) as response:
         assert response.status == 400
         assert response.content_type == "application/json"
         assert response.headers["x-sim-name"] == "test-pool"
@@ -178,6 +179,23 @@ async def test_malformed_bodies_are_400_json(
     assert body["error"]["type"] == "BadRequestError"
     assert body["error"]["code"] == 400
     assert body["error"]["message"].startswith(message)
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+async def test_a_body_that_is_not_application_json_is_vllms_400(
+    start_sim: StartSim, http: aiohttp.ClientSession, content_type: str | None
+) -> None:
+    """vLLM's ``validate_json_request``: any other media type, a missing one too, is refused
+    before the body is read."""
+    sim = await start_sim()
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    data = orjson.dumps({"messages": HELLO})
+    async with http.post(sim.url + "/v1/chat/completions", data=data, headers=headers,
+                         skip_auto_headers=["Content-Type"]) as response:
+        assert response.status == 400
+        body = await response.json()
+    assert "Unsupported Media Type: Only 'application/json' is allowed" in body["error"]["message"]
+    assert sim.app[STATE].journal.entries()[-1]["path"] == "/v1/chat/completions"
 
 
 @pytest.mark.parametrize(

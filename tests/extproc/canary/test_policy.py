@@ -10,7 +10,7 @@ from extproc.canary.policy import OPEN_CANARIES, CanaryPolicy
 from extproc.stream import StreamState
 from routing.compiled import Snapshot
 from tests.extproc.canary.test_guard import BASE
-from tests.extproc.helpers import snapshot
+from tests.extproc.helpers import JSON_POST, snapshot
 
 CANARY = {"model": "v2", "cluster": "vllm-canary", "percent": 100, "guard": {"min_samples": 3}}
 MODELS = {"llama-2-13b": {"clusters": ["vllm-short", "vllm-long"], "canary": CANARY},
@@ -51,7 +51,7 @@ def test_a_stream_routes_by_the_policy_in_force_when_it_started() -> None:
     guards = CanaryGuards()
     before = guards.policy
     started = StreamState(snap, b"s", guards=guards)
-    started.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"},
+    started.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST},
                    b"", False)
     trip(guards, snap)
     assert guards.policy is not before and guards.tripped()
@@ -60,6 +60,6 @@ def test_a_stream_routes_by_the_policy_in_force_when_it_started() -> None:
     assert variant(started.handle("request_body", None, CHAT, True)) == "canary"
     # ... and every stream after it routes to stable.
     later = StreamState(snap, b"s", guards=guards)
-    later.handle("request_headers", {":path": "/v1/chat/completions", ":method": "POST"},
+    later.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST},
                  b"", False)
     assert variant(later.handle("request_body", None, CHAT, True)) == "stable"

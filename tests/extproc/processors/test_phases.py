@@ -33,7 +33,7 @@ from extproc.processors.phases import (
     advance,
 )
 from extproc.stream import StreamState
-from tests.extproc.helpers import snapshot
+from tests.extproc.helpers import JSON_POST, snapshot
 from tests.extproc.served import Recorder, Served
 
 GENERATION_ALLOWED = {
@@ -143,7 +143,7 @@ EMBED = orjson.dumps({"model": "bge-m3", "input": ["a", "b"]})
 
 def started(path: str, telemetry: Recorder) -> Served:
     state = Served(StreamState(snapshot(), b"s"), telemetry)
-    assert isinstance(state.handle("request_headers", {":path": path, ":method": "POST",
+    assert isinstance(state.handle("request_headers", {":path": path, **JSON_POST,
                                                        "x-request-id": "r1"}, b"", False),
                       Continue)
     return state
