@@ -31,7 +31,8 @@ def doc() -> dict[str, Any]:
         {"name": "solo", "sha256": hashlib.sha256(SOLO_KEY.encode()).hexdigest()},
     ]
     d["rate_limits"] = {"tenant": {"overrides": {"acme": {"requests": "3/h"},
-                                                 "solo": {"requests": "2/h"}}}}
+                                                 "solo": {"requests": "2/h"},
+                                                 "mime": {"requests": "1/h"}}}}
     return d
 
 
@@ -219,3 +220,31 @@ def test_envoy_receives_the_reservation_as_dynamic_metadata(gw: Gateway, make: A
     tenant = f"resv-{uuid.uuid4().hex[:8]}"
     make(client(gw, "sk-reservation", tenant))
     assert access_log_line(gw, tenant)["reservation"] == reservation
+
+
+def test_a_body_that_is_not_json_is_refused_before_a_pool_or_a_limit(gw: Gateway) -> None:
+    """curl -d without -H sends form-encoded; vLLM refuses that, so the gateway does, at the
+    headers: a 415 that says what to send, no pod reached, no request counted against the
+    tenant's 1 per hour."""
+    marker = f"mime-{uuid.uuid4().hex[:8]}"
+    body = json.dumps({"model": "llama-2-13b", "max_tokens": 1,
+                       "messages": [{"role": "user", "content": marker}]}).encode()
+    url = urllib.parse.urlsplit(gw.url)
+    for content_type in (None, "application/x-www-form-urlencoded", "text/plain"):
+        headers = {"x-tenant-id": "mime", "content-length": str(len(body))}
+        if content_type is not None:
+            headers["content-type"] = content_type
+        conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=10)
+        try:
+            conn.request("POST", "/v1/chat/completions", body, headers)  # no header added
+            response = conn.getresponse()
+            status, error = response.status, json.loads(response.read())["error"]
+        finally:
+            conn.close()
+        assert status == 415, (content_type, error)
+        assert (error["code"], error["param"]) == ("unsupported_media_type", "content-type")
+    assert served_tenants(gw, marker) == []
+    good = client(gw, "sk-mime", "mime")
+    chat(good, marker, max_tokens=1)  # the tenant's one request of the hour is still there
+    with pytest.raises(openai.RateLimitError):
+        chat(good, marker, max_tokens=1)
