@@ -82,7 +82,9 @@ hostile_headers = st.fixed_dictionaries({}, optional={
     "x-request-id": header_text | st.just("id\r\nset-cookie: a=b"),
     "x-llm-cluster": header_text,
     "x-llm-variant": header_text,
-    "content-type": header_text,
+    # Mostly a JSON one, so bodies are still read; hostile text otherwise (a 415).
+    "content-type": st.sampled_from(["application/json", "Application/JSON; charset=utf-8"])
+    | header_text,
 })
 
 
@@ -95,7 +97,8 @@ def test_openai_shaped_bodies_with_hostile_values(path: str, method: str, header
                                                   doc: dict[str, Any], mangle: int | None,
                                                   hit: bool) -> None:
     found = (b"\x00" * 16,) if hit else None
-    run_stream({":path": path, ":method": method, **headers}, encode(doc, mangle),
+    run_stream({":path": path, ":method": method, "content-type": "application/json", **headers},
+               encode(doc, mangle),
                response_chunks=[b'data: {"usage": {"total_tokens": 5}}\n\n', b"data: [DONE]\n\n"],
                found=found)
 
