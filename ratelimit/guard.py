@@ -29,6 +29,7 @@ expires; their reservations stand)."""
 RETRY_BATCH = 256
 CONNECT_TIMEOUT_S = 2.0
 """How long start-up waits for the store to get ready (:meth:`GuardedStore.connect`)."""
+CONNECT_RETRY_S = 0.1
 
 
 class GuardedStore:
@@ -63,13 +64,23 @@ class GuardedStore:
 
     async def connect(self) -> None:
         """Get the store ready before the first request (connections, TLS, AUTH, scripts), so
-        that request's deadline does not pay for it. A store that is down is not an error
-        here (it is logged): decisions take ``on_backend_error`` until it answers."""
-        try:
-            await asyncio.wait_for(self.inner.connect(), max(self._timeout_s, CONNECT_TIMEOUT_S))
-        except (TimeoutError, BackendError) as exc:
-            log.warning("ratelimit_backend_unreachable_at_start", error=str(exc) or "timeout",
-                        detail="decisions take on_backend_error until it answers")
+        that request's deadline does not pay for it. Tried again every 0.1 s for up to
+        ``CONNECT_TIMEOUT_S`` (a Redis started beside the service may not listen yet). A store
+        that is still down is not an error here (it is logged): decisions take
+        ``on_backend_error`` until it answers."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(self.inner.connect(), max(left, self._timeout_s))
+                return
+            except (TimeoutError, BackendError) as exc:
+                if time.monotonic() + CONNECT_RETRY_S >= deadline:
+                    log.warning("ratelimit_backend_unreachable_at_start",
+                                error=str(exc) or "timeout",
+                                detail="decisions take on_backend_error until it answers")
+                    return
+            await asyncio.sleep(CONNECT_RETRY_S)
 
     async def decide(self, hits: Sequence[Hit]) -> StoreResult:
         result = await self._guarded(lambda: self.inner.decide(hits))

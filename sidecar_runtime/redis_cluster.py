@@ -155,9 +155,22 @@ class ClusterRouter:
 
     async def on_every_master(self, *args: Any) -> list[Any]:
         """Run one command on every master of the slot map (``SCRIPT LOAD`` at start-up: it
-        also opens a connection to each), in parallel; the replies in the map's order."""
+        also opens a connection to each), in parallel; the replies in the map's order. A
+        master that cannot be reached is marked down (its keys get ``on_backend_error`` at
+        once, and it is probed) and its error raised once every master has answered."""
         await self.ready()
-        return list(await asyncio.gather(*(self._send(node, args) for node in _owners(self._nodes))))
+        masters = _owners(self._nodes)
+        replies = await asyncio.gather(*(self._send(node, args) for node in masters),
+                                       return_exceptions=True)
+        failed: BaseException | None = None
+        for node, reply in zip(masters, replies, strict=True):
+            if isinstance(reply, (RedisConnectionError, ClusterDownError)):
+                failed = failed or self._mark_down(node, reply)
+            elif isinstance(reply, BaseException):
+                failed = failed or reply
+        if failed is not None:
+            raise failed
+        return list(replies)
 
     async def execute_many(self, commands: Sequence[tuple[str, Command]]) -> list[Any]:
         """Run ``(routing key, command)`` pairs: one pipeline per master, masters in parallel;
