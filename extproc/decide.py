@@ -44,6 +44,8 @@ class Decision:
     output_tokens: int
     """Output asked for by all sequences of all prompts."""
     priority: str
+    sequences: int = 1
+    """Sequences generated side by side: every choice (``n``) of every prompt."""
 
     @property
     def reservation(self) -> int:
@@ -151,6 +153,7 @@ def decide(model: ModelRoute, demand: Demand, hint: int, sticky_value: str, high
         prompt_tokens=sum(demand.prompt_tokens),
         output_tokens=total_output,
         priority=priority_tier(longest, total_output, high_below, low_from),
+        sequences=max(1, len(demand.prompt_tokens)) * demand.choices,
     )
 
 

@@ -195,8 +195,13 @@ class GenerationProcessor(BaseProcessor):
         ttft = first - (sent if sent is not None else ctx.started) \
             if reading.streamed and first is not None else None
         tpot = None
-        if ttft is not None and first is not None and last is not None and usage.streamed_tokens > 1:
-            tpot = (last - first) / (usage.streamed_tokens - 1)
+        # Per sequence: n choices (and a completions batch's prompts) decode side by side, and
+        # a chunk may carry several tokens (vLLM's --stream-interval): the usage says how many.
+        generated = usage.completion_tokens if usage.completion_tokens is not None \
+            else usage.streamed_tokens
+        per_sequence = generated / decision.sequences
+        if ttft is not None and first is not None and last is not None and per_sequence > 1:
+            tpot = (last - first) / (per_sequence - 1)
         record = RequestRecord(
             request_id=ctx.request_id,
             model=reading.routed.model,

@@ -203,3 +203,29 @@ def test_time_to_first_token_counts_from_the_routed_body_not_the_clients_upload(
     (record,) = recorder.records
     assert record.ttft_s == pytest.approx(0.05)
     assert record.duration_s == pytest.approx(2.05)  # what the client waited, as before
+
+
+@pytest.mark.parametrize(("n", "chunks", "tokens_per_chunk"), [(1, 5, 1), (2, 10, 1), (1, 3, 4)])
+def test_time_per_output_token_is_per_sequence(n: int, chunks: int, tokens_per_chunk: int) -> None:
+    """n choices decode side by side and a chunk may carry several tokens (vLLM's
+    --stream-interval): the time per output token is the stream's time over one sequence's
+    tokens as the usage counts them, not over the chunks of every choice (which gave 1/n)."""
+    now = [0.0]
+    recorder = Recorder()
+    state = Served(StreamState(snapshot(), SECRET, clock=lambda: now[0]), recorder)
+    state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST}, b"", False)
+    body = {"model": "llama-2-13b", "messages": [{"role": "user", "content": "hi"}], "n": n,
+            "max_tokens": 100, "stream": True, "stream_options": {"include_usage": True}}
+    state.handle("request_body", None, orjson.dumps(body), True)
+    state.handle("response_headers", SSE, b"", False)
+    for k in range(chunks):
+        now[0] = 1.0 + 0.1 * k  # one chunk every 0.1 s, the first at 1 s
+        state.handle("response_body", None, token("w" * tokens_per_chunk), False)
+    generated = chunks * tokens_per_chunk
+    usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": generated,
+                                      "total_tokens": 9 + generated}}
+    state.handle("response_body", None, b"data: " + orjson.dumps(usage) + b"\n\n", False)
+    state.handle("response_body", None, b"data: [DONE]\n\n", True)
+    (record,) = recorder.records
+    per_sequence = generated / n
+    assert record.tpot_s == pytest.approx(0.1 * (chunks - 1) / (per_sequence - 1))
