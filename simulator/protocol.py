@@ -15,6 +15,7 @@ from simulator.errors import bad_request, validation_error
 from simulator.tokens import ChatMessage, ChatPrompt, Prompt, TokenPrompt
 
 EncodingFormat = Literal["float", "base64"]
+MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ def _generation(
         n = 1
     elif n < 1:
         raise validation_error(f"n must be at least 1, got {n}.", "n", n)
+    elif n > MAX_CHOICES:  # the simulator's own bound: each choice is planned up front
+        raise validation_error(f"The vLLM simulator serves at most n={MAX_CHOICES}.", "n", n)
     stream = _optional_bool(fields, "stream") or False
     include_usage, continuous = _stream_options(fields, stream)
     return GenerationRequest(

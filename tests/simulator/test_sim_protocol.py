@@ -153,6 +153,11 @@ CHAT_ERRORS = [
         "n must be at least 1, got 0. (parameter=n, value=0)",
     ),
     ({"messages": HELLO, "n": "2"}, "n", "'n' must be an integer"),
+    (
+        {"messages": HELLO, "n": 10**8},
+        "n",
+        "The vLLM simulator serves at most n=1024. (parameter=n, value=100000000)",
+    ),
     ({"messages": HELLO, "stream": "yes"}, "stream", "'stream' must be a boolean"),
     (
         {"messages": HELLO, "stream_options": {"include_usage": True}},
