@@ -98,7 +98,6 @@ class RedisStore:
             if self._router is not None:
                 # At once: a connection per script on each master, for a request whose
                 # buckets are on several slots of one master (one script call per slot).
-                await self._router.ready()
                 await asyncio.gather(*(self._router.on_every_master("SCRIPT", "LOAD", script)
                                        for script in _SCRIPTS))
                 return

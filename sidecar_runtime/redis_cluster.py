@@ -162,14 +162,12 @@ class ClusterRouter:
         masters = _owners(self._nodes)
         replies = await asyncio.gather(*(self._send(node, args) for node in masters),
                                        return_exceptions=True)
-        failed: BaseException | None = None
-        for node, reply in zip(masters, replies, strict=True):
-            if isinstance(reply, (RedisConnectionError, ClusterDownError)):
-                failed = failed or self._mark_down(node, reply)
-            elif isinstance(reply, BaseException):
-                failed = failed or reply
-        if failed is not None:
-            raise failed
+        errors = [self._mark_down(node, reply)
+                  if isinstance(reply, (RedisConnectionError, ClusterDownError)) else reply
+                  for node, reply in zip(masters, replies, strict=True)
+                  if isinstance(reply, BaseException)]
+        if errors:
+            raise errors[0]  # every unreachable master marked down first, not only the first
         return list(replies)
 
     async def execute_many(self, commands: Sequence[tuple[str, Command]]) -> list[Any]:
