@@ -16,7 +16,7 @@ from ratelimit.bucket import Hit, Settle
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import BucketStore, StoreResult
 from sidecar_runtime.breaker import BreakerState
-from sidecar_runtime.guarded import BackendError, Guard
+from sidecar_runtime.guarded import BackendError, Guard, ready_within
 from sidecar_runtime.logs import get_logger
 
 T = TypeVar("T")
@@ -29,7 +29,6 @@ expires; their reservations stand)."""
 RETRY_BATCH = 256
 CONNECT_TIMEOUT_S = 2.0
 """How long start-up waits for the store to get ready (:meth:`GuardedStore.connect`)."""
-CONNECT_RETRY_S = 0.1
 
 
 class GuardedStore:
@@ -64,23 +63,13 @@ class GuardedStore:
 
     async def connect(self) -> None:
         """Get the store ready before the first request (connections, TLS, AUTH, scripts), so
-        that request's deadline does not pay for it. Tried again every 0.1 s for up to
-        ``CONNECT_TIMEOUT_S`` (a Redis started beside the service may not listen yet). A store
-        that is still down is not an error here (it is logged): decisions take
-        ``on_backend_error`` until it answers."""
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                await asyncio.wait_for(self.inner.connect(), max(left, self._timeout_s))
-                return
-            except (TimeoutError, BackendError) as exc:
-                if time.monotonic() + CONNECT_RETRY_S >= deadline:
-                    log.warning("ratelimit_backend_unreachable_at_start",
-                                error=str(exc) or "timeout",
-                                detail="decisions take on_backend_error until it answers")
-                    return
-            await asyncio.sleep(CONNECT_RETRY_S)
+        that request's deadline does not pay for it: :func:`ready_within`, for up to
+        ``CONNECT_TIMEOUT_S``. A store that is still down is not an error here (it is logged):
+        decisions take ``on_backend_error`` until it answers."""
+        error = await ready_within(self.inner.connect, max(self._timeout_s, CONNECT_TIMEOUT_S))
+        if error is not None:
+            log.warning("ratelimit_backend_unreachable_at_start", error=str(error) or "timeout",
+                        detail="decisions take on_backend_error until it answers")
 
     async def decide(self, hits: Sequence[Hit]) -> StoreResult:
         result = await self._guarded(lambda: self.inner.decide(hits))

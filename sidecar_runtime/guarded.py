@@ -10,6 +10,7 @@ failure: a half-open probe is never left hanging until the next cooldown.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -33,6 +34,29 @@ class NodeDown(BackendError):
 
 class BreakerOpen(BackendError):
     """Skipped without trying: the breaker is open."""
+
+
+READY_RETRY_S = 0.1
+"""How often :func:`ready_within` asks a backend that refused again."""
+
+
+async def ready_within(attempt: Callable[[], Awaitable[object]], bound_s: float,
+                       retry_s: float = READY_RETRY_S) -> Exception | None:
+    """Get a backend ready at start-up (connections, TLS, AUTH, scripts) before the first
+    request's deadline has to pay for it: ``attempt()`` until it returns, asked again every
+    ``retry_s`` after a :class:`BackendError` (a Redis started beside the service may not
+    listen yet), for ``bound_s`` in all (one that hangs is given up at the bound). None when
+    it got ready, else the last error: the caller logs it and serves, its requests taking
+    their backend-error policy until the backend answers. The breaker is left to requests."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            await asyncio.wait_for(attempt(), max(deadline - time.monotonic(), retry_s))
+            return None
+        except (TimeoutError, BackendError) as exc:
+            if time.monotonic() + retry_s >= deadline:
+                return exc
+        await asyncio.sleep(retry_s)
 
 
 class Guard:

@@ -22,7 +22,7 @@ from extproc.cache.metrics import CacheMetrics
 from extproc.cache.redis_store import RedisVectorStore
 from extproc.cache.store import MemoryVectorStore, VectorStore
 from sidecar_runtime.breaker import BreakerState
-from sidecar_runtime.guarded import BackendError, BreakerOpen, Guard
+from sidecar_runtime.guarded import BackendError, BreakerOpen, Guard, ready_within
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.redis_client import make_client
 from sidecar_runtime.settings import Settings, redis_url_for_logs
@@ -81,14 +81,15 @@ class VectorCache:
 
     async def connect(self) -> bool:
         """Open a connection (TCP, TLS, AUTH; on Cluster, the slot map) before the first request
-        needs one, so the first lookup's deadline does not pay for it. A store that is down is
-        not an error here: lookups bypass it until it answers."""
-        try:
-            await asyncio.wait_for(self.store.get_many([WARM_UP_KEY]), self._store_timeout_s)
-        except (TimeoutError, BackendError) as exc:
-            log.warning("embedding_cache_backend_unreachable_at_start", error=str(exc) or "timeout")
-            return False
-        return True
+        needs one, so the first lookup's deadline does not pay for it: :func:`ready_within`,
+        for up to the store deadline. A store that is still down is not an error here: lookups
+        bypass it until it answers."""
+        error = await ready_within(lambda: self.store.get_many([WARM_UP_KEY]),
+                                   self._store_timeout_s)
+        if error is not None:
+            log.warning("embedding_cache_backend_unreachable_at_start",
+                        error=str(error) or "timeout")
+        return error is None
 
     def store_later(self, write: CacheWrite) -> None:
         """Store in the background; the caller (about to answer Envoy) does not wait."""
