@@ -2,7 +2,8 @@
 
 Cold path, built without ``envoy-data-plane``: every config rendered here is checked by
 ``envoy --mode validate`` in the tests. The filter chain is health_check (``/healthz``) →
-ext_proc → ratelimit → router; the router takes the pool extproc decided, named in dynamic
+(the usage strip) → ext_proc → (the fallback route's query cut) → (the usage reader) →
+ratelimit → router; the router takes the pool extproc decided, named in dynamic
 metadata only a filter can set (``x-llm-cluster`` carries the same name, for logs and pods).
 Clusters are built in :mod:`routing.render_clusters`.
 """
@@ -378,6 +379,42 @@ def routed_match(cluster: str) -> dict[str, Any]:
     }]}
 
 
+FALLBACK_QUERY_FILTER = "llm-sidecar.fallback_query"
+"""A Lua filter after ext_proc that runs only on the fallback route (its per-route code)."""
+_STRIP_QUERY_LUA = """
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  local path = headers:get(":path")
+  local at = path and string.find(path, "?", 1, true)
+  if at then headers:replace(":path", string.sub(path, 1, at - 1)) end
+end
+"""
+
+
+def fallback_query_filter() -> dict[str, Any]:
+    """The filter :func:`fallback_route` runs: no code of its own, so it does nothing on a pool
+    route (extproc sends those the bare path itself)."""
+    return {"name": FALLBACK_QUERY_FILTER,
+            "typed_config": {TYPE: API + "extensions.filters.http.lua.v3.Lua"}}
+
+
+def fallback_route(config: RoutingConfig, fallback: str) -> dict[str, Any]:
+    """The route of a request extproc could not route (unreachable, failing open). Its query
+    string is cut here, as extproc cuts it on every request it routes: a client may put its
+    key there (``?key=sk-...``), and no key reaches a pool."""
+    return {"name": "llm-fallback", "match": {"prefix": "/"},
+            "route": _upstream(config, fallback),
+            **upstream_credentials(config, fallback),
+            "typed_per_filter_config": {FALLBACK_QUERY_FILTER: {
+                TYPE: API + "extensions.filters.http.lua.v3.LuaPerRoute",
+                "source_code": {"inline_string": _STRIP_QUERY_LUA}}}}
+
+
+def fails_open_to(config: RoutingConfig) -> str | None:
+    """The pool a request goes to when extproc cannot be reached, if the config has one."""
+    return config.services.fallback_cluster if config.services.failure_mode_allow else None
+
+
 def routes(config: RoutingConfig) -> list[dict[str, Any]]:
     """One route per pool, taken only on extproc's decision; then the fallback or a 503.
 
@@ -390,13 +427,11 @@ def routes(config: RoutingConfig) -> list[dict[str, Any]]:
          "route": _upstream(config, name), **upstream_credentials(config, name)}
         for name in config.clusters
     ]
-    fallback = config.services.fallback_cluster
-    if fallback is not None and config.services.failure_mode_allow:
+    fallback = fails_open_to(config)
+    if fallback is not None:
         # extproc was unreachable and the filter failed open: serve from the fallback pool
         # (unchecked, unlimited by token counts extproc would have read) rather than 503.
-        return [*routed, {"name": "llm-fallback", "match": {"prefix": "/"},
-                         "route": _upstream(config, fallback),
-                         **upstream_credentials(config, fallback)}]
+        return [*routed, fallback_route(config, fallback)]
     return [
         *routed,
         {
@@ -437,6 +472,7 @@ def http_connection_manager(config: RoutingConfig,
             health_check_filter(),
             *(usage_filters_before_ext_proc() if envoy_usage else []),
             ext_proc_filter(config),
+            *([fallback_query_filter()] if fails_open_to(config) is not None else []),
             *(usage_filters_after_ext_proc() if envoy_usage else []),
             *([ratelimit_filter(config)] if config.rate_limits is not None else []),
             router_filter(),

@@ -402,7 +402,9 @@ def test_extproc_down_fails_open_to_the_fallback_pool(open_gw: Gateway) -> None:
     gw.clear_sims()
     gw.child("extproc").process.kill()
     try:
-        spoofed = Call("chat", "/v1/chat/completions", chat_call().body,
+        # Spoofed headers, and a key in the query: extproc, which cuts the query of every
+        # request it routes, never sees this one.
+        spoofed = Call("chat", "/v1/chat/completions?key=sk-in-the-query", chat_call().body,
                        {**chat_call().headers, "x-llm-cluster": "vllm-canary",
                         "x-llm-tenant": "someone-else"})
         replies = [post(gw.url, chat_call(n=i)) for i in range(3)] + [post(gw.url, spoofed)]
@@ -414,10 +416,12 @@ def test_extproc_down_fails_open_to_the_fallback_pool(open_gw: Gateway) -> None:
     served = {name: len(gw.sim_requests(name)) for name in gw.sims}
     assert served["vllm-long"] == 4, served  # the fallback pool served every one
     assert gw.sim_requests("vllm-canary") == []  # a client cannot pick its pool
+    assert [(r["path"], r["query"]) for r in gw.sim_requests("vllm-long")] == \
+        [("/v1/chat/completions", {})] * 4  # no key in a query reached the pool
     # Without extproc no x-llm-key-id reaches the rate limiter: "enforced" means it is back.
     recovered = wait_until(lambda: rate_limit_probe(gw.url) == "enforced", 10, 0.05)
     print(f"\n[chaos] extproc down, failure_mode_allow + fallback_cluster: 4/4 served by the "
-          f"fallback pool, spoofed x-llm-cluster ignored; routed again {recovered:.2f} s after "
+          f"fallback pool, spoofed x-llm-cluster ignored, query cut; routed again {recovered:.2f} s after "
           "restart")
 
 

@@ -38,7 +38,7 @@ def variants() -> dict[str, dict[str, Any]]:
                                                  "vllm-long-2.llm.svc:8000"]
     dns["clusters"]["vllm-canary"]["endpoint_picker"] = {"metrics_interval": "250ms"}
     dns["services"] = {"extproc": "extproc.llm.svc:50051", "ratelimit": "[::1]:50052",
-                       "failure_mode_allow": True}
+                       "failure_mode_allow": True, "fallback_cluster": "vllm-long"}
     dns["rate_limits"] = {"api_key": {"default": {"requests": "10/s", "tokens": "100k/min"}}}
     dns["istio"] = {"context": "GATEWAY", "port": 8080}
     dns["envoy"].update(max_heap_bytes=768 * 1024 * 1024, max_concurrent_streams=50)
@@ -86,11 +86,13 @@ def test_the_production_shape_of_the_bootstrap(tmp_path: pathlib.Path) -> None:
     assert bootstrap["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     hcm = hcm_of(bootstrap)
     # The usage strip (Lua) runs after ext_proc on the response, once ext_proc let the headers
-    # go (its setBytes sets content-length); the usage reader reads the pool's bytes.
+    # go (its setBytes sets content-length); the usage reader reads the pool's bytes. The
+    # fallback pool's query cut (this config fails open to one) runs after ext_proc too.
     assert [f["name"] for f in hcm["http_filters"]] == [
         "envoy.filters.http.health_check", "envoy.filters.http.lua",
-        "envoy.filters.http.ext_proc", "envoy.filters.http.sse_to_metadata",
-        "envoy.filters.http.ratelimit", "envoy.filters.http.router"]
+        "envoy.filters.http.ext_proc", "llm-sidecar.fallback_query",
+        "envoy.filters.http.sse_to_metadata", "envoy.filters.http.ratelimit",
+        "envoy.filters.http.router"]
     # a client's own x-llm-* headers are dropped before routing (always, not only failing open)
     assert hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"] == [
         {"remove_on_match": {"key_matcher": {"prefix": "x-llm-"}}},
@@ -131,7 +133,14 @@ def test_no_route_reaches_a_pool_without_extprocs_decision(name: str,
     pools = {c["name"] for c in bootstrap["static_resources"]["clusters"]
              if not c["name"].startswith("llm-sidecar-")}
     fallback = bootstrap_fallback(hcm)
+    names = [f["name"] for f in hcm["http_filters"]]
+    # The fallback route cuts the query (extproc cuts it on the routes it picks): its Lua
+    # filter follows ext_proc, with code only on that route, and is absent without a fallback.
+    assert (names[names.index("envoy.filters.http.ext_proc") + 1]
+            == "llm-sidecar.fallback_query") == (fallback is not None)
+    assert ("llm-sidecar.fallback_query" in names) == (fallback is not None)
     for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        assert ("typed_per_filter_config" in route) == (route["name"] == "llm-fallback")
         target = route.get("route", {}).get("cluster")
         if target is None:
             assert "direct_response" in route
