@@ -93,10 +93,7 @@ def make_store(settings: Settings, metrics: RateLimitMetrics) -> BucketStore:
         )
         return MemoryStore()
     timeout_s = settings.redis_timeout_ms / 1000
-    try:
-        client = make_client(settings.redis_url.get_secret_value(), timeout_s)
-    except ValueError as exc:
-        raise ConfigError.at("LLM_SIDECAR_REDIS_URL", 0, str(exc)) from None
+    client = make_client(settings.redis_url.get_secret_value(), timeout_s)  # RedisUrlError
     log.info("ratelimit_redis_store", redis=redis_url_for_logs(settings.redis_url))
     return GuardedStore(RedisStore(client), timeout_s, settings.redis_breaker_cooldown_ms / 1000, metrics,
                         failures_to_open=settings.redis_breaker_failures)

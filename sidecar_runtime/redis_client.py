@@ -33,18 +33,30 @@ SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 TLS_FILE_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
+URL_SETTING = "LLM_SIDECAR_REDIS_URL"
+"""Where every service's Redis URL comes from (``Settings.redis_url``)."""
+
+
+class RedisUrlError(ValueError):
+    """A Redis URL no request could ever use. Its text names the setting and the problem, never
+    a secret: the services print it as their one line of a bad config and exit 1."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{URL_SETTING}: {problem}")
+
+
 def check_url(url: str) -> None:
-    """Raise ``ValueError`` (naming no secret) for a URL no request could ever use: an unknown
-    scheme, or a TLS file that does not exist. Checked at start-up, because at request time a
-    broken TLS setup would only look like a Redis outage, forever."""
+    """Raise :class:`RedisUrlError` for a URL no request could ever use: an unknown scheme, or
+    a TLS file that does not exist. Checked at start-up, because at request time a broken TLS
+    setup would only look like a Redis outage, forever."""
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES:
-        raise ValueError(f"Redis URL scheme {parts.scheme!r} is not one of {', '.join(SCHEMES)}")
+        raise RedisUrlError(f"Redis URL scheme {parts.scheme!r} is not one of {', '.join(SCHEMES)}")
     query = parse_qs(parts.query)
     for name in TLS_FILE_PARAMS:
         for path in query.get(name, []):
             if not os.path.isfile(path):
-                raise ValueError(f"Redis URL parameter {name}: no such file {path!r}")
+                raise RedisUrlError(f"Redis URL parameter {name}: no such file {path!r}")
 
 
 def _shared_context_connection() -> type[SSLConnection]:
