@@ -132,5 +132,5 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
         return canary_run(args)
     if args.command == "sim":
         from simulator import run as sim_run
-        return sim_run(args)
+        return sim_run(args, settings.log_level)
     raise AssertionError(args.command)

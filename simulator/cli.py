@@ -103,10 +103,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM; 0 after a clean stop, 2 for invalid settings, 1 if the
-    address cannot be bound."""
-    configure("info", "simulator")
+def run(args: argparse.Namespace, log_level: str = "info") -> int:
+    """Serve until SIGINT/SIGTERM, logging at ``log_level`` (``LLM_SIDECAR_LOG_LEVEL`` under
+    ``llm-sidecar sim``); 0 after a clean stop, 2 for invalid settings, 1 if the address cannot
+    be bound."""
+    configure(log_level, "simulator")
     # Fetched after configure(): structlog caches a logger on first use, stream included.
     log = get_logger("simulator")
     try:

@@ -167,3 +167,19 @@ def test_a_busy_port_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
         port = taken.getsockname()[1]
         assert run(_parse("--port", str(port), "--name", "n")) == 1
     assert "simulator_cannot_listen" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("level", "logged"), [("error", True), ("critical", False)])
+@pytest.mark.usefixtures("restore_logging")
+def test_llm_sidecar_sim_logs_at_the_configured_level(
+        level: str, logged: bool, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from llm_sidecar.cli import main
+
+    monkeypatch.setenv("LLM_SIDECAR_LOG_LEVEL", level)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["sim", "--port", str(port), "--name", "n"]) == 1
+    assert ("simulator_cannot_listen" in capsys.readouterr().err) is logged
