@@ -46,6 +46,11 @@ def warnings(config: RoutingConfig, located: Located) -> list[Problem]:
                 f"prompt in the largest pool of {name!r} (max_context {largest}): every "
                 "request without max_tokens gets a 413; use less than max_context"))
     if config.auth.required:
+        if not config.api_keys:
+            out.append(located.problem(
+                ("auth", "required"),
+                "warning: auth.required is true and no api_keys are listed: every request "
+                "gets 401 invalid_api_key; list the keys (name and sha256) under api_keys"))
         return out  # every warning below is about open mode
     if config.api_keys:
         out.append(located.problem(

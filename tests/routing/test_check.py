@@ -230,6 +230,10 @@ def test_every_problem_of_a_file_is_reported_at_once(tmp_path: pathlib.Path) -> 
     assert [p.line for p in caught.value.problems] == [7, 10]
 
 
+REQUIRED = f"auth: {{required: true}}\napi_keys:\n  - {{name: bot, sha256: '{HEX_A}'}}\n"
+"""Production mode: keys required, and one listed."""
+
+
 ESCAPE = ("warning: {levels} limits with auth.required false bind only callers that keep their "
           "key and tenant: any caller can send a new key or name a new tenant (x-tenant-id) and "
           "get fresh buckets; only model limits bind everyone. Set auth.required: true where "
@@ -247,7 +251,7 @@ ESCAPE = ("warning: {levels} limits with auth.required false bind only callers t
     # An override inherits its default's shadow, as the rate limiter reads it.
     ("rate_limits:\n  tenant: {default: {requests: 5/s, shadow: true}, "
      "overrides: {acme: {requests: 9/s}}}\n", []),
-    ("auth: {required: true}\nrate_limits:\n  tenant: {default: {requests: 5/s}}\n", []),
+    (REQUIRED + "rate_limits:\n  tenant: {default: {requests: 5/s}}\n", []),
 ])
 def test_check_warns_that_open_mode_lets_callers_escape_key_and_tenant_limits(
         tmp_path: pathlib.Path, limits: str, expected: list[str]) -> None:
@@ -277,7 +281,7 @@ PREFIX_WARNING = ("8: warning: prefix_cache_scope tenant with auth.required fals
 @pytest.mark.parametrize(("text", "expected"), [
     # A budget no prompt fits next to (warned, not refused: clients that always send
     # max_tokens are served, as before the warning).
-    (GOOD + "    default_max_tokens: 40000\nauth: {required: true}\n",
+    (GOOD + "    default_max_tokens: 40000\n" + REQUIRED,
      ["8: warning: default_max_tokens 40000 leaves no room for a prompt in the largest pool "
       "of 'llama-2-13b' (max_context 32768): every request without max_tokens gets a 413; use "
       "less than max_context"]),
@@ -289,10 +293,10 @@ PREFIX_WARNING = ("8: warning: prefix_cache_scope tenant with auth.required fals
                   'simulate: true}'), []),
     (GOOD + 'services: {extproc: "127.0.0.1:6000", ratelimit: "127.0.0.1:6000"}\n', []),
     (SCOPED, [CACHE_WARNING]),
-    (SCOPED + "auth: {required: true}\n", []),
+    (SCOPED + REQUIRED, []),
     (SCOPED.replace("scope: tenant", "scope: shared"), []),
     (SALTED, [PREFIX_WARNING]),
-    (SALTED + "auth: {required: true}\n", []),
+    (SALTED + REQUIRED, []),
     (SALTED.replace("scope: tenant", "scope: shared"), []),
 ])
 def test_check_warns_that_tenant_scoped_caches_need_authenticated_tenants(
@@ -323,6 +327,9 @@ KEYED = GOOD + f"api_keys:\n  - {{name: bot, sha256: '{HEX_A}'}}\n"
              "true in production"]),
     (KEYED + "auth: {required: true}\n", []),
     (GOOD + "auth: {required: false}\n", []),  # open mode with no keys: nothing to protect
+    (GOOD + "auth:\n  required: true\n", [
+        "9: warning: auth.required is true and no api_keys are listed: every request gets 401 "
+        "invalid_api_key; list the keys (name and sha256) under api_keys"]),
 ])
 def test_check_warns_when_keys_are_listed_but_not_required(tmp_path: pathlib.Path, text: str,
                                                            expected: list[str]) -> None:
