@@ -11,9 +11,12 @@ from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
 from extproc.quick_init import quick_init
 from routing.compiled import Snapshot
-from sidecar_runtime.wire_names import BOOTSTRAP_HEADER, DESTINATION_ENDPOINT, ENVOY_USAGE_HEADER
-
-LLM_HEADER_PREFIX = "x-llm-"
+from sidecar_runtime.wire_names import (
+    BOOTSTRAP_HEADER,
+    DESTINATION_ENDPOINT,
+    ENVOY_USAGE_HEADER,
+    LLM_HEADER_PREFIX,
+)
 
 
 class EndpointPicking(Protocol):

@@ -18,9 +18,10 @@ from extproc.errors import error_body
 from routing.compiled import Snapshot
 from routing.ratelimits import DOMAIN, LEVEL_HEADERS, limit_entries, route_rate_limits
 from routing.schema import RoutingConfig
+from sidecar_runtime.wire_names import RATELIMIT_BACKEND_HEADER
 
 UNAVAILABLE_DETAILS = "ratelimit_unavailable"
-BACKEND_DENY_HEADER = "x-llm-ratelimit-backend"
+BACKEND_DENY_HEADER = RATELIMIT_BACKEND_HEADER
 """What the rate-limit service adds to a denial its store caused (``on_backend_error: deny``);
 Envoy's local-reply mapper turns such a 429 into a 503, and so does :func:`answer`."""
 

@@ -39,7 +39,12 @@ from extproc.processors.models import ModelsProcessor
 from extproc.records import Rejection, RequestRecord
 from routing.compiled import Snapshot
 from sidecar_runtime.logs import get_logger
-from sidecar_runtime.wire_names import BOOTSTRAP_HEADER, CLIENT_CREDENTIALS, CLUSTER_METADATA_KEY
+from sidecar_runtime.wire_names import (
+    BOOTSTRAP_HEADER,
+    CLIENT_CREDENTIALS,
+    CLUSTER_HEADER,
+    CLUSTER_METADATA_KEY,
+)
 
 log = get_logger("extproc.stream")
 
@@ -59,7 +64,7 @@ def routed(action: Step) -> Step:
     this covers Istio, whose routes ``render`` does not write)."""
     if not isinstance(action, Continue):
         return action
-    cluster = next((v for k, v in action.set_headers if k == "x-llm-cluster"), None)
+    cluster = next((v for k, v in action.set_headers if k == CLUSTER_HEADER), None)
     if cluster is None:
         return action
     metadata = MappingProxyType({**action.metadata, CLUSTER_METADATA_KEY: cluster})

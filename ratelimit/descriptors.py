@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from ratelimit.bucket import BucketSpec
+from sidecar_runtime.wire_names import KEY_ID_HEADER, MODEL_HEADER, TENANT_HEADER
 
 OnBackendError = Literal["allow", "deny"]
 
@@ -33,9 +34,9 @@ UNIT_SECONDS: Mapping[str, int] = MappingProxyType(
 """Envoy's RateLimitResponse units; a token bucket needs a fixed length, so a month is 30 days."""
 
 LEVEL_KEYS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("api_key", frozenset({"api_key", "api_key_id", "key_id", "x-llm-key-id"})),
-    ("tenant", frozenset({"tenant", "x-llm-tenant"})),
-    ("model", frozenset({"model", "x-llm-model"})),
+    ("api_key", frozenset({"api_key", "api_key_id", "key_id", KEY_ID_HEADER})),
+    ("tenant", frozenset({"tenant", TENANT_HEADER})),
+    ("model", frozenset({"model", MODEL_HEADER})),
 )
 """Descriptor entry keys that name a level, most specific first (messages and metrics)."""
 

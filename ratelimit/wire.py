@@ -48,7 +48,13 @@ from ratelimit.limiter import (
     Phase,
 )
 from sidecar_runtime import protowire
-from sidecar_runtime.wire_names import CONTROL_ENTRIES, LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
+from sidecar_runtime.wire_names import (
+    CONTROL_ENTRIES,
+    LEASE_ENTRY,
+    RATELIMIT_BACKEND_HEADER,
+    RELEASE_ENTRY,
+    USED_ENTRY,
+)
 
 _Response = rls_pb2.RateLimitResponse
 _UNITS = {
@@ -81,7 +87,7 @@ def request_from_proto(message: rls_pb2.RateLimitRequest) -> LimitRequest:
     )
 
 
-BACKEND_DENY_HEADER = "x-llm-ratelimit-backend"
+BACKEND_DENY_HEADER = RATELIMIT_BACKEND_HEADER
 
 
 def _descriptor(message: ratelimit_pb2.RateLimitDescriptor) -> DescriptorRequest:

@@ -35,11 +35,14 @@ from sidecar_runtime.wire_names import (
     CAP_METADATA_KEY,
     DONE_ENTRY,
     DONE_METADATA_KEY,
+    KEY_ID_HEADER,
     LEASE_ENTRY,
     LEASE_METADATA_KEY,
     METADATA_NAMESPACE,
+    MODEL_HEADER,
     RELEASE_ENTRY,
     RESERVATION_METADATA_KEY,
+    TENANT_HEADER,
     TOKENS_METADATA_KEY,
     USED_ENTRY,
 )
@@ -47,7 +50,7 @@ from sidecar_runtime.wire_names import (
 KINDS = ("requests", "tokens", "concurrent")
 
 DOMAIN = "llm-sidecar"
-LEVEL_HEADERS = {"api_key": "x-llm-key-id", "tenant": "x-llm-tenant", "model": "x-llm-model"}
+LEVEL_HEADERS = {"api_key": KEY_ID_HEADER, "tenant": TENANT_HEADER, "model": MODEL_HEADER}
 _UNITS = (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1))
 UINT32_MAX = 2**32 - 1
 """Largest amount a limit may hold: Envoy's RateLimitResponse carries it as a uint32."""

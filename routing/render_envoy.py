@@ -27,6 +27,7 @@ from sidecar_runtime.wire_names import (
     DESTINATION_ENDPOINT,
     ENVOY_USAGE_HEADER,
     LB_METADATA_NAMESPACE,
+    LLM_HEADER_PREFIX,
     METADATA_NAMESPACE,
     RESERVATION_METADATA_KEY,
 )
@@ -272,7 +273,7 @@ def strip_llm_headers() -> dict[str, Any]:
         "typed_config": {
             TYPE: API + "extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
             "mutations": [{"remove_on_match": {"key_matcher": {"prefix": prefix}}}
-                          for prefix in ("x-llm-", DESTINATION_ENDPOINT)],
+                          for prefix in (LLM_HEADER_PREFIX, DESTINATION_ENDPOINT)],
         },
     }
 

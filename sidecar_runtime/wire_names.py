@@ -58,6 +58,24 @@ prefixes, like ``-subset``) is removed before any filter sees it."""
 DESTINATION_ENDPOINT_SERVED = "x-gateway-destination-endpoint-served"
 """Set by Envoy (override_host's ``selected_host_key``, in ``envoy.lb``): the pod that served."""
 
+LLM_HEADER_PREFIX = "x-llm-"
+"""The prefix of the gateway's own headers: a client's copies are removed before anything reads
+them (Envoy's early header mutation; extproc again, for Istio)."""
+CLUSTER_HEADER = "x-llm-cluster"
+MODEL_HEADER = "x-llm-model"
+TENANT_HEADER = "x-llm-tenant"
+KEY_ID_HEADER = "x-llm-key-id"
+CONTEXT_LENGTH_HEADER = "x-llm-context-length"
+PRIORITY_HEADER = "x-llm-priority"
+VARIANT_HEADER = "x-llm-variant"
+"""Set by extproc on a request it routes, for Envoy's rate-limit actions, logs and the pool
+(README: Headers); ``x-llm-cluster`` names the pool the route's metadata match already chose."""
+CACHE_HEADER = "x-llm-cache"
+"""To the client, on embeddings: ``hit``, ``partial``, ``miss`` or ``bypass``."""
+RATELIMIT_BACKEND_HEADER = "x-llm-ratelimit-backend"
+"""``unavailable`` on the rate limiter's answer when it decided without its store
+(``on_backend_error``): extproc then answers a cache hit's check with a 503, not a 429."""
+
 ENVOY_USAGE_HEADER = "x-llm-envoy-usage"
 """Added by the bootstrap ``render`` writes, after every client ``x-llm-*`` header is gone, when
 its Envoy carries the usage filters (``telemetry.envoy_usage``): only then does extproc leave

@@ -22,6 +22,15 @@ from extproc.errors import (
 )
 from extproc.records import RequestRecord
 from routing.compiled import ModelRoute
+from sidecar_runtime.wire_names import (
+    CLUSTER_HEADER,
+    CONTEXT_LENGTH_HEADER,
+    KEY_ID_HEADER,
+    MODEL_HEADER,
+    PRIORITY_HEADER,
+    TENANT_HEADER,
+    VARIANT_HEADER,
+)
 
 
 class Processor(Protocol):
@@ -59,13 +68,13 @@ class BaseProcessor:
 def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) -> Headers:
     """The ``x-llm-*`` headers Envoy routes and rate-limits on (README: Headers)."""
     return (
-        ("x-llm-cluster", decision.cluster),
-        ("x-llm-model", model.name),
-        ("x-llm-tenant", ctx.identity.tenant),
-        ("x-llm-key-id", ctx.identity.key_id),
-        ("x-llm-context-length", str(decision.context_length)),
-        ("x-llm-priority", decision.priority),
-        ("x-llm-variant", decision.variant),
+        (CLUSTER_HEADER, decision.cluster),
+        (MODEL_HEADER, model.name),
+        (TENANT_HEADER, ctx.identity.tenant),
+        (KEY_ID_HEADER, ctx.identity.key_id),
+        (CONTEXT_LENGTH_HEADER, str(decision.context_length)),
+        (PRIORITY_HEADER, decision.priority),
+        (VARIANT_HEADER, decision.variant),
     )
 
 

@@ -93,13 +93,13 @@ from extproc.records import RequestRecord, RouteChosen
 from extproc.settlements import settlement_for
 from extproc.tokens import counter_for
 from sidecar_runtime.logs import get_logger
+from sidecar_runtime.wire_names import CACHE_HEADER
 
 log = get_logger("extproc.processors.embeddings")
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 """Largest vLLM answer held to merge or store (the gRPC message limit of extproc, too)."""
 
-CACHE_HEADER = "x-llm-cache"
 _STREAM_RESPONSE = ModeOverride(response_headers=True, response_body="streamed")
 _SKIP_RESPONSE_BODY = ModeOverride(response_headers=False, response_body="none")
 _HOLD = Continue(body=b"")

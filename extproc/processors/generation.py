@@ -44,7 +44,11 @@ from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.settlements import settlement_for
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, UsageStripper, settled_tokens, tokens_to_charge
-from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER, STRIP_USAGE_METADATA_KEY
+from sidecar_runtime.wire_names import (
+    ENVOY_USAGE_HEADER,
+    RATELIMIT_BACKEND_HEADER,
+    STRIP_USAGE_METADATA_KEY,
+)
 
 UPSTREAM_ANSWERED = "x-envoy-upstream-service-time"
 """Envoy's router adds it to a response an upstream sent, never to a local reply."""
@@ -90,7 +94,7 @@ class GenerationProcessor(BaseProcessor):
         reading = Reading(routed, int(status) if status.isdigit() else 0, streamed,
                           # The rate limiter's own replies (429, or 503 when its store is
                           # down) mark themselves.
-                          "x-envoy-ratelimited" in headers or "x-llm-ratelimit-backend" in headers,
+                          "x-envoy-ratelimited" in headers or RATELIMIT_BACKEND_HEADER in headers,
                           UsageMeter(streamed),
                           stripper=UsageStripper() if streamed and routed.strip_usage else None)
         if self.picked is not None and self.ctx.picker is not None \
