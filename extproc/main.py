@@ -10,7 +10,6 @@ from routing.errors import ConfigError
 from routing.loader import load_config
 from routing.units import parse_service_address
 from sidecar_runtime.logs import get_logger
-from sidecar_runtime.redis_client import RedisUrlError
 from sidecar_runtime.service_process import ServiceCommand, run_service
 from sidecar_runtime.settings import Settings
 from sidecar_runtime.workers import add_worker_arguments
@@ -46,8 +45,7 @@ COMMAND = ServiceCommand(
     name="extproc",
     default_address=default_address,
     build=ExtprocService,
-    # A port in use and a Redis URL no request could use too: one line, as ratelimit.
-    config_errors=(ConfigError, OSError, RedisUrlError),
+    config_errors=(ConfigError, OSError),  # a port in use too: one line, as ratelimit
     preflight=warn_memory_cache,
     supervisor_pages={"/canary": canary_text},
 )

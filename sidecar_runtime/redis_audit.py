@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from pydantic import SecretStr
 
 from sidecar_runtime.logs import get_logger
+from sidecar_runtime.redis_url import check_url
 
 log = get_logger("llm_sidecar.redis")
 
@@ -43,7 +44,8 @@ def exposure(url: str) -> RedisExposure:
 
 def audit_redis(url: SecretStr | None, dev_mode: bool, registry: CollectorRegistry,
                 service: str) -> RedisExposure | None:
-    """Warn (outside dev mode) and set the gauge for the Redis ``url`` a service will use.
+    """Warn (outside dev mode) and set the gauge for the Redis ``url`` a service will use;
+    :class:`~sidecar_runtime.redis_url.RedisUrlError` for a URL no request could use.
 
     Returns what was found, or None when no Redis is configured (in-process memory).
     """
@@ -54,6 +56,7 @@ def audit_redis(url: SecretStr | None, dev_mode: bool, registry: CollectorRegist
     if url is None:
         gauge.set(0)
         return None
+    check_url(url.get_secret_value())  # first: a URL that does not parse is refused, not read
     found = exposure(url.get_secret_value())
     gauge.set(0 if found.password else 1)
     if not found.password and not dev_mode:

@@ -13,10 +13,9 @@ against ``?ssl_ca_certs=/path/ca.pem``; a client certificate is ``&ssl_certfile=
 
 from __future__ import annotations
 
-import os
+import re
 import ssl
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -24,39 +23,13 @@ from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from sidecar_runtime.redis_url import UNPARSED, RedisUrlError, check_url
+
 Client = Redis | RedisCluster
 MAX_CONNECTIONS = 128
 """Per server (per node of a Cluster). redis-py raises instead of waiting when a pool is
 exhausted (8.x: a standalone pool holds 100 by default), so a store never has more commands
 in flight than this (see its semaphore)."""
-SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
-TLS_FILE_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-
-
-URL_SETTING = "LLM_SIDECAR_REDIS_URL"
-"""Where every service's Redis URL comes from (``Settings.redis_url``)."""
-
-
-class RedisUrlError(ValueError):
-    """A Redis URL no request could ever use. Its text names the setting and the problem, never
-    a secret: the services print it as their one line of a bad config and exit 1."""
-
-    def __init__(self, problem: str) -> None:
-        super().__init__(f"{URL_SETTING}: {problem}")
-
-
-def check_url(url: str) -> None:
-    """Raise :class:`RedisUrlError` for a URL no request could ever use: an unknown scheme, or
-    a TLS file that does not exist. Checked at start-up, because at request time a broken TLS
-    setup would only look like a Redis outage, forever."""
-    parts = urlsplit(url)
-    if parts.scheme not in SCHEMES:
-        raise RedisUrlError(f"Redis URL scheme {parts.scheme!r} is not one of {', '.join(SCHEMES)}")
-    query = parse_qs(parts.query)
-    for name in TLS_FILE_PARAMS:
-        for path in query.get(name, []):
-            if not os.path.isfile(path):
-                raise RedisUrlError(f"Redis URL parameter {name}: no such file {path!r}")
 
 
 def _shared_context_connection() -> type[SSLConnection]:
@@ -105,6 +78,23 @@ def make_client(url: str, timeout_s: float) -> Client:
     script whose reply was lost must not run twice).
     """
     check_url(url)
+    try:
+        return _make_client(url, timeout_s)
+    except ValueError as exc:  # redis-py's parse of the URL and its parameters
+        raise RedisUrlError(_parameter_problem(exc)) from None
+
+
+_BAD_PARAMETER = re.compile(r"Invalid value for '([a-z_]+)' in connection URL\.")
+
+
+def _parameter_problem(exc: ValueError) -> str:
+    """redis-py's complaint about a URL, as far as it names no part of the URL: the name of a
+    parameter it refused, else :data:`UNPARSED`."""
+    bad = _BAD_PARAMETER.fullmatch(str(exc))
+    return f"Redis URL parameter {bad.group(1)}: not a value it takes" if bad else UNPARSED
+
+
+def _make_client(url: str, timeout_s: float) -> Client:
     socket_timeout = max(timeout_s, 0.25)
     client: Client
     if "+cluster://" in url:

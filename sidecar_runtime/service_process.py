@@ -37,6 +37,7 @@ from sidecar_runtime.heap import settle_heap
 from sidecar_runtime.logs import bind_worker, get_logger
 from sidecar_runtime.ops_http import bound_port, start_ops_server
 from sidecar_runtime.procs import sidecar_command
+from sidecar_runtime.redis_url import RedisUrlError, check_url
 from sidecar_runtime.reload import Reloader
 from sidecar_runtime.settings import Settings
 from sidecar_runtime.signals import install_stop_handlers
@@ -219,7 +220,8 @@ class ServiceCommand:
     build: Callable[[str, Settings], Service]
     """``--config`` → the service (called on the event loop, before it listens)."""
     config_errors: tuple[type[Exception], ...]
-    """What a bad config raises: printed as it is (``FILE:LINE: message``), exit 1."""
+    """What a bad config raises: printed as it is (``FILE:LINE: message``), exit 1 (as is a
+    Redis URL no request could use, whatever the service)."""
     preflight: Callable[[str, Settings, int], None] = _no_preflight
     """Run by the supervisor before it starts the workers: a bad config gives one error,
     not N workers failing."""
@@ -227,6 +229,12 @@ class ServiceCommand:
     """Its state must be one across workers: ``--workers`` is refused without Redis."""
     supervisor_pages: Mapping[str, TextPage] = field(default_factory=dict)
     """Extra text pages of the supervisor's ops server, from the workers' merged metrics."""
+
+
+def config_errors(command: ServiceCommand) -> tuple[type[Exception], ...]:
+    """What stops ``command`` at start-up with one line and exit 1: its config errors, and a
+    Redis URL no request could use."""
+    return (RedisUrlError, *command.config_errors)
 
 
 def run_service(command: ServiceCommand, args: argparse.Namespace, settings: Settings) -> int:
@@ -266,7 +274,7 @@ async def _serve(command: ServiceCommand, config_path: str, listen: Listen,
     try:
         process = ServiceProcess(command.build(config_path, settings), listen, settings)
         await process.start()
-    except command.config_errors as exc:
+    except config_errors(command) as exc:
         print(str(exc), file=sys.stderr)
         return 1
     settle_heap()  # what start-up built stays for the process's life: out of the collector's way
@@ -286,8 +294,10 @@ def _supervise(command: ServiceCommand, args: argparse.Namespace, settings: Sett
         print(problem, file=sys.stderr)
         return 2
     try:
+        if settings.redis_url is not None:  # one line here, not one from every worker
+            check_url(settings.redis_url.get_secret_value())
         command.preflight(args.config, settings, workers)
-    except command.config_errors as exc:
+    except config_errors(command) as exc:
         print(str(exc), file=sys.stderr)
         return 1
     base = [command.name, "--config", args.config, "--host", host, "--port", str(port)]

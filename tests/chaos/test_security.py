@@ -16,6 +16,7 @@ import pytest
 
 from sidecar_runtime.procs import free_port, wait_http_ok
 from sidecar_runtime.redis_audit import exposure
+from sidecar_runtime.redis_url import UNPARSED
 from tests.chaos.support import (
     DEADLINE_S,
     LOAD_KEY,
@@ -177,6 +178,31 @@ def test_a_missing_ca_file_stops_the_service_at_startup(tmp_path: Path,
                f"'{tmp_path / 'missing-ca.pem'}'\n" in stderr, (kind, stderr[-1500:])
         assert "Traceback" not in stderr, (kind, stderr[-1500:])
         assert PASSWORD not in stderr, kind
+
+
+@pytest.mark.parametrize(("kind", "workers"), [("ratelimit", "1"), ("extproc", "1"),
+                                               ("ratelimit", "2")])
+def test_a_url_whose_password_is_not_encoded_stops_the_service_in_one_line(
+        tmp_path: Path, kind: str, workers: str) -> None:
+    """A password with ``/`` in it, not percent-encoded, spills into the port: redis-py's own
+    message quoted its first part, and extproc printed a traceback. Both services, and the
+    supervisor of ``--workers`` (once, not once per worker), say one line naming no part."""
+    import yaml
+
+    config = tmp_path / "routing.yaml"
+    config.write_text(yaml.safe_dump(chaos_doc()))
+    process, _ = run_service(kind, config, {
+        "LLM_SIDECAR_REDIS_URL": "redis://:zq9K/wv7X@127.0.0.1:6379/0",
+        "LLM_SIDECAR_WORKERS": workers})
+    try:
+        code = process.wait(30)
+    finally:
+        stderr = stop(process) if process.poll() is None else \
+            (process.stderr.read().decode() if process.stderr else "")
+    assert code == 1, (kind, stderr[-1500:])
+    line = f"LLM_SIDECAR_REDIS_URL: {UNPARSED}\n"
+    assert stderr.count(line) == 1 and "Traceback" not in stderr, (kind, stderr[-1500:])
+    assert "zq9K" not in stderr and "wv7X" not in stderr, kind
 
 
 async def test_a_certificate_from_another_ca_is_refused(tmp_path: Path, tls_redis: TlsRedis) -> None:
