@@ -386,10 +386,16 @@ _STRIP_QUERY_LUA = """
 function envoy_on_request(handle)
   local headers = handle:headers()
   local path = headers:get(":path")
-  local at = path and string.find(path, "?", 1, true)
-  if at then headers:replace(":path", string.sub(path, 1, at - 1)) end
+  if path == nil then return end
+  local at = string.find(path, "[?;]")
+  local encoded = string.find(path, "%%3[fF]")
+  if encoded ~= nil and (at == nil or encoded < at) then at = encoded end
+  if at ~= nil and at > 1 then headers:replace(":path", string.sub(path, 1, at - 1)) end
 end
 """
+"""Cuts ``:path`` at its query (``?``), or where a path parameter (``;``) or an encoded ``?``
+(``%3F``) would put a key: no OpenAI path has either, and a pod's server may decode or log
+them."""
 
 
 def fallback_query_filter() -> dict[str, Any]:
@@ -401,8 +407,9 @@ def fallback_query_filter() -> dict[str, Any]:
 
 def fallback_route(config: RoutingConfig, fallback: str) -> dict[str, Any]:
     """The route of a request extproc could not route (unreachable, failing open). Its query
-    string is cut here, as extproc cuts it on every request it routes: a client may put its
-    key there (``?key=sk-...``), and no key reaches a pool."""
+    string is cut here (and a ``;`` or ``%3F`` tail), as extproc cuts the query on every
+    request it routes: a client may put its key there (``?key=sk-...``), and no key reaches a
+    pool."""
     return {"name": "llm-fallback", "match": {"prefix": "/"},
             "route": _upstream(config, fallback),
             **upstream_credentials(config, fallback),

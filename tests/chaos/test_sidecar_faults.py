@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -42,6 +43,7 @@ from tests.chaos.support import (
 )
 from tests.harness.gateway import Gateway, envoy_counter, running_gateway
 from tests.harness.redis_fixtures import process_redis, serving
+from tests.harness.waits import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.e2e]
 
@@ -393,7 +395,7 @@ def open_gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     doc["services"].update(failure_mode_allow=True, fallback_cluster="vllm-long",
                            ratelimit_failure_mode_deny=True)
     with running_gateway(doc, str(tmp_path_factory.mktemp("chaos-open")),
-                         env={"LLM_SIDECAR_DEV_MODE": "true"}) as gw:
+                         env={"LLM_SIDECAR_DEV_MODE": "true"}, capture_logs=True) as gw:
         yield gw
 
 
@@ -407,20 +409,33 @@ def test_extproc_down_fails_open_to_the_fallback_pool(open_gw: Gateway) -> None:
         spoofed = Call("chat", "/v1/chat/completions?key=sk-in-the-query", chat_call().body,
                        {**chat_call().headers, "x-llm-cluster": "vllm-canary",
                         "x-llm-tenant": "someone-else"})
-        replies = [post(gw.url, chat_call(n=i)) for i in range(3)] + [post(gw.url, spoofed)]
+        # A path parameter or an encoded "?" is no query, but a pod's server may decode or
+        # log it: cut there too.
+        tails = [Call("chat", f"/v1/chat/completions{tail}key=sk-in-the-path",
+                      chat_call(n=3 + i).body, chat_call().headers)
+                 for i, tail in enumerate((";", "%3F"))]
+        replies = [post(gw.url, chat_call(n=i)) for i in range(3)] + [post(gw.url, spoofed)] \
+            + [post(gw.url, call) for call in tails]
     finally:
         gw.restart("extproc")
         host, port = parse_hostport(_service_address(gw, "extproc"))
         wait_tcp(host, port, 30, gw.child("extproc"))
-    assert [(r.status, r.code) for r in replies] == [(200, None)] * 4
+    assert [(r.status, r.code) for r in replies] == [(200, None)] * 6
     served = {name: len(gw.sim_requests(name)) for name in gw.sims}
-    assert served["vllm-long"] == 4, served  # the fallback pool served every one
+    assert served["vllm-long"] == 6, served  # the fallback pool served every one
     assert gw.sim_requests("vllm-canary") == []  # a client cannot pick its pool
     assert [(r["path"], r["query"]) for r in gw.sim_requests("vllm-long")] == \
-        [("/v1/chat/completions", {})] * 4  # no key in a query reached the pool
+        [("/v1/chat/completions", {})] * 6  # no key in a query (or a path) reached the pool
+
+    def fallback_lines() -> list[str]:
+        with open(os.path.join(gw.workdir, "envoy.log"), encoding="utf-8") as handle:
+            return [line for line in handle if '"cluster":"vllm-long"' in line]
+
+    wait_for(lambda: len(fallback_lines()) >= 6, timeout=10, what="the access log's lines")
+    assert not [line for line in fallback_lines() if "sk-in-the-" in line]  # nor its log
     # Without extproc no x-llm-key-id reaches the rate limiter: "enforced" means it is back.
     recovered = wait_until(lambda: rate_limit_probe(gw.url) == "enforced", 10, 0.05)
-    print(f"\n[chaos] extproc down, failure_mode_allow + fallback_cluster: 4/4 served by the "
+    print(f"\n[chaos] extproc down, failure_mode_allow + fallback_cluster: 6/6 served by the "
           f"fallback pool, spoofed x-llm-cluster ignored, query cut; routed again {recovered:.2f} s after "
           "restart")
 
