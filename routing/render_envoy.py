@@ -402,7 +402,9 @@ def fallback_query_filter() -> dict[str, Any]:
     """The filter :func:`fallback_route` runs: no code of its own, so it does nothing on a pool
     route (extproc sends those the bare path itself)."""
     return {"name": FALLBACK_QUERY_FILTER,
-            "typed_config": {TYPE: API + "extensions.filters.http.lua.v3.Lua"}}
+            "typed_config": {TYPE: API + "extensions.filters.http.lua.v3.Lua",
+                             # http.llm.lua.fallback_query.*: its runs apart from the strip's
+                             "stat_prefix": "fallback_query"}}
 
 
 def fallback_route(config: RoutingConfig, fallback: str) -> dict[str, Any]:
