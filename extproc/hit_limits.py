@@ -21,9 +21,6 @@ from routing.schema import RoutingConfig
 from sidecar_runtime.wire_names import RATELIMIT_BACKEND_HEADER
 
 UNAVAILABLE_DETAILS = "ratelimit_unavailable"
-BACKEND_DENY_HEADER = RATELIMIT_BACKEND_HEADER
-"""What the rate-limit service adds to a denial its store caused (``on_backend_error: deny``);
-Envoy's local-reply mapper turns such a 429 into a 503, and so does :func:`answer`."""
 
 
 T = TypeVar("T")
@@ -187,7 +184,7 @@ def answer(verdict: Verdict, admitted: Reply, deny_on_failure: bool) -> Reply:
         return Reply(admitted.status, admitted.body,
                      admitted.headers + _merge(verdict.headers, limits), admitted.details)
     # A denial because the store is down is not the client's rate limit: 503 (README: Errors).
-    status = 503 if any(name == BACKEND_DENY_HEADER for name, _ in verdict.headers) else 429
+    status = 503 if any(name == RATELIMIT_BACKEND_HEADER for name, _ in verdict.headers) else 429
     return Reply(status, verdict.body, _merge(verdict.headers, limits),
                  details="request_rate_limited")
 

@@ -87,9 +87,6 @@ def request_from_proto(message: rls_pb2.RateLimitRequest) -> LimitRequest:
     )
 
 
-BACKEND_DENY_HEADER = RATELIMIT_BACKEND_HEADER
-
-
 def _descriptor(message: ratelimit_pb2.RateLimitDescriptor) -> DescriptorRequest:
     # One pass over the entries, control entries read and left out as they come: every entry
     # read from upb costs a wrapper object, and a settlement batch carries 60 descriptors of
@@ -153,7 +150,7 @@ def response_to_proto(outcome: LimitOutcome) -> rls_pb2.RateLimitResponse:
         if outcome.backend_failed:
             # Envoy's local-reply mapper turns a denial carrying this header into a 503: the
             # store being down is not the client's rate limit (README: Errors).
-            add(key=BACKEND_DENY_HEADER, value="unavailable")
+            add(key=RATELIMIT_BACKEND_HEADER, value="unavailable")
         response.raw_body = error_body(outcome)
     return response
 
@@ -225,7 +222,7 @@ def _response_bytes(outcome: LimitOutcome) -> bytes:
             pairs.append(("retry-after", str(outcome.retry_after_s)))
         pairs.append(("content-type", "application/json"))
         if outcome.backend_failed:
-            pairs.append((BACKEND_DENY_HEADER, "unavailable"))
+            pairs.append((RATELIMIT_BACKEND_HEADER, "unavailable"))
     for pair in pairs:
         found = headers.get(pair)
         if found is None:

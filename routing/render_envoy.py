@@ -29,6 +29,7 @@ from sidecar_runtime.wire_names import (
     LB_METADATA_NAMESPACE,
     LLM_HEADER_PREFIX,
     METADATA_NAMESPACE,
+    RATELIMIT_BACKEND_HEADER,
     RESERVATION_METADATA_KEY,
 )
 
@@ -110,8 +111,8 @@ def local_reply_config() -> dict[str, Any]:
         },
         {   # the rate limiter denied because its store (Redis) is down: fail closed as a 503,
             # keeping the JSON body the rate limiter wrote
-            "filter": _cel("response.code == 429 && "
-                           "'x-llm-ratelimit-backend' in response.headers"),
+            "filter": _cel(f"response.code == 429 && "
+                           f"'{RATELIMIT_BACKEND_HEADER}' in response.headers"),
             "status_code": 503,
         },
         {   # no upstream, upstream failure, or a sidecar service down and failing closed

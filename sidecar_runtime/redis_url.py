@@ -31,8 +31,8 @@ class RedisUrlError(ValueError):
 def check_url(url: str) -> None:
     """Raise :class:`RedisUrlError` for a URL no request could ever use: one that does not
     parse (a port that is not a number, an unclosed ``[``), an unknown scheme, or a TLS file
-    that does not exist (no host is redis-py's ``localhost``). Checked at start-up, because at request time a
-    broken setup would only look like a Redis outage, forever."""
+    that does not exist (no host is fine: redis-py's ``localhost``). Checked at start-up,
+    because at request time a broken setup would only look like a Redis outage, forever."""
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is not 0 to 65535

@@ -74,7 +74,8 @@ CACHE_HEADER = "x-llm-cache"
 """To the client, on embeddings: ``hit``, ``partial``, ``miss`` or ``bypass``."""
 RATELIMIT_BACKEND_HEADER = "x-llm-ratelimit-backend"
 """``unavailable`` on the rate limiter's answer when it decided without its store
-(``on_backend_error``): extproc then answers a cache hit's check with a 503, not a 429."""
+(``on_backend_error: deny``): Envoy's local-reply mapper turns such a 429 into a 503, and so
+does extproc for a cache hit's check (``extproc.hit_limits.answer``)."""
 
 ENVOY_USAGE_HEADER = "x-llm-envoy-usage"
 """Added by the bootstrap ``render`` writes, after every client ``x-llm-*`` header is gone, when
