@@ -296,6 +296,20 @@ class Scraper:
     # -- pods -------------------------------------------------------------------------------
 
     async def _fetch(self, url: str, timeout_s: float) -> str:
+        """The body at ``url``. A cancel always ends it as a cancel: the loops catch every
+        ``Exception`` as a failed scrape, so a cancel that the HTTP stack below turned into an
+        error of its own would leave a loop running, and :meth:`stop` waiting for it (seen
+        once in CI: a scrape loop cancelled while a fetch failed kept running, and ``stop``
+        never returned)."""
+        try:
+            return await self._get(url, timeout_s)
+        except Exception:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError from None
+            raise
+
+    async def _get(self, url: str, timeout_s: float) -> str:
         session = self._session
         if session is None:
             raise MetricsError("scraper stopped")

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from extproc.picker.parse import MAX_BODY_BYTES
+from extproc.picker.parse import MAX_BODY_BYTES, MetricsError
 from extproc.picker.scrape import (
     BACKOFF_CAP_S,
     PoolPlan,
@@ -311,6 +311,32 @@ async def test_a_dead_pod_is_retried_with_backoff(fake_pod: Any, scraping: Any) 
     # (lower bounds only: a slow machine can only make them longer).
     assert gaps[3] >= 0.4 * 0.8 - 0.01
     assert gaps[4] >= 0.8 * 0.8 - 0.01
+
+
+async def test_stop_ends_a_loop_whose_fetch_turned_the_cancel_into_an_error(
+        fake_pod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetch cancelled mid-way that raises an error of its own (as an HTTP stack may) still
+    ends its loop: stop() returns, and no task is left."""
+    pod = await fake_pod()
+    fetching = asyncio.Event()
+
+    async def swallowing_get(self: Scraper, url: str, timeout_s: float) -> str:
+        fetching.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise MetricsError("connection closed") from None
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(Scraper, "_get", swallowing_get)
+    scraper = Scraper({}, routing({"pool": picker_pool([pod.address])}))
+    await scraper.start()
+    await asyncio.wait_for(fetching.wait(), 10)
+    # Not wait_for: cancelling a stop() stuck on such a loop would hang on it too.
+    stopping = asyncio.ensure_future(scraper.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=10)
+    assert done == {stopping}, "stop() is still waiting for the scrape loop"
+    assert scraper.tasks == ()
 
 
 @pytest.mark.parametrize(("interval_s", "failures", "expected"), [
