@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 
 from sidecar_runtime.h2grpc import frames
+from sidecar_runtime.h2grpc.limits import MESSAGE_OVERHEAD
 from sidecar_runtime.logs import get_logger
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ class Call:
         "_expired",
         "_max_receive",
         "_messages",
+        "_queued",
         "_timer",
         "_waiter",
         "cancelled",
@@ -106,7 +108,9 @@ class Call:
         "deadline",
         "finished",
         "handler",
+        "head_held",
         "headers_sent",
+        "held",
         "id",
         "input_ended",
         "metadata",
@@ -114,6 +118,7 @@ class Call:
         "path",
         "recv_unacked",
         "send_window",
+        "started",
         "task",
         "trailers_out",
     )
@@ -136,6 +141,10 @@ class Call:
         self.input_ended = False
         self._buffer = bytearray()  # the start of a message whose rest has not come yet
         self._messages: deque[bytes] = deque()
+        self._queued = 0  # the bytes of _messages, each with its overhead
+        self.held = 0  # what this call holds of the connection's buffer: _queued + _buffer
+        self.head_held = 0  # what its request head holds (the connection counts it)
+        self.started = False  # its handler's task was started
         self._waiter: asyncio.Future[None] | None = None
         self._drained: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None
@@ -171,11 +180,13 @@ class Call:
             if size - position - 5 < length:
                 break
             self._messages.append(bytes(source[position + 5:position + 5 + length]))
+            self._queued += length + MESSAGE_OVERHEAD
             position += 5 + length
         if source is buffer:
             del buffer[:position]
         elif position < size:
             buffer += data[position:]
+        self.held = self._queued + len(buffer)
         self._wake()
         return None
 
@@ -217,11 +228,11 @@ class Call:
 
     def _expire(self) -> None:
         self._timer = None
-        if self.task is None:
+        if not self.started:
             # Still waiting for its request message: end it now, or it would hold its stream
             # until the connection closes and run its handler past the deadline.
             self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        elif not self.task.done():
+        elif self.task is not None and not self.task.done():
             self._expired = True
             self.task.cancel()
 
@@ -252,8 +263,9 @@ class Call:
             finally:
                 self._waiter = None
         raw = messages.popleft()
-        if not messages and self.recv_unacked:
-            self.connection.consumed(self)
+        size = len(raw) + MESSAGE_OVERHEAD
+        self._queued -= size
+        self.connection.taken(self, size)
         return raw
 
     def _parse(self, raw: bytes) -> Any:
@@ -362,7 +374,11 @@ class Call:
             self._finish(grpc.StatusCode.UNKNOWN.value[0], "Unexpected error")
 
     def task_done(self, task: asyncio.Task[None]) -> None:
-        """The handler's task is over, however it ended (cancelled before it began too)."""
+        """The handler's task is over, however it ended (cancelled before it began too). The
+        call lets go of it: a cancelled task keeps its CancelledError, whose traceback holds
+        the call's frames, and a call holding its task would make a cycle only the garbage
+        collector frees (Rapid Reset made tens of MB of them)."""
+        self.task = None
         self._stop_timer()
         self.connection.call_done(self)
 

@@ -2,15 +2,27 @@
 
 Frames are parsed straight off ``data_received`` by :class:`~.peer.H2Peer`, the mechanics the
 client shares; here is what the server does with them. Each stream is a :class:`~.call.Call`.
-Flow control both ways: the server grants a large window and tops a stream's up as its handler
-takes the messages (a message above the service's limit is refused by the call, so one stream
-holds at most its window and one message); what it sends waits for the client's windows and
-frame size. Anything the protocol forbids ends the connection with GOAWAY and the error's code.
+
+Flow control both ways. Receiving, both windows are enforced (DATA past a stream's window
+resets it, past the connection's ends the connection, FLOW_CONTROL_ERROR) and given back only
+as bytes are released: a stream's as its handler takes the messages (or while it has no whole
+message waiting, so a message larger than the window can arrive), the connection's as the
+bytes its calls hold (messages waiting for handlers, each with its overhead, and partial ones)
+drop, so one connection never holds more than its buffer (:meth:`.limits.Limits.buffer_for`).
+Should partial messages alone fill it (no handler can make progress), the call holding the
+largest is failed RESOURCE_EXHAUSTED. What the server sends waits for the client's windows and
+frame size.
+
+Anything the protocol forbids ends the connection with GOAWAY and the error's code; a flood
+(PING, SETTINGS, premature RST_STREAM, frames that do nothing: :mod:`.limits`) with GOAWAY
+``ENHANCE_YOUR_CALM``. The server's sweep (:meth:`tick`) ends connections that do not finish
+their handshake or a header block in time, and idle ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -19,6 +31,7 @@ from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.call import Call
 from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import head_decoder
+from sidecar_runtime.h2grpc.limits import Budget
 from sidecar_runtime.h2grpc.peer import H2Peer
 from sidecar_runtime.logs import get_logger
 
@@ -27,9 +40,6 @@ if TYPE_CHECKING:
 
 log = get_logger("sidecar_runtime.h2grpc")
 
-RECEIVE_WINDOW = 4 * 1024 * 1024
-"""Each stream's window, granted in SETTINGS and topped up when half is used."""
-CONNECTION_WINDOW = 16 * 1024 * 1024
 DRAIN_LINGER_S = 0.2
 """How long a drained connection is still read (new streams refused) before it closes."""
 
@@ -43,11 +53,31 @@ class Connection(H2Peer[Call]):
         super().__init__()
         self._server = server
         self.peer = ""
-        self._heads = head_decoder(server.heads)
+        limits = self._limits = server.limits
+        self._max_header_block = limits.max_header_list
+        self._max_continuations = limits.max_continuations
+        self._heads = head_decoder(server.heads, server.heads_bytes,
+                                   max_list=limits.max_header_list,
+                                   max_bytes=limits.heads_cache_bytes)
         self._tasks = 0
-        self._received = 0  # connection-level bytes since the last WINDOW_UPDATE
+        self._window = limits.stream_window  # each stream's receive window
+        self._buffer = server.connection_buffer  # the most the calls may hold
+        self._refill_at = max(1, self._buffer // 4)
+        self._recv_window = f.DEFAULT_WINDOW  # what the client may still send, all streams
+        self._held = 0  # bytes the calls hold for their handlers (and each message's overhead)
+        self._head_bytes = 0  # what the open calls' request heads hold
+        self._pings = Budget(limits.pings)
+        self._settings_budget = Budget(limits.settings)
+        self._resets = Budget(limits.premature_resets)
+        self._glitches = Budget(limits.glitches)
         self._draining = False
         self._linger: asyncio.TimerHandle | None = None  # the close after a drain
+        now = time.monotonic()
+        self._opened_at = now
+        self._active_at = now  # the last sweep that saw a frame or an open stream
+        self._reads_seen = 0
+        self._kept_seen = 0
+        self._partial_since = now  # when the sweep first saw the frame now partial
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -55,13 +85,20 @@ class Connection(H2Peer[Call]):
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
         self.transport = cast(asyncio.Transport, transport)
         self.peer = _peer_name(transport)
-        self._server.connection_opened(self)
+        accepted = self._server.connection_opened(self)
+        self._recv_window = self._buffer
         self.transport.write(f.settings({f.SETTINGS_HEADER_TABLE_SIZE: 0,
                                          f.SETTINGS_ENABLE_PUSH: 0,
                                          f.SETTINGS_MAX_CONCURRENT_STREAMS:
                                              self._server.max_concurrent_streams,
-                                         f.SETTINGS_INITIAL_WINDOW_SIZE: RECEIVE_WINDOW})
-                             + f.window_update(0, CONNECTION_WINDOW - f.DEFAULT_WINDOW))
+                                         f.SETTINGS_INITIAL_WINDOW_SIZE: self._window,
+                                         f.SETTINGS_MAX_HEADER_LIST_SIZE:
+                                             self._limits.max_header_list})
+                             + f.window_update(0, self._buffer - f.DEFAULT_WINDOW))
+        if not accepted:
+            log.warning("h2_connection_refused", peer=self.peer, reason="too many connections",
+                        limit=self._limits.max_connections)
+            self._connection_error(f.ENHANCE_YOUR_CALM, "too many connections")
 
     def pause_writing(self) -> None:
         """The client stopped reading (the transport's buffer passed its high-water mark): stop
@@ -91,42 +128,106 @@ class Connection(H2Peer[Call]):
         if stream == 0:
             raise ConnectionError_(f.PROTOCOL_ERROR, "DATA on stream 0")
         counted = len(payload)
+        window = self._recv_window - counted
+        if window < 0:  # RFC 9113 §6.9.1
+            raise ConnectionError_(f.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        self._recv_window = window
         if flags & f.PADDED:
             payload = f.unpad(payload)
-        self._received += counted
-        if self._received >= CONNECTION_WINDOW // 2:
-            self._write(f.window_update(0, self._received))
-            self._received = 0
         call = self._streams.get(stream)
         if call is None or call.input_ended:
             if stream > self._last_stream:
                 raise ConnectionError_(f.PROTOCOL_ERROR, "DATA on an idle stream")
-            return  # a stream already answered or reset: its data is dropped
+            self._refill()  # a stream already answered or reset: its data is dropped
+            return
+        unacked = call.recv_unacked + counted
+        if unacked > self._window:  # a stream error (RFC 9113 §6.9.1): that stream ends
+            self.reset_stream(call, f.FLOW_CONTROL_ERROR)
+            call.reset()
+            self._refill()
+            return
         if payload:
+            held = call.held
             problem = call.receive(payload)
+            self._held += call.held - held
             if problem is not None:
                 call.fail(*problem)
+                self._refill()
                 return
+        elif not flags & f.END_STREAM:
+            self._on_glitch()
         if flags & f.END_STREAM:
             problem = call.end_input()
             if problem is not None:
                 call.fail(*problem)
+                self._refill()
                 return
         else:
-            call.recv_unacked += counted
-            if not call.has_message:  # else granted as the handler takes them (consumed)
-                self.consumed(call)
-        if call.task is None and (call.has_message or call.input_ended):
+            call.recv_unacked = unacked
+            if not call.has_message:  # else granted as the handler takes them (taken)
+                self._grant(call)
+        if self._buffer - self._held - self._recv_window >= self._refill_at \
+                or self._recv_window < f.DEFAULT_MAX_FRAME:
+            self._refill()
+        if not call.started and (call.has_message or call.input_ended):
             self._start(call)
 
-    def consumed(self, call: Call) -> None:
+    def taken(self, call: Call, size: int) -> None:
+        """``call``'s handler took a message that held ``size`` bytes (with its overhead)."""
+        if call.finished:
+            return  # forgotten: its bytes were released then
+        self._held -= size
+        call.held -= size
+        if not call.has_message:
+            self._grant(call)
+        if self._buffer - self._held - self._recv_window >= self._refill_at:
+            self._refill()
+
+    def _grant(self, call: Call) -> None:
         """No whole message of ``call`` waits for its handler: give the client back the window
         its data used. Granted as the handler reads, not as data arrives, a stream holds at
         most its window (and one message) of data its handler has not taken."""
-        if call.recv_unacked >= RECEIVE_WINDOW // 2 and not call.finished \
+        if call.recv_unacked >= self._window // 2 and not call.finished \
                 and not call.input_ended:
             self._write(f.window_update(call.id, call.recv_unacked))
             call.recv_unacked = 0
+
+    def _refill(self) -> None:
+        """Give the client back the connection window its released bytes free: what the calls
+        hold plus what it may still send stays within the connection's buffer."""
+        grant = self._buffer - self._held - self._recv_window
+        if grant >= self._refill_at or (grant > 0 and self._recv_window < f.DEFAULT_MAX_FRAME):
+            self._recv_window += grant
+            self._write(f.window_update(0, grant))
+        if self._recv_window < f.DEFAULT_MAX_FRAME and self._held:
+            self._unjam()
+
+    def _unjam(self) -> None:
+        """The connection's buffer is (nearly) full. Held by whole messages, their handlers
+        free it as they read; held by partial messages alone, nothing ever would (their rest
+        cannot arrive): the call holding the largest fails, RESOURCE_EXHAUSTED."""
+        largest: Call | None = None
+        for call in self._streams.values():
+            if call.has_message:
+                return
+            if largest is None or call.held > largest.held:
+                largest = call
+        if largest is not None and largest.held:
+            largest.fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"the connection's receive buffer ({self._buffer} bytes) is full of "
+                         "partial messages")
+            self._refill()
+
+    def _forget(self, call: Call) -> None:
+        """``call`` is over: what it held is released."""
+        self._streams.pop(call.id, None)
+        self._blocked.pop(call.id, None)
+        self._head_bytes -= call.head_held
+        call.head_held = 0
+        if call.held:
+            self._held -= call.held
+            call.held = 0
+            self._refill()
 
     def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
         if stream == 0 or stream % 2 == 0:
@@ -142,7 +243,7 @@ class Connection(H2Peer[Call]):
             problem = call.end_input()
             if problem is not None:
                 call.fail(*problem)
-            elif call.task is None:
+            elif not call.started:
                 self._start(call)
             return
         if stream <= self._last_stream:
@@ -158,8 +259,18 @@ class Connection(H2Peer[Call]):
         if head.malformed:  # a stream error (RFC 9113 §8.2.1): this stream only
             self._write(f.rst_stream(stream, f.PROTOCOL_ERROR))
             return
-        method, path, metadata = head.method, head.path, head.metadata
         ended = bool(flags & f.END_STREAM)
+        limits = self._limits
+        if head.fields > limits.max_header_fields:
+            self._refuse(stream, ended, f"a header block of {head.fields} fields is above the "
+                                        f"limit ({limits.max_header_fields})")
+            return
+        if self._head_bytes + head.held > limits.header_bytes:
+            # The open calls' heads already hold what a connection may: this one waits for
+            # some to end (REFUSED_STREAM: the client may retry it).
+            self._write(f.rst_stream(stream, f.REFUSED_STREAM))
+            return
+        method, path, metadata = head.method, head.path, head.metadata
         if method != "POST" or not head.content_type.startswith("application/grpc"):
             status = "405" if method != "POST" else "415"
             self._write(f.headers(stream, f.literal(":status", status), end_stream=True))
@@ -176,20 +287,62 @@ class Connection(H2Peer[Call]):
             return
         call = Call(stream, path, self, handler, metadata, head.timeout_s, self._peer_window,
                     self._server.max_receive_message_length)
+        call.head_held = head.held
+        self._head_bytes += head.held
         self._streams[stream] = call
         if ended:
             call.end_input()
         if handler.request_streaming or ended:
             self._start(call)
 
+    def _refuse(self, stream: int, ended: bool, details: str) -> None:
+        """Answer a stream RESOURCE_EXHAUSTED before it became a call."""
+        self._write(f.headers(stream, f.RESPONSE_HEADERS + f.trailers(
+            grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], details), end_stream=True))
+        if not ended:
+            self._write(f.rst_stream(stream, f.NO_ERROR))
+
     def _on_rst(self, stream: int, payload: bytes) -> None:
-        call = self._streams.pop(stream, None)
-        self._blocked.pop(stream, None)
+        call = self._streams.get(stream)
         if call is not None:
+            if not call.headers_sent and not self._resets.spend():
+                # Rapid Reset (CVE-2023-44487): streams opened and reset before any answer,
+                # each a call set up and torn down for nothing.
+                raise ConnectionError_(f.ENHANCE_YOUR_CALM,
+                                       "too many streams reset before their answer")
+            self._forget(call)
             call.reset()
             # Its handler may be done already (an answer that waited for window): no call_done
             # is coming to close a draining connection.
             self._close_if_drained()
+        elif stream > self._last_stream:  # RFC 9113 §6.4: an idle stream
+            raise ConnectionError_(f.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
+
+    def _priority_size(self, stream: int) -> None:
+        call = self._streams.get(stream)
+        if call is not None:
+            self.reset_stream(call, f.FRAME_SIZE_ERROR)
+            call.reset()
+        else:
+            self._write(f.rst_stream(stream, f.FRAME_SIZE_ERROR))
+
+    def _on_setting(self, key: int, value: int) -> None:
+        if key == f.SETTINGS_ENABLE_PUSH and value > 1:  # RFC 9113 §6.5.2
+            raise ConnectionError_(f.PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH above 1")
+
+    def _on_settings_frame(self, entries: int) -> None:
+        if entries > self._limits.max_settings_entries:
+            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "too many settings in one frame")
+        if not self._settings_budget.spend():
+            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "too many SETTINGS frames")
+
+    def _on_ping(self) -> None:
+        if not self._pings.spend():
+            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "too_many_pings")
+
+    def _on_glitch(self) -> None:
+        if not self._glitches.spend():
+            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "too many frames that do nothing")
 
     def _on_goaway(self, stream: int, payload: bytes) -> None:
         pass  # the client opens no new stream; the ones open finish
@@ -264,8 +417,7 @@ class Connection(H2Peer[Call]):
         if not call.input_ended:
             # The client has not half-closed: tell it to stop sending (what gRPC servers do).
             self._write(f.rst_stream(call.id, f.NO_ERROR))
-        self._streams.pop(call.id, None)
-        self._blocked.pop(call.id, None)
+        self._forget(call)
         self._close_if_drained()
 
     def reset_stream(self, call: Call, code: int) -> None:
@@ -274,13 +426,13 @@ class Connection(H2Peer[Call]):
             return
         call.finished = True
         self._write(f.rst_stream(call.id, code))
-        self._streams.pop(call.id, None)
-        self._blocked.pop(call.id, None)
+        self._forget(call)
         self._close_if_drained()
 
     # -- calls and the server --------------------------------------------------------------
 
     def _start(self, call: Call) -> None:
+        call.started = True
         self._tasks += 1
         self._server.call_started()
         task = asyncio.get_running_loop().create_task(call.run())
@@ -321,10 +473,45 @@ class Connection(H2Peer[Call]):
                 call.task.cancel()
         self._close()
 
+    def tick(self, now: float) -> None:
+        """The server's sweep (every :attr:`.limits.Limits.sweep_s`): end the connection that
+        has not finished its handshake, has left a frame or header block unfinished, or has
+        been idle (no open stream, no frame at all) longer than its limit allows."""
+        if self.closed:
+            return
+        limits = self._limits
+        if not self._preface:
+            if now - self._opened_at > limits.handshake_timeout_s:
+                self._timed_out("no HTTP/2 preface and SETTINGS in time")
+            return
+        opened = self._headers_open
+        if opened is not None and now - opened.at > limits.incomplete_timeout_s:
+            self._timed_out("a header block was not finished in time")
+            return
+        if self._pending:
+            if self._kept != self._kept_seen:  # a new partial frame since the last sweep
+                self._kept_seen = self._kept
+                self._partial_since = now
+            elif now - self._partial_since > limits.incomplete_timeout_s:
+                self._timed_out("a frame was not finished in time")
+                return
+        if self._streams or self._tasks or self._reads != self._reads_seen:
+            self._reads_seen = self._reads
+            self._active_at = now
+        elif now - self._active_at > limits.idle_timeout_s and not self._draining:
+            log.info("h2_connection_idle", peer=self.peer, idle_s=limits.idle_timeout_s)
+            self.drain()
+
+    def _timed_out(self, reason: str) -> None:
+        log.warning("h2_connection_timeout", peer=self.peer, reason=reason)
+        self._connection_error(f.NO_ERROR, reason)
+
     def _log_bug(self) -> None:
         log.exception("h2_connection_error", peer=self.peer)
 
     def _connection_error(self, code: int, message: str) -> None:
+        if code == f.ENHANCE_YOUR_CALM:
+            log.warning("h2_connection_calm", peer=self.peer, reason=message)
         self._send_goaway(code, message)
         self._close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from typing import ClassVar, Generic, Protocol, TypeVar
 
 import hpack
@@ -18,6 +19,19 @@ from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST
 
 _unpack_header = f.HEADER.unpack_from
+
+
+class _OpenBlock:
+    """A header block begun by HEADERS and waiting for its CONTINUATION frames."""
+
+    __slots__ = ("at", "block", "flags", "frames", "stream")
+
+    def __init__(self, stream: int, flags: int, block: bytearray) -> None:
+        self.stream = stream
+        self.flags = flags
+        self.block = block
+        self.frames = 0
+        self.at = time.monotonic()
 
 
 class PeerStream(Protocol):
@@ -50,8 +64,9 @@ class H2Peer(asyncio.Protocol, Generic[S]):
     """The message of the connection error a PUSH_PROMISE is."""
     _PROTOCOL_ERROR_PREFIX: ClassVar[str] = ""
     """Put before a protocol error's message for ``_connection_error``."""
-    _PREFACE_SIZE: ClassVar[int] = len(f.PREFACE)
-    """The bytes ``_read_preface`` needs to judge the peer's preface."""
+    _PREFACE_SIZE: ClassVar[int] = len(f.PREFACE) + 9
+    """The bytes ``_read_preface`` needs to judge the peer's preface: the client's string and
+    the header of its first frame, which must be SETTINGS (RFC 9113 §3.4)."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -59,7 +74,11 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         self._pending = bytearray()  # bytes of a frame (or the preface) not yet whole
         self._need = self._PREFACE_SIZE
         self._preface = False  # the peer's preface was read
-        self._headers_open: tuple[int, int, bytearray] | None = None  # CONTINUATION pending
+        self._headers_open: _OpenBlock | None = None  # CONTINUATION pending
+        self._max_header_block = MAX_HEADER_LIST
+        """The largest header block read (HEADERS and its CONTINUATIONs)."""
+        self._max_continuations = 8
+        """CONTINUATION frames after one HEADERS (nghttp2's default): more is a flood."""
         self._last_stream = 0  # the last stream the peer opened that we took (a client: none)
         self._streams: dict[int, S] = {}  # the open streams
         self._blocked: dict[int, S] = {}  # streams whose data waits for window
@@ -68,6 +87,8 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         self._peer_max_frame = f.DEFAULT_MAX_FRAME
         self._out: list[bytes] = []  # frames to send at the end of this loop iteration
         self._reading = False
+        self._reads = 0  # reads so far (the server's idle sweep compares)
+        self._kept = 0  # times a read ended inside a frame (the sweep's partial-frame clock)
 
     # -- the side's hooks ------------------------------------------------------------------
 
@@ -89,6 +110,17 @@ class H2Peer(asyncio.Protocol, Generic[S]):
 
     def _on_setting(self, key: int, value: int) -> None:
         """A setting other than the initial window and the frame size (applied here)."""
+
+    def _on_settings_frame(self, entries: int) -> None:
+        """A SETTINGS frame (not an ACK) of ``entries`` settings, before any is applied: the
+        server's budget (raises for a flood)."""
+
+    def _on_ping(self) -> None:
+        """A PING to answer: the server's budget (raises for a flood)."""
+
+    def _on_glitch(self) -> None:
+        """A frame that does nothing (empty DATA or CONTINUATION ending nothing, PRIORITY, an
+        unknown type, an unsolicited PING ack): the server's budget (raises for a flood)."""
 
     def _settings_applied(self) -> None:
         """The peer's SETTINGS were applied (and acknowledged): windows may have grown."""
@@ -122,6 +154,7 @@ class H2Peer(asyncio.Protocol, Generic[S]):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        self._reads += 1
         if self._pending:
             self._pending += data
             if len(self._pending) < self._need:
@@ -186,12 +219,22 @@ class H2Peer(asyncio.Protocol, Generic[S]):
                 if stream != 0 or length != 8:
                     raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed PING")
                 if not flags & f.ACK:
+                    self._on_ping()
                     self._write(f.frame(f.PING, f.ACK, 0, payload))
+                else:
+                    self._on_pong(payload)
             elif kind == f.GOAWAY:
                 self._on_goaway(stream, payload)
             elif kind == f.PUSH_PROMISE:
                 raise ConnectionError_(f.PROTOCOL_ERROR, self._PUSH_ERROR)
-            # PRIORITY and unknown frame types are ignored (RFC 9113 §5.5).
+            elif kind == f.PRIORITY:
+                if stream == 0:  # RFC 9113 §6.3
+                    raise ConnectionError_(f.PROTOCOL_ERROR, "PRIORITY on stream 0")
+                if length != 5:
+                    self._priority_size(stream)
+                self._on_glitch()
+            else:
+                self._on_glitch()  # unknown frame types are ignored (RFC 9113 §5.5)
             if self.closed:
                 return
         if offset < size:
@@ -200,14 +243,27 @@ class H2Peer(asyncio.Protocol, Generic[S]):
     def _read_preface(self, data: bytes) -> int:
         """Check the peer's preface at the start of ``data`` (at least ``_PREFACE_SIZE`` bytes);
         where its frames start. The server reads the client's (RFC 9113 §3.4), the string
-        that says HTTP/2 (its SETTINGS then come as any frame)."""
-        if data[:len(f.PREFACE)] != f.PREFACE:
+        that says HTTP/2 and a SETTINGS frame (its header is checked here, its body read as
+        any frame's)."""
+        size = len(f.PREFACE)
+        if data[:size] != f.PREFACE:
             raise ConnectionError_(f.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-        return len(f.PREFACE)
+        if data[size + 3] != f.SETTINGS or data[size + 4] & f.ACK:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "the client preface is not SETTINGS")
+        return size
+
+    def _on_pong(self, payload: bytes) -> None:
+        """A PING's ACK: the server sent no PING, so it is a glitch; the client's probe."""
+        self._on_glitch()
+
+    def _priority_size(self, stream: int) -> None:
+        """A PRIORITY frame of the wrong size: a stream error (RFC 9113 §6.3); the server
+        resets that stream, the client ignores it."""
 
     def _keep(self, rest: bytes, need: int) -> None:
         self._pending = bytearray(rest)
         self._need = need
+        self._kept += 1
 
     # -- frames ----------------------------------------------------------------------------
 
@@ -215,28 +271,40 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         if flags & f.PADDED:
             payload = f.unpad(payload)
         if flags & f.PRIORITY_FLAG:
+            if len(payload) < 5:
+                raise ConnectionError_(f.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
             payload = payload[5:]
         if flags & f.END_HEADERS:
             self._on_header_block(stream, flags, payload)
         else:
-            self._headers_open = (stream, flags, bytearray(payload))
+            if len(payload) > self._max_header_block:
+                raise ConnectionError_(f.ENHANCE_YOUR_CALM, "header block too large")
+            self._headers_open = _OpenBlock(stream, flags, bytearray(payload))
 
     def _on_continuation(self, stream: int, flags: int, payload: bytes) -> None:
         opened = self._headers_open
-        if opened is None or opened[0] != stream:
+        if opened is None or opened.stream != stream:
             raise ConnectionError_(f.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
-        opened[2].extend(payload)
-        if len(opened[2]) > MAX_HEADER_LIST:
+        opened.frames += 1
+        if opened.frames > self._max_continuations:
+            raise ConnectionError_(f.ENHANCE_YOUR_CALM, "too many CONTINUATION frames")
+        if not payload and not flags & f.END_HEADERS:
+            self._on_glitch()
+        opened.block.extend(payload)
+        if len(opened.block) > self._max_header_block:
             raise ConnectionError_(f.ENHANCE_YOUR_CALM, "header block too large")
         if flags & f.END_HEADERS:
             self._headers_open = None
-            self._on_header_block(stream, opened[1], bytes(opened[2]))
+            self._on_header_block(stream, opened.flags, bytes(opened.block))
 
     def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
         if stream != 0 or len(payload) % 6:
             raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed SETTINGS")
         if flags & f.ACK:
+            if payload:
+                raise ConnectionError_(f.FRAME_SIZE_ERROR, "a SETTINGS ACK with a payload")
             return
+        self._on_settings_frame(len(payload) // 6)
         for at in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, at)
             if key == f.SETTINGS_INITIAL_WINDOW_SIZE:

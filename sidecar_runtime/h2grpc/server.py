@@ -19,6 +19,7 @@ import contextlib
 import os
 import socket
 import ssl
+import time
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -26,6 +27,7 @@ import grpc
 from sidecar_runtime.h2grpc.call import Metadata, first_handler
 from sidecar_runtime.h2grpc.connection import Connection
 from sidecar_runtime.h2grpc.head import RequestHead
+from sidecar_runtime.h2grpc.limits import Limits
 from sidecar_runtime.wire_names import GRPC_MAX_CONCURRENT_STREAMS, UNIX_PREFIX
 
 DEFAULT_MAX_RECEIVE = 4 * 1024 * 1024
@@ -37,10 +39,16 @@ class Server:
     :meth:`add_port`, :meth:`start`, :meth:`stop` with a grace period."""
 
     def __init__(self, *, max_receive_message_length: int = DEFAULT_MAX_RECEIVE,
-                 max_concurrent_streams: int = GRPC_MAX_CONCURRENT_STREAMS) -> None:
+                 max_concurrent_streams: int = GRPC_MAX_CONCURRENT_STREAMS,
+                 limits: Limits | None = None) -> None:
         self.max_receive_message_length = max_receive_message_length
         self.max_concurrent_streams = max_concurrent_streams
         """Open streams per connection (advertised in SETTINGS); a stream beyond is refused."""
+        self.limits = limits or Limits()
+        """What one peer may make the server hold or do (:mod:`.limits`)."""
+        self.connection_buffer = self.limits.buffer_for(max_receive_message_length)
+        """The request bytes one connection may hold for its handlers."""
+        self._sweep: asyncio.TimerHandle | None = None
         self._registered: dict[str, grpc.RpcMethodHandler] = {}
         self._generic: list[grpc.GenericRpcHandler] = []
         self._listeners: list[asyncio.Server] = []
@@ -51,7 +59,9 @@ class Server:
         self._stopped = False
         self.heads: dict[bytes, tuple[int, RequestHead]] = {}
         """Request heads decoded without the HPACK dynamic table, by their blocks (with the
-        table size they were decoded at)."""
+        table size they were decoded at): at most ``limits.heads_cache_bytes``."""
+        self.heads_bytes = [0]
+        """What :attr:`heads` holds, in bytes (one cell the connections' decoders share)."""
 
     # -- handlers (grpc.aio.Server's registration API) -------------------------------------
 
@@ -97,6 +107,14 @@ class Server:
     async def start(self) -> None:
         for listener in self._listeners:
             await listener.start_serving()
+        self._sweep = asyncio.get_running_loop().call_later(self.limits.sweep_s, self._tick)
+
+    def _tick(self) -> None:
+        """Every ``limits.sweep_s``: each connection checks its timeouts."""
+        now = time.monotonic()
+        for connection in list(self._connections):
+            connection.tick(now)
+        self._sweep = asyncio.get_running_loop().call_later(self.limits.sweep_s, self._tick)
 
     async def stop(self, grace: float | None) -> None:
         """Stop listening, send every connection GOAWAY, give the calls in flight up to
@@ -104,6 +122,8 @@ class Server:
         if self._stopped:
             return
         self._stopped = True
+        if self._sweep is not None:
+            self._sweep.cancel()
         for listener in self._listeners:
             listener.close()
         for connection in list(self._connections):
@@ -130,10 +150,20 @@ class Server:
 
     # -- bookkeeping, from the connections --------------------------------------------------
 
-    def connection_opened(self, connection: Connection) -> None:
+    def connection_opened(self, connection: Connection) -> bool:
+        """Count ``connection`` in; False when the process already has as many as
+        ``limits.max_connections`` (the connection then ends at once)."""
+        if len(self._connections) >= self.limits.max_connections:
+            return False
         self._connections.add(connection)
         if self._stopped:
             connection.drain()
+        return True
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._connections)
 
     def connection_closed(self, connection: Connection) -> None:
         self._connections.discard(connection)

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from sidecar_runtime.h2grpc import Context, Server
+from sidecar_runtime.h2grpc.limits import Limits
 
 SERVICE = "test.H2"
 MAX_RECEIVE = 1024 * 1024
@@ -184,11 +185,15 @@ class Running:
 @contextlib.asynccontextmanager
 async def running_server(*, max_receive: int = MAX_RECEIVE,
                          address: str = "127.0.0.1:0", max_streams: int | None = None,
+                         limits: Limits | None = None,
                          **port_options: Any) -> AsyncIterator[Running]:
     """A started server with the test methods and grpc.health.v1, stopped on the way out
-    (``max_streams``: its streams per connection, else the server's default)."""
-    server = Server(max_receive_message_length=max_receive) if max_streams is None else \
-        Server(max_receive_message_length=max_receive, max_concurrent_streams=max_streams)
+    (``max_streams``: its streams per connection, else the server's default; ``limits``: else
+    the defaults)."""
+    server = Server(max_receive_message_length=max_receive, limits=limits) \
+        if max_streams is None else \
+        Server(max_receive_message_length=max_receive, max_concurrent_streams=max_streams,
+               limits=limits)
     servicer, health = Servicer(), HealthServicer()
     register(server, servicer)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

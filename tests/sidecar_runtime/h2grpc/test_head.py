@@ -6,7 +6,14 @@ from __future__ import annotations
 import hpack
 import pytest
 
-from sidecar_runtime.h2grpc.head import RequestHead, head_decoder, parse_timeout, request_head
+from sidecar_runtime.h2grpc.head import (
+    HEAD_CACHED_MAX_HELD,
+    BlockCache,
+    RequestHead,
+    head_decoder,
+    parse_timeout,
+    request_head,
+)
 
 GRPC = [(":method", "POST"), (":scheme", "http"), (":path", "/pkg.Svc/Call"),
         (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")]
@@ -35,7 +42,7 @@ def test_an_empty_header_name_makes_the_head_malformed() -> None:
 
 def test_blocks_are_cached_only_once_the_client_gave_up_the_dynamic_table() -> None:
     cache: dict[bytes, tuple[int, RequestHead]] = {}
-    heads, encoder = head_decoder(cache), hpack.Encoder()
+    heads, encoder = head_decoder(cache, [0], max_list=16_384, max_bytes=1 << 20), hpack.Encoder()
     first = encoder.encode(GRPC)  # the default table: entries indexed, later blocks refer to them
     again = encoder.encode(GRPC)
     assert heads.decode(first).path == heads.decode(again).path == "/pkg.Svc/Call"
@@ -47,3 +54,42 @@ def test_blocks_are_cached_only_once_the_client_gave_up_the_dynamic_table() -> N
     assert heads.decode(sized).path == "/pkg.Svc/Call"
     assert heads.decode(plain) is heads.decode(plain)  # the second time: looked up
     assert plain in cache
+
+
+def _zero_table_encoder(heads: BlockCache[RequestHead]) -> hpack.Encoder:
+    """An encoder that gave the dynamic table up, its size update read by ``heads``."""
+    encoder = hpack.Encoder()
+    encoder.header_table_size = 0
+    heads.decode(encoder.encode([]))  # the table size update goes out once, first
+    return encoder
+
+
+def test_a_small_block_that_decodes_to_many_fields_is_never_cached() -> None:
+    """1,000 one-byte static-table references (2 KB with the path) are ~200 KB of Python
+    objects: decoded each time, never kept process-wide."""
+    cache: dict[bytes, tuple[int, RequestHead]] = {}
+    heads = head_decoder(cache, [0], max_list=64 * 1024, max_bytes=1 << 20)
+    bomb = _zero_table_encoder(heads).encode(GRPC) + b"\x90" * 1000  # index 16: accept-encoding
+    head = heads.decode(bomb)
+    assert head.fields == len(GRPC) + 1000
+    assert head.held > HEAD_CACHED_MAX_HELD
+    assert cache == {}
+
+
+def test_the_heads_cache_is_bounded_in_bytes_not_only_in_blocks() -> None:
+    cache: dict[bytes, tuple[int, RequestHead]] = {}
+    total = [0]
+    heads = head_decoder(cache, total, max_list=64 * 1024, max_bytes=20_000)
+    encoder = _zero_table_encoder(heads)
+    for n in range(200):
+        heads.decode(encoder.encode([*GRPC, ("x-n", "v" * 500 + str(n))]))
+        assert total[0] <= 20_000
+        assert total[0] == sum(len(block) + held.held for block, (_, held) in cache.items())
+    assert 0 < len(cache) < 200
+
+
+def test_a_header_list_above_the_servers_limit_is_a_decoding_error() -> None:
+    heads = head_decoder({}, [0], max_list=1024, max_bytes=1 << 20)
+    block = _zero_table_encoder(heads).encode([*GRPC, ("x-big", "v" * 2000)])
+    with pytest.raises(hpack.HPACKError):
+        heads.decode(block)

@@ -21,6 +21,7 @@ from hyperframe.frame import (
     SettingsFrame,
 )
 
+from sidecar_runtime.h2grpc.limits import Limits, Rate
 from tests.harness.waits import until
 from tests.sidecar_runtime.h2grpc.clients import (
     PREFACE,
@@ -265,8 +266,9 @@ async def test_a_bug_while_reading_frames_ends_that_connection_with_goaway() -> 
 
 
 async def test_unimplemented_for_a_long_path_is_continued() -> None:
-    """The path is the client's to choose and comes back in ``grpc-message``."""
-    long_path = "/x.Y/" + "z" * 20_000
+    """The path is the client's to choose and comes back in ``grpc-message``: 6 KB of '%'
+    (within the 16 KiB header list) percent-encode to 18 KB, above one frame."""
+    long_path = "/x.Y/" + "%" * 6_000
     async with running_server() as running:
         client = await H2Client.open(running.port, max_frame=16_384)
         answer = await client.call(long_path, b"x")
@@ -279,8 +281,10 @@ async def test_unimplemented_for_a_long_path_is_continued() -> None:
 async def test_a_client_that_does_not_read_cannot_make_the_server_buffer_without_bound() -> None:
     # A client floods PINGs and never reads the ACKs. Once the server's unsent bytes pass the
     # transport's high-water mark it stops reading that client, so what it holds stays bounded
-    # (before: every ACK that did not fit the kernel's buffers was kept).
-    async with running_server() as running:
+    # (before: every ACK that did not fit the kernel's buffers was kept). The PING budget is
+    # lifted for it (else the flood ends at the 101st PING: test_attacks.py).
+    unlimited = Limits(pings=Rate(10**9, 1e9))
+    async with running_server(limits=unlimited) as running:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting
         sock.connect(("127.0.0.1", running.port))
