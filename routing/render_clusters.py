@@ -13,6 +13,7 @@ from typing import Any
 
 from routing.schema import ClusterSpec, RoutingConfig, ServicesTls
 from routing.units import parse_hostport
+from sidecar_runtime.h2grpc.limits import Limits
 from sidecar_runtime.wire_names import (
     DESTINATION_ENDPOINT,
     DESTINATION_ENDPOINT_SERVED,
@@ -31,6 +32,14 @@ VLLM_HEALTH_PATH = "/health"
 # uvicorn (vLLM's server) closes idle keep-alive connections after 5 s; Envoy must close first,
 # or a request can be written to a connection the server is closing.
 POOL_IDLE_TIMEOUT = "4s"
+
+SERVICE_IDLE_TIMEOUT_S = Limits().idle_timeout_s / 2
+"""Envoy closes a connection to extproc or ratelimit that has carried no request this long:
+half the services' own idle timeout (:attr:`sidecar_runtime.h2grpc.limits.Limits.idle_timeout_s`,
+600 s), so Envoy closes an idle connection first, cleanly, and never writes a request into one
+the server is closing. Envoy counts requests only; the server counts any frame, so Envoy's
+keepalive PINGs (every 30 s) keep its own idle timeout from tripping on Envoy's connections
+as well."""
 
 
 def _is_ip(host: str) -> bool:
@@ -187,6 +196,7 @@ def grpc_cluster(name: str, address: str, tls: ServicesTls | None = None) -> dic
         "circuit_breakers": _thresholds(connections=1024, pending=100_000, requests=100_000),
         "typed_extension_protocol_options": {HTTP_OPTIONS: {
             TYPE: API + "extensions.upstreams.http.v3.HttpProtocolOptions",
+            "common_http_protocol_options": {"idle_timeout": f"{SERVICE_IDLE_TIMEOUT_S:g}s"},
             "explicit_http_config": {"http2_protocol_options": {
                 "connection_keepalive": {"interval": "30s", "timeout": "5s"},
                 # The services' limit, kept from Envoy's side too (it opens another connection

@@ -13,6 +13,7 @@ import yaml
 from llm_sidecar.up import example_config_path, missing_upstream_keys
 from routing.loader import load_config
 from routing.render import write_all
+from routing.schema import RoutingConfig
 from sidecar_runtime.procs import envoy_binary
 from sidecar_runtime.wire_names import CLIENT_CREDENTIALS
 from tests.harness import istio_patch
@@ -48,11 +49,18 @@ def variants() -> dict[str, dict[str, Any]]:
 
 def render(name: str, tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
     if name == "example":
-        config = load_config(example_config_path())
-    else:
-        source = tmp_path / "routing.yaml"
-        source.write_text(yaml.safe_dump(variants()[name]))
-        config = load_config(str(source))
+        return _written(load_config(example_config_path()), tmp_path)
+    return render_doc(variants()[name], tmp_path)
+
+
+def render_doc(doc: dict[str, Any], tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """What ``render`` writes for the routing YAML ``doc``, by file name."""
+    source = tmp_path / "routing.yaml"
+    source.write_text(yaml.safe_dump(doc))
+    return _written(load_config(str(source)), tmp_path)
+
+
+def _written(config: RoutingConfig, tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
     return {pathlib.Path(p).name: pathlib.Path(p) for p in write_all(config, str(tmp_path / "out"))}
 
 
