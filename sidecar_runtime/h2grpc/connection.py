@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 log = get_logger("sidecar_runtime.h2grpc")
 
+FIELDS_PER_READ = 2_000
+"""Header fields decoded before a read yields the event loop (a few ms of hpack)."""
 DRAIN_LINGER_S = 0.2
 """How long a drained connection is still read (new streams refused) before it closes."""
 
@@ -66,6 +68,7 @@ class Connection(H2Peer[Call]):
         self._recv_window = f.DEFAULT_WINDOW  # what the client may still send, all streams
         self._held = 0  # bytes the calls hold for their handlers (and each message's overhead)
         self._head_bytes = 0  # what the open calls' request heads hold
+        self._fields_read = 0  # header fields decoded since the last yield
         self._pings = Budget(limits.pings)
         self._settings_budget = Budget(limits.settings)
         self._resets = Budget(limits.premature_resets)
@@ -104,11 +107,13 @@ class Connection(H2Peer[Call]):
         """The client stopped reading (the transport's buffer passed its high-water mark): stop
         reading from it too, so that what it sends (PINGs, new calls) cannot make the answers
         pile up here without bound. Calls in flight keep their buffered answers."""
+        self._write_paused = True
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self.closed:
+        self._write_paused = False
+        if self.transport is not None and not self.closed and not self._yield:
             self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -236,6 +241,12 @@ class Connection(H2Peer[Call]):
 
     def _on_header_block(self, stream: int, flags: int, block: bytes) -> None:
         head = self._heads.decode(block)
+        self._fields_read += head.fields
+        if self._fields_read > FIELDS_PER_READ:
+            # Decoding is the costliest thing a peer can ask for (~3 µs a field): after this
+            # many in one read, the rest of it waits for the next loop iteration.
+            self._fields_read = 0
+            self._yield = True
         call = self._streams.get(stream)
         if call is not None:  # trailers of the request
             if not flags & f.END_STREAM:

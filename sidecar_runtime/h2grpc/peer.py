@@ -88,6 +88,8 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         self._out: list[bytes] = []  # frames to send at the end of this loop iteration
         self._reading = False
         self._reads = 0  # reads so far (the server's idle sweep compares)
+        self._yield = False  # set by a side whose read did enough: the rest waits (server)
+        self._write_paused = False  # the transport's buffer is full: reading is paused
         self._kept = 0  # times a read ended inside a frame (the sweep's partial-frame clock)
 
     # -- the side's hooks ------------------------------------------------------------------
@@ -237,8 +239,28 @@ class H2Peer(asyncio.Protocol, Generic[S]):
                 self._on_glitch()  # unknown frame types are ignored (RFC 9113 §5.5)
             if self.closed:
                 return
+            if self._yield:  # enough work for one read: the rest waits a loop iteration
+                self._yield_rest(data[offset:])
+                return
         if offset < size:
             self._keep(data[offset:], 9)
+
+    def _yield_rest(self, rest: bytes) -> None:
+        """Leave ``rest`` (whole frames and perhaps a partial one) for the next iteration of
+        the event loop, reading nothing more until then: other connections' work goes first."""
+        self._pending = bytearray(rest)
+        self._need = 0
+        if self.transport is not None:
+            self.transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self._resume_frames)
+
+    def _resume_frames(self) -> None:
+        self._yield = False
+        if self.closed:
+            return
+        if self.transport is not None and not self._write_paused:
+            self.transport.resume_reading()
+        self.data_received(b"")
 
     def _read_preface(self, data: bytes) -> int:
         """Check the peer's preface at the start of ``data`` (at least ``_PREFACE_SIZE`` bytes);
