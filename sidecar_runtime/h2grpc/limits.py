@@ -72,15 +72,16 @@ class Limits:
     an ext_proc stream when its client goes away, after extproc's first answer: not counted."""
     glitches: Rate = Rate(1000, 33.0)
     """Frames that do nothing (empty DATA and CONTINUATION that end nothing, PRIORITY, unknown
-    types, unsolicited PING acks): nghttp2's glitch rate limit."""
+    types, unsolicited PING acks): the shape of nghttp2's glitch rate limit as first shipped
+    (1.61; later releases allow 10,000 then 330 a second)."""
     handshake_timeout_s: float = 10.0
     """From the TCP (or TLS) connection to the peer's preface and first SETTINGS."""
     incomplete_timeout_s: float = 10.0
     """A frame or header block begun and not finished (half a HEADERS, no END_HEADERS)."""
     idle_timeout_s: float = 600.0
-    """No open stream and no frame at all for this long: GOAWAY and close. Envoy's health
-    checks (every few seconds) and its own upstream idle timeout (rendered below this one for
-    the services' clusters) keep it from ever tripping on Envoy's connections."""
+    """No open stream and no frame at all for this long: GOAWAY and close. Envoy's own upstream
+    idle timeout for the services' clusters is rendered at half of it (Envoy closes first,
+    cleanly), and its keepalive PINGs count as frames."""
     sweep_s: float = 1.0
     """How often the timeouts are checked."""
 
