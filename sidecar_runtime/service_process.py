@@ -29,10 +29,11 @@ import uvloop
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sidecar_runtime.grpc_listen import add_port, listen_address, metrics_host
 from sidecar_runtime.h2grpc import Server
+from sidecar_runtime.h2grpc.limits import Limits
 from sidecar_runtime.heap import settle_heap
 from sidecar_runtime.logs import bind_worker, get_logger
 from sidecar_runtime.ops_http import bound_port, start_ops_server
@@ -102,6 +103,25 @@ S = TypeVar("S", bound=Service)
 Phase = Literal["new", "serving", "draining", "stopped"]
 
 
+def grpc_server(name: str, max_message_bytes: int, settings: Settings,
+                registry: CollectorRegistry) -> Server:
+    """The service's gRPC server, its limits from ``settings``, with
+    ``llm_sidecar_grpc_connections`` (open now) and
+    ``llm_sidecar_grpc_connections_closed_total`` (ended by the server, by reason) in
+    ``registry``."""
+    closed = Counter("llm_sidecar_grpc_connections_closed",
+                     "gRPC connections the server ended itself, by reason: an HTTP/2 error "
+                     "code's name (enhance_your_calm: a flood or a limit passed), idle, "
+                     "handshake_timeout, incomplete_timeout, too_many_connections.",
+                     ["service", "reason"], registry=registry)
+    server = Server(max_receive_message_length=max_message_bytes,
+                    limits=Limits(max_connections=settings.grpc_max_connections),
+                    on_close=lambda reason: closed.labels(name, reason).inc())
+    Gauge("llm_sidecar_grpc_connections", "gRPC connections open (Envoy's, health checks').",
+          ["service"], registry=registry).labels(name).set_function(lambda: server.connections)
+    return server
+
+
 class ServiceProcess(Generic[S]):
     """One service's gRPC and ops servers from start to drain, in-process (tests) or as the
     whole process (:func:`run_service`). ``port`` and ``metrics_port`` are the ones bound."""
@@ -131,7 +151,8 @@ class ServiceProcess(Generic[S]):
         listen, service = self._listen, self.service
         worker = listen.worker_ops_socket is not None
         try:
-            server = Server(max_receive_message_length=service.max_message_bytes)
+            server = grpc_server(service.name, service.max_message_bytes, self._settings,
+                                 service.registry)
             self._server = server
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
             self._opened = True  # a half-opened service is closed too

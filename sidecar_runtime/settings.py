@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     ext_proc stream until the last token). Keep Kubernetes' terminationGracePeriodSeconds above
     it."""
 
+    grpc_max_connections: int = Field(default=1024, ge=1, le=1_000_000)
+    """Open gRPC connections per process (a worker's own, with ``--workers``); one more is
+    answered GOAWAY ``ENHANCE_YOUR_CALM`` and closed. Envoy opens a few per worker thread."""
+
     workers: int = 1
     """Processes of ``extproc``/``ratelimit`` serving their gRPC port together (the
     ``--workers`` flag wins): one core each. See README, "Workers"."""

@@ -101,7 +101,7 @@ class Connection(H2Peer[Call]):
         if not accepted:
             log.warning("h2_connection_refused", peer=self.peer, reason="too many connections",
                         limit=self._limits.max_connections)
-            self._connection_error(f.ENHANCE_YOUR_CALM, "too many connections")
+            self._end(f.ENHANCE_YOUR_CALM, "too many connections", "too_many_connections")
 
     def pause_writing(self) -> None:
         """The client stopped reading (the transport's buffer passed its high-water mark): stop
@@ -493,29 +493,30 @@ class Connection(H2Peer[Call]):
         limits = self._limits
         if not self._preface:
             if now - self._opened_at > limits.handshake_timeout_s:
-                self._timed_out("no HTTP/2 preface and SETTINGS in time")
+                self._timed_out("no HTTP/2 preface and SETTINGS in time", "handshake_timeout")
             return
         opened = self._headers_open
         if opened is not None and now - opened.at > limits.incomplete_timeout_s:
-            self._timed_out("a header block was not finished in time")
+            self._timed_out("a header block was not finished in time", "incomplete_timeout")
             return
         if self._pending:
             if self._kept != self._kept_seen:  # a new partial frame since the last sweep
                 self._kept_seen = self._kept
                 self._partial_since = now
             elif now - self._partial_since > limits.incomplete_timeout_s:
-                self._timed_out("a frame was not finished in time")
+                self._timed_out("a frame was not finished in time", "incomplete_timeout")
                 return
         if self._streams or self._tasks or self._reads != self._reads_seen:
             self._reads_seen = self._reads
             self._active_at = now
         elif now - self._active_at > limits.idle_timeout_s and not self._draining:
             log.info("h2_connection_idle", peer=self.peer, idle_s=limits.idle_timeout_s)
+            self._server.closed_by_us("idle")
             self.drain()
 
-    def _timed_out(self, reason: str) -> None:
-        log.warning("h2_connection_timeout", peer=self.peer, reason=reason)
-        self._connection_error(f.NO_ERROR, reason)
+    def _timed_out(self, message: str, reason: str) -> None:
+        log.warning("h2_connection_timeout", peer=self.peer, reason=message)
+        self._end(f.NO_ERROR, message, reason)
 
     def _log_bug(self) -> None:
         log.exception("h2_connection_error", peer=self.peer)
@@ -523,6 +524,13 @@ class Connection(H2Peer[Call]):
     def _connection_error(self, code: int, message: str) -> None:
         if code == f.ENHANCE_YOUR_CALM:
             log.warning("h2_connection_calm", peer=self.peer, reason=message)
+        self._end(code, message, f.ERROR_NAMES.get(code, "other"))
+
+    def _end(self, code: int, message: str, reason: str) -> None:
+        """GOAWAY ``code`` with ``message``, close, and count the close under ``reason``."""
+        if self.closed:
+            return
+        self._server.closed_by_us(reason)
         self._send_goaway(code, message)
         self._close()
 

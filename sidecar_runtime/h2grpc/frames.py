@@ -47,6 +47,13 @@ CANCEL = 0x8
 COMPRESSION_ERROR = 0x9
 ENHANCE_YOUR_CALM = 0xB
 
+ERROR_NAMES = {NO_ERROR: "no_error", PROTOCOL_ERROR: "protocol_error",
+               INTERNAL_ERROR: "internal_error", FLOW_CONTROL_ERROR: "flow_control_error",
+               STREAM_CLOSED: "stream_closed", FRAME_SIZE_ERROR: "frame_size_error",
+               REFUSED_STREAM: "refused_stream", CANCEL: "cancel",
+               COMPRESSION_ERROR: "compression_error", ENHANCE_YOUR_CALM: "enhance_your_calm"}
+"""RFC 9113 §7's names of the error codes the server sends, lower case (metric labels)."""
+
 DEFAULT_WINDOW = 65_535
 DEFAULT_MAX_FRAME = 16_384
 MAX_WINDOW = 0x7FFF_FFFF

@@ -20,7 +20,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
@@ -40,7 +40,8 @@ class Server:
 
     def __init__(self, *, max_receive_message_length: int = DEFAULT_MAX_RECEIVE,
                  max_concurrent_streams: int = GRPC_MAX_CONCURRENT_STREAMS,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None,
+                 on_close: Callable[[str], None] | None = None) -> None:
         self.max_receive_message_length = max_receive_message_length
         self.max_concurrent_streams = max_concurrent_streams
         """Open streams per connection (advertised in SETTINGS); a stream beyond is refused."""
@@ -49,6 +50,10 @@ class Server:
         self.connection_buffer = self.limits.buffer_for(max_receive_message_length)
         """The request bytes one connection may hold for its handlers."""
         self._sweep: asyncio.TimerHandle | None = None
+        self.on_close = on_close
+        """Told why the server ended a connection (an error code's name, ``idle``,
+        ``handshake_timeout``, ``incomplete_timeout``, ``too_many_connections``): the
+        service's ``llm_sidecar_grpc_connections_closed_total``."""
         self._registered: dict[str, grpc.RpcMethodHandler] = {}
         self._generic: list[grpc.GenericRpcHandler] = []
         self._listeners: list[asyncio.Server] = []
@@ -159,6 +164,11 @@ class Server:
         if self._stopped:
             connection.drain()
         return True
+
+    def closed_by_us(self, reason: str) -> None:
+        """A connection ended by the server, and why."""
+        if self.on_close is not None:
+            self.on_close(reason)
 
     @property
     def connections(self) -> int:
