@@ -69,6 +69,8 @@ class Connection(H2Peer[Call]):
         self._held = 0  # bytes the calls hold for their handlers (and each message's overhead)
         self._head_bytes = 0  # what the open calls' request heads hold
         self._fields_read = 0  # header fields decoded since the last yield
+        self._calls = 0  # calls this connection has carried
+        self._premature = 0  # of which the client reset before their answer began
         self._pings = Budget(limits.pings)
         self._settings_budget = Budget(limits.settings)
         self._resets = Budget(limits.premature_resets)
@@ -300,6 +302,7 @@ class Connection(H2Peer[Call]):
                     self._server.max_receive_message_length)
         call.head_held = head.held
         self._head_bytes += head.held
+        self._calls += 1
         self._streams[stream] = call
         if ended:
             call.end_input()
@@ -316,11 +319,16 @@ class Connection(H2Peer[Call]):
     def _on_rst(self, stream: int, payload: bytes) -> None:
         call = self._streams.get(stream)
         if call is not None:
-            if not call.headers_sent and not self._resets.spend():
+            if not call.headers_sent:
+                self._premature += 1
                 # Rapid Reset (CVE-2023-44487): streams opened and reset before any answer,
-                # each a call set up and torn down for nothing.
-                raise ConnectionError_(f.ENHANCE_YOUR_CALM,
-                                       "too many streams reset before their answer")
+                # each a call set up and torn down for nothing. Counted against the budget
+                # only while they are half the connection's calls or more (Envoy's premature
+                # reset rule): Envoy resets its ext_proc stream when a client goes away, and
+                # a storm of those on a connection that served many calls is not an attack.
+                if 2 * self._premature >= self._calls and not self._resets.spend():
+                    raise ConnectionError_(f.ENHANCE_YOUR_CALM,
+                                           "too many streams reset before their answer")
             self._forget(call)
             call.reset()
             # Its handler may be done already (an answer that waited for window): no call_done

@@ -68,8 +68,10 @@ class Limits:
     """SETTINGS frames (each may touch every open stream's window)."""
     premature_resets: Rate = Rate(1000, 33.0)
     """Streams the peer reset before the server answered their headers (Rapid Reset,
-    CVE-2023-44487; nghttp2's stream reset rate limit, 1,000 then 33 a second). Envoy resets
-    an ext_proc stream when its client goes away, after extproc's first answer: not counted."""
+    CVE-2023-44487; nghttp2's stream reset rate limit, 1,000 then 33 a second), counted while
+    they are at least half of the connection's calls (Envoy's premature reset rule): Envoy
+    resets an ext_proc stream when its client goes away, mostly after extproc's first answer,
+    and a burst of such aborts on a connection of many calls is no attack."""
     glitches: Rate = Rate(1000, 33.0)
     """Frames that do nothing (empty DATA and CONTINUATION that end nothing, PRIORITY, unknown
     types, unsolicited PING acks): the shape of nghttp2's glitch rate limit as first shipped

@@ -479,3 +479,27 @@ async def test_a_stream_reset_before_or_while_its_handler_runs_leaves_no_cycle()
             gc.enable()
         assert cycles == []
         await client.close()
+
+
+def test_resets_of_a_connection_that_mostly_served_calls_are_not_an_attack() -> None:
+    """Envoy resets an ext_proc stream when its client goes away: 1,500 such resets (past the
+    budget) after 3,000 answered calls keep the connection, as they are not half its calls."""
+    with attack_server() as target, attacker(target.port) as a:
+        def answered() -> int:
+            return sum(isinstance(x, DataFrame) and bool(x.data) for x in a.received)
+
+        for batch in range(60):  # 50 at a time: within the 100 streams a connection may open
+            a.send(b"".join(headers(a, 2 * n + 1, "Echo").serialize()
+                            + DataFrame(2 * n + 1, message(b"x"), flags=["END_STREAM"]).serialize()
+                            for n in range(50 * batch, 50 * batch + 50)))
+            wait_for(lambda batch=batch: answered() >= 50 * batch + 50,  # type: ignore[misc]
+                     timeout=WAIT_S, what="a batch's answers")
+        first = 6_001
+        aborts = b"".join(headers(a, first + 2 * n, "Hold", end_stream=True).serialize()
+                          + RstStreamFrame(first + 2 * n, error_code=f.CANCEL).serialize()
+                          for n in range(1_500))
+        a.send(aborts, headers(a, first + 3_000, "Echo"),
+               DataFrame(first + 3_000, message(b"after"), flags=["END_STREAM"]))
+        wait_for(lambda: any(isinstance(x, DataFrame) and x.stream_id == first + 3_000
+                             for x in a.received), timeout=WAIT_S, what="the call after them")
+        assert not any(isinstance(x, GoAwayFrame) for x in a.received)
