@@ -40,7 +40,7 @@ log = get_logger("extproc.settlements")
 
 MAX_BATCH_DESCRIPTORS = 256
 """A batch is sent once this many descriptors are queued (well under the service's cap,
-:data:`ratelimit.wire.MAX_DESCRIPTORS`)."""
+:data:`ratelimit.request_bounds.MAX_DESCRIPTORS`)."""
 MAX_PENDING_DESCRIPTORS = 16_384
 """Beyond this many queued or in flight (the service is slow), settlements go back to Envoy."""
 

@@ -6,10 +6,13 @@ Reading a message through upb's Python API costs a wrapper object per field read
 The messages Envoy and extproc send have a small, fixed shape: ``RateLimitRequest`` {1: domain,
 2: repeated descriptor, 3: hits_addend}, ``RateLimitDescriptor`` {1: repeated entry, 3:
 hits_addend as a ``UInt32Value`` {1: value}}, ``Entry`` {1: key, 2: value}. Those fields are read
-here, in any order and repeated as protobuf allows (the last scalar wins, a message field merges).
-Anything else (a limit override, an unknown field, another wire type, a varint or a string that
-is not what upb would accept) hands the whole message to upb and ``request_from_proto``: what
-is read here is what upb reads, and what upb refuses is refused with upb's error.
+here, in any order, each field that is not a repeated one at most once. Anything else (a limit
+override, an unknown field, another wire type, a varint or a string that is not what upb would
+accept, a field repeated that protobuf would merge, a request nearing a bound of
+:mod:`ratelimit.request_bounds`) hands the whole message to
+:func:`ratelimit.request_bounds.check`, which refuses it above a bound, then to upb and
+``request_from_proto``: what is read here is what upb reads, and what upb refuses is refused
+with upb's error. The work here is one step per descriptor and entry, within the bounds.
 
 A descriptor without a lease (Envoy's ``kind=requests`` ones) is the same bytes call after call:
 its :class:`DescriptorRequest` is kept per bytes. Entries are kept per bytes too (a settlement
@@ -23,8 +26,16 @@ from typing import Any
 
 from envoy.service.ratelimit.v3 import rls_pb2
 
+from ratelimit import request_bounds
 from ratelimit.limiter import DescriptorRequest, LimitRequest, Phase
-from ratelimit.wire import LEASE_VALUE, MAX_DESCRIPTORS, USED_VALUE, request_from_proto
+from ratelimit.request_bounds import (
+    MAX_DESCRIPTORS,
+    MAX_ENTRIES,
+    MAX_ENTRIES_PER_DESCRIPTOR,
+    MAX_REQUEST_BYTES,
+    MAX_TEXT_BYTES,
+)
+from ratelimit.wire import LEASE_VALUE, USED_VALUE, request_from_proto
 from sidecar_runtime.wire_names import CONTROL_ENTRIES, LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
 
 MAX_KEPT = 4096
@@ -32,7 +43,8 @@ MAX_KEPT = 4096
 varying its values cannot grow them)."""
 _MAX_KEPT_BYTES = 512
 """Longer descriptors and entries are read but not remembered."""
-_descriptors: dict[bytes, DescriptorRequest] = {}
+_descriptors: dict[bytes, tuple[DescriptorRequest, int]] = {}
+"""A descriptor by its bytes, with its count of entries (control ones included)."""
 _entries: dict[bytes, tuple[str, Any]] = {}
 _UINT32 = 2**32
 
@@ -46,24 +58,24 @@ class Unparsable(Exception):
     parse)."""
 
 
-class TooManyDescriptors(Exception):
-    """More than :data:`MAX_DESCRIPTORS` descriptors: refused before any is read."""
-
-
 def request_from_bytes(raw: bytes) -> LimitRequest:
     """The request in ``raw``, as ``request_from_proto(RateLimitRequest.FromString(raw))``
-    reads it; raises :class:`Unparsable` where upb raises, :class:`TooManyDescriptors` above
-    the cap (counted by upb: such a request is not read here)."""
+    reads it; raises :class:`~ratelimit.errors.OutOfBounds` above a bound of
+    :mod:`ratelimit.request_bounds` (found on the bytes, before upb reads them), and
+    :class:`Unparsable` where upb raises."""
     try:
         return _request(raw)
-    except Exception:  # _Unusual, a short message, bad UTF-8, anything: upb decides
+    except Exception:  # _Unusual, a short message, bad UTF-8, anything: check, then upb
         pass
+    scanned = request_bounds.check(raw)
     try:
         message = rls_pb2.RateLimitRequest.FromString(raw)
     except Exception:
         raise Unparsable("could not parse the request message") from None
-    if len(message.descriptors) > MAX_DESCRIPTORS:
-        raise TooManyDescriptors(f"at most {MAX_DESCRIPTORS} descriptors per call")
+    if not scanned:
+        # upb read bytes the scan could not follow: their bounds are unknown, so they are
+        # refused as upb refuses what it cannot read (no client of this service sends such).
+        raise Unparsable("could not parse the request message")
     return request_from_proto(message)
 
 
@@ -88,16 +100,18 @@ def _varint(raw: bytes, pos: int, end: int) -> tuple[int, int]:
 
 def _request(raw: bytes) -> LimitRequest:
     end = len(raw)
-    pos = 0
-    domain = ""
-    hits_addend = 0
+    if end > MAX_REQUEST_BYTES:
+        raise _Unusual
+    pos = entries = 0
+    domain: str | None = None
+    hits_addend: int | None = None
     descriptors: list[DescriptorRequest] = []
     kept = _descriptors
     while pos < end:
         tag = raw[pos]
         if tag == 0x18:  # hits_addend: uint32 varint
             value, pos = _varint(raw, pos + 1, end)
-            if value >= _UINT32:
+            if value >= _UINT32 or hits_addend is not None:
                 raise _Unusual
             hits_addend = value
             continue
@@ -112,26 +126,33 @@ def _request(raw: bytes) -> LimitRequest:
         if stop > end:
             raise _Unusual
         if tag == 0x0A:  # domain
+            if domain is not None or length > MAX_TEXT_BYTES:
+                raise _Unusual
             domain = raw[pos:stop].decode()
         else:
             if len(descriptors) >= MAX_DESCRIPTORS:
-                raise _Unusual  # upb counts them, the service refuses
+                raise _Unusual  # request_bounds.check refuses it
             part = raw[pos:stop]
             found = kept.get(part)
             if found is None:
                 found = _descriptor(raw, pos, stop)
-                if found.lease is None and length <= _MAX_KEPT_BYTES:
+                if found[0].lease is None and length <= _MAX_KEPT_BYTES:
                     if len(kept) >= MAX_KEPT:
                         kept.clear()
                     kept[part] = found
-            descriptors.append(found)
+            descriptors.append(found[0])
+            entries += found[1]
+            if entries > MAX_ENTRIES:
+                raise _Unusual
         pos = stop
-    return LimitRequest(domain, tuple(descriptors), hits_addend)
+    return LimitRequest(domain or "", tuple(descriptors), hits_addend or 0)
 
 
-def _descriptor(raw: bytes, pos: int, end: int) -> DescriptorRequest:
-    """As :func:`ratelimit.wire._descriptor` reads a descriptor, from its bytes."""
+def _descriptor(raw: bytes, pos: int, end: int) -> tuple[DescriptorRequest, int]:
+    """As :func:`ratelimit.wire._descriptor` reads a descriptor, from its bytes; and its count
+    of entries."""
     entries: list[tuple[str, str]] = []
+    count = 0
     lease: str | None = None
     phase: Phase = "admit"
     used: int | None = None
@@ -149,10 +170,15 @@ def _descriptor(raw: bytes, pos: int, end: int) -> DescriptorRequest:
         stop = pos + length
         if stop > end:
             raise _Unusual
-        if tag == 0x1A:  # hits_addend: UInt32Value {1: value}, merged as protobuf merges
-            hits = _uint32_value(raw, pos, stop, 0 if hits is None else hits)
+        if tag == 0x1A:  # hits_addend: UInt32Value {1: value}; twice (merged): upb reads it
+            if hits is not None:
+                raise _Unusual
+            hits = _uint32_value(raw, pos, stop)
             pos = stop
             continue
+        count += 1
+        if count > MAX_ENTRIES_PER_DESCRIPTOR:
+            raise _Unusual
         part = raw[pos:stop]
         entry = kept.get(part)
         if entry is None:
@@ -172,16 +198,18 @@ def _descriptor(raw: bytes, pos: int, end: int) -> DescriptorRequest:
             used = entry[1]
         elif mark is _RELEASE_MARK and phase == "admit":
             phase = "release"
-    return DescriptorRequest(tuple(entries), hits, None, lease, phase, used)
+    return DescriptorRequest(tuple(entries), hits, None, lease, phase, used), count
 
 
-def _uint32_value(raw: bytes, pos: int, end: int, value: int) -> int:
-    while pos < end:
-        if raw[pos] != 0x08:
-            raise _Unusual
-        value, pos = _varint(raw, pos + 1, end)
-        if value >= _UINT32:
-            raise _Unusual
+def _uint32_value(raw: bytes, pos: int, end: int) -> int:
+    """A ``UInt32Value`` of at most its one field."""
+    if pos == end:
+        return 0
+    if raw[pos] != 0x08:
+        raise _Unusual
+    value, pos = _varint(raw, pos + 1, end)
+    if value >= _UINT32 or pos != end:
+        raise _Unusual
     return value
 
 
@@ -191,25 +219,32 @@ _PLAIN, _LEASE_MARK, _USED_MARK, _RELEASE_MARK, _OTHER = "plain", "lease", "used
 def _entry(raw: bytes, pos: int, end: int) -> tuple[str, Any]:
     """An entry as the descriptor reader uses it: ``(_PLAIN, (key, value))``, or a control
     entry's mark and its value as read (a lease that is not one, a ``used`` that is not a count:
-    None)."""
+    None). The key, then the value, each at most once, as protobuf writes them."""
     key = value = ""
-    while pos < end:
-        tag = raw[pos]
-        if tag != 0x0A and tag != 0x12:
-            raise _Unusual
+    if pos < end and raw[pos] == 0x0A:
         length = raw[pos + 1]
         if length < 0x80:
             pos += 2
         else:
             length, pos = _varint(raw, pos + 1, end)
         stop = pos + length
-        if stop > end:
+        if stop > end or length > MAX_TEXT_BYTES:
             raise _Unusual
-        if tag == 0x0A:
-            key = raw[pos:stop].decode()
-        else:
-            value = raw[pos:stop].decode()
+        key = raw[pos:stop].decode()
         pos = stop
+    if pos < end and raw[pos] == 0x12:
+        length = raw[pos + 1]
+        if length < 0x80:
+            pos += 2
+        else:
+            length, pos = _varint(raw, pos + 1, end)
+        stop = pos + length
+        if stop > end or length > MAX_TEXT_BYTES:
+            raise _Unusual
+        value = raw[pos:stop].decode()
+        pos = stop
+    if pos != end:
+        raise _Unusual
     if key not in CONTROL_ENTRIES:
         return _PLAIN, (key, value)
     if key == LEASE_ENTRY:

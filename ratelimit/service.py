@@ -14,14 +14,14 @@ import grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from ratelimit.descriptors import RateLimitConfig
-from ratelimit.errors import ConfigError
+from ratelimit.errors import ConfigError, OutOfBounds
 from ratelimit.guard import GuardedStore
 from ratelimit.limiter import Limiter
 from ratelimit.loader import load_path
 from ratelimit.memory_store import MemoryStore
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.redis_store import RedisStore
-from ratelimit.request_bytes import TooManyDescriptors, Unparsable, request_from_bytes
+from ratelimit.request_bytes import Unparsable, request_from_bytes
 from ratelimit.store import BucketStore
 from ratelimit.wire import response_bytes
 from sidecar_runtime.h2grpc import Context, Server
@@ -66,9 +66,10 @@ class RateLimitServicer:
         except Unparsable as exc:
             # What h2grpc answers when a deserialiser refuses a message.
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-        except TooManyDescriptors as exc:
-            # Envoy sends a handful per call and extproc's settlement batches at most 256: a
-            # call above the cap is refused before any work, so none can carry unbounded work.
+        except OutOfBounds as exc:
+            # Above a bound of ratelimit.request_bounds (far above what Envoy and extproc
+            # send): refused, found on the bytes before any descriptor is built, so no call
+            # carries unbounded work.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception:  # a bug must not turn into 500s: log it and admit
             log.exception("should_rate_limit_failed",
@@ -105,7 +106,7 @@ class RateLimitService:
 
     name = "ratelimit"
     health_name = SERVICE_NAME
-    max_message_bytes = 4 * 1024 * 1024  # 1,024 descriptors are far below it
+    max_message_bytes = 4 * 1024 * 1024  # request_bounds.MAX_REQUEST_BYTES is below it
 
     def __init__(self, config_path: str, settings: Settings,
                  store: BucketStore | None = None) -> None:

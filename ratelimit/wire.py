@@ -72,9 +72,6 @@ _OVERRIDE_UNITS = {
     if name.lower() in UNIT_SECONDS
 }
 _PLAIN_UNITS = ("second", "minute", "hour", "day", "week", "year")
-MAX_DESCRIPTORS = 1024
-"""Descriptors one ``ShouldRateLimit`` call may carry: Envoy's calls carry a few, a batch of
-settlements from extproc (:mod:`extproc.settlements`) at most 256; the service refuses more."""
 LEASE_VALUE = re.compile(r"^[0-9A-Za-z_-]{8,64}$")
 USED_VALUE = re.compile(r"^[0-9]{1,16}$")
 

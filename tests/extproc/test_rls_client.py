@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from extproc.actions import RateCheck, Verdict
 from extproc.rls_client import RateLimitClient
+from ratelimit.request_bounds import MAX_DESCRIPTORS
 from ratelimit.service import RateLimitProcess, rate_limit_process
-from ratelimit.wire import MAX_DESCRIPTORS
 from routing.ratelimits import DOMAIN
 from routing.schema import ServicesSection, ServicesTls
 from sidecar_runtime.settings import Settings

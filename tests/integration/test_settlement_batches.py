@@ -21,8 +21,8 @@ from extproc.admission import new_lease
 from extproc.rls_client import RateLimitClient
 from extproc.settlements import settlement_for
 from ratelimit.keys import bucket_key
+from ratelimit.request_bounds import MAX_DESCRIPTORS
 from ratelimit.service import RateLimitProcess, rate_limit_process
-from ratelimit.wire import MAX_DESCRIPTORS
 from routing.loader import load_config
 from routing.ratelimits import DOMAIN
 from routing.schema import ServicesSection

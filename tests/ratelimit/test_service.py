@@ -14,6 +14,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ratelimit.service import RateLimitProcess, rate_limit_process
+from sidecar_runtime import protowire
 from sidecar_runtime.settings import Settings
 
 CONFIG = """
@@ -187,6 +188,27 @@ async def test_garbage_does_not_crash_the_service(channel: grpc.aio.Channel) -> 
     for junk in (b"\xff\xfe\xfd garbage", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x05\x0a\x03\xff\xfe"):
         with pytest.raises(grpc.aio.AioRpcError):
             await raw(junk, timeout=5)
+    assert (await ask(channel, KEY)).overall_code == Response.OK
+
+
+@pytest.mark.parametrize(("entries", "message"), [
+    (2_097_000, "the request (4,194,010 bytes) exceeds the bound of 1,048,576 bytes per request"),
+    (524_000, "descriptor 1 exceeds the bound of 64 entries per descriptor"),
+])
+async def test_a_descriptor_of_millions_of_empty_entries_is_refused_as_invalid(
+        channel: grpc.aio.Channel, entries: int, message: str) -> None:
+    """One descriptor of ~2.1M empty entries (just under the server's 4 MiB message) was
+    answered OK after seconds of event-loop CPU; now refused on its bytes, as is its first MiB."""
+    raw = channel.unary_unary(
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+        request_serializer=None,
+        response_deserializer=None,
+    )
+    hostile = protowire.string(1, "llm") + protowire.field(2, b"\x0a\x00" * entries)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await raw(hostile, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == message
     assert (await ask(channel, KEY)).overall_code == Response.OK
 
 

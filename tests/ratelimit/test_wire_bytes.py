@@ -1,7 +1,8 @@
 """The service reads requests and writes answers as bytes (``request_from_bytes``,
 ``response_bytes``): what it reads is what upb's parse and ``request_from_proto`` read, what it
-writes is byte for byte upb's ``SerializeToString`` of ``response_to_proto``, and bytes upb
-refuses are refused. Tables of what Envoy and extproc send, of what protobuf allows besides
+writes is byte for byte upb's ``SerializeToString`` of ``response_to_proto``, bytes upb
+refuses are refused, and a request above a bound of ``ratelimit.request_bounds`` (as upb's parse
+counts it) is refused as out of bounds. Tables of what Envoy and extproc send, of what protobuf allows besides
 (repeated, merged, unknown and reordered fields), of malformed bytes, and generated ones."""
 
 from __future__ import annotations
@@ -20,9 +21,17 @@ from hypothesis import strategies as st
 from bench.ratelimit_python import admission, settlement_batch
 from ratelimit import request_bytes
 from ratelimit.descriptors import Limit
+from ratelimit.errors import OutOfBounds
 from ratelimit.limiter import UNLIMITED_REMAINING, DescriptorOutcome, LimitOutcome, LimitRequest
-from ratelimit.request_bytes import TooManyDescriptors, Unparsable, request_from_bytes
-from ratelimit.wire import MAX_DESCRIPTORS, request_from_proto, response_bytes, response_to_proto
+from ratelimit.request_bounds import (
+    MAX_DESCRIPTORS,
+    MAX_ENTRIES,
+    MAX_ENTRIES_PER_DESCRIPTOR,
+    MAX_REQUEST_BYTES,
+    MAX_TEXT_BYTES,
+)
+from ratelimit.request_bytes import Unparsable, request_from_bytes
+from ratelimit.wire import request_from_proto, response_bytes, response_to_proto
 from sidecar_runtime import protowire
 from sidecar_runtime.wire_names import DONE_ENTRY, LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
 
@@ -30,14 +39,25 @@ LEASE = "0123456789abcdef01234567"
 Reading = LimitRequest | str
 
 
+def over_a_bound(raw: bytes, message: rls_pb2.RateLimitRequest) -> bool:
+    """Whether upb's reading of ``raw`` exceeds a bound (counted on what upb built: the other
+    side of the scan on the bytes)."""
+    entries = [len(d.entries) for d in message.descriptors]
+    texts = [message.domain] + [t for d in message.descriptors for e in d.entries
+                                for t in (e.key, e.value)]
+    return (len(raw) > MAX_REQUEST_BYTES or len(entries) > MAX_DESCRIPTORS
+            or max(entries, default=0) > MAX_ENTRIES_PER_DESCRIPTOR or sum(entries) > MAX_ENTRIES
+            or any(len(text.encode()) > MAX_TEXT_BYTES for text in texts))
+
+
 def reference(raw: bytes) -> Reading:
-    """What the service read before: upb's parse, the descriptor cap, ``request_from_proto``."""
+    """upb's parse, the bounds counted on it, ``request_from_proto``."""
     try:
         message = rls_pb2.RateLimitRequest.FromString(raw)
     except Exception:
         return "unparsable"
-    if len(message.descriptors) > MAX_DESCRIPTORS:
-        return "too many"
+    if over_a_bound(raw, message):
+        return "out of bounds"
     return request_from_proto(message)
 
 
@@ -46,8 +66,8 @@ def read(raw: bytes) -> Reading:
         return request_from_bytes(raw)
     except Unparsable:
         return "unparsable"
-    except TooManyDescriptors:
-        return "too many"
+    except OutOfBounds:
+        return "out of bounds"
 
 
 def same_reading(raw: bytes) -> Reading:
@@ -103,7 +123,8 @@ SENT: dict[str, bytes] = {
     "an empty descriptor": request(descriptor()),
     "empty key and value": request(descriptor(("", ""), ("k", ""), ("", "v"))),
     "unicode": request(descriptor(("kind", "requests"), ("tenant", "café-☕-𝄞")), domain="dø"),
-    "long values (two-byte lengths)": request(descriptor(("tenant", "t" * 300), ("k", "v" * 5000))),
+    "long values (two-byte lengths)": request(descriptor(("tenant", "t" * 300),
+                                                        ("k", "v" * MAX_TEXT_BYTES))),
     "settle, release, done and bad control values": request(
         descriptor(*TOKENS, (LEASE_ENTRY, LEASE), (USED_ENTRY, "97"), (DONE_ENTRY, "1")),
         descriptor(*TOKENS, (LEASE_ENTRY, "short"), (USED_ENTRY, "-1")),
@@ -112,6 +133,14 @@ SENT: dict[str, bytes] = {
     "1024 descriptors": request(*[descriptor(("n", str(n))) for n in range(MAX_DESCRIPTORS)]),
     "1025 descriptors": request(*[descriptor(("n", str(n))) for n in range(MAX_DESCRIPTORS + 1)]),
     "1025 empty descriptors": b"\x12\x00" * (MAX_DESCRIPTORS + 1),
+    "64 entries": request(descriptor(*[("n", str(n)) for n in range(MAX_ENTRIES_PER_DESCRIPTOR)])),
+    "65 entries, out of bounds": request(
+        descriptor(*[("n", str(n)) for n in range(MAX_ENTRIES_PER_DESCRIPTOR + 1)])),
+    "8193 entries, out of bounds": request(*[descriptor(*[("n", str(n))] * 8)
+                                             for n in range(MAX_ENTRIES // 8 - 1)],
+                                           descriptor(*[("n", "")] * 9)),
+    "a value of 1025 bytes, out of bounds": request(descriptor(("k", "v" * (MAX_TEXT_BYTES + 1)))),
+    "a domain of 1025 bytes, out of bounds": request(domain="d" * (MAX_TEXT_BYTES + 1)),
 }
 
 ALLOWED: dict[str, bytes] = {
@@ -170,8 +199,8 @@ def test_a_request_reads_as_upb_reads_it(name: str) -> None:
     got = same_reading(raw)
     if name in MALFORMED:
         assert got == "unparsable"
-    if name.startswith("1025"):
-        assert got == "too many"
+    if name.startswith("1025") or name.endswith("out of bounds"):
+        assert got == "out of bounds"
 
 
 @pytest.mark.parametrize("text", BAD_UTF8 + GOOD_UTF8)

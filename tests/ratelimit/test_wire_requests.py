@@ -9,6 +9,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from envoy.type.v3 import ratelimit_unit_pb2
 
 from ratelimit.limiter import DescriptorRequest, Override
+from ratelimit.request_bounds import MAX_ENTRIES_PER_DESCRIPTOR, MAX_TEXT_BYTES
 from ratelimit.request_bytes import request_from_bytes
 from ratelimit.wire import request_from_proto
 from sidecar_runtime.wire_names import DONE_ENTRY, LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
@@ -78,9 +79,10 @@ CASES: dict[str, tuple[tuple[tuple[str, str], ...], DescriptorRequest]] = {
     "a control name as a value is an ordinary entry": (
         (("kind", LEASE_ENTRY), ("api_key", USED_ENTRY)),
         DescriptorRequest((("kind", LEASE_ENTRY), ("api_key", USED_ENTRY)))),
-    "many entries, long values": (
-        tuple((f"k{n}", "v" * 1000) for n in range(200)),
-        DescriptorRequest(tuple((f"k{n}", "v" * 1000) for n in range(200)))),
+    "as many entries as a descriptor may carry, each value as long as it may be": (
+        tuple((f"k{n}", "v" * MAX_TEXT_BYTES) for n in range(MAX_ENTRIES_PER_DESCRIPTOR)),
+        DescriptorRequest(tuple((f"k{n}", "v" * MAX_TEXT_BYTES)
+                                for n in range(MAX_ENTRIES_PER_DESCRIPTOR)))),
 }
 
 
