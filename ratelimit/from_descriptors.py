@@ -164,6 +164,12 @@ def _compile_limit(check: _Check, here: Path, item: dict[str, Any], full_key: st
     if not isinstance(name, str):
         check.add((*at, "name"), "name must be a string")
         name = ""
+    elif not _utf8(name):
+        # Every answer of the limit carries its name (Envoy's x-ratelimit headers): one UTF-8
+        # cannot carry would fail each of them (upb and protowire refuse to write it).
+        check.add((*at, "name"), "name holds a lone surrogate (such as \\ud800), which is not "
+                                 "text UTF-8 can carry")
+        name = ""
     replaces = _replaces(check, (*at, "replaces"), block.get("replaces"), name)
     unlimited = debt = False
     with check.part():
@@ -192,6 +198,14 @@ def _compile_limit(check: _Check, here: Path, item: dict[str, Any], full_key: st
             full_key, rate.requests_per_unit, rate.unit, rate.multiplier, rate.burst, name, False,
             shadow, debt, detailed, replaces)
     return limit if len(check.problems) == before else None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -76,11 +76,12 @@ class RateLimitServicer:
                           domain=rls_pb2.RateLimitRequest.FromString(raw).domain)
             return _OK_ANSWER
         try:
-            outcome = await self._limiter.check(request)
+            # The answer too: one that cannot be written (a limit name UTF-8 cannot carry,
+            # which the loader refuses) is a bug like any other.
+            return response_bytes(await self._limiter.check(request))
         except Exception:  # a bug must not turn into 500s: log it and admit
             log.exception("should_rate_limit_failed", domain=request.domain)
             return _OK_ANSWER
-        return response_bytes(outcome)
 
 
 def make_store(settings: Settings, metrics: RateLimitMetrics) -> BucketStore:

@@ -73,6 +73,11 @@ descriptors:
       requests_per_unit: 5
 """, ["6: unlimited rate limit should not specify 'unit'",
       "7: unlimited rate limit should not specify 'requests_per_unit'"]),
+    "a limit name UTF-8 cannot carry": ("""domain: llm
+descriptors:
+  - key: api_key
+    rate_limit: {unit: second, requests_per_unit: 5, name: "key\\ud800"}
+""", ["4: name holds a lone surrogate (such as \\ud800), which is not text UTF-8 can carry"]),
     "two repeated YAML keys": ("""domain: llm
 domain: llm2
 descriptors:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 import grpc
@@ -13,8 +14,11 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ratelimit.service import RateLimitProcess, rate_limit_process
+from ratelimit.descriptors import Limit
+from ratelimit.limiter import DescriptorOutcome, Limiter, LimitOutcome, LimitRequest
+from ratelimit.service import RateLimitProcess, RateLimitServicer, rate_limit_process
 from sidecar_runtime import protowire
+from sidecar_runtime.h2grpc import Context
 from sidecar_runtime.settings import Settings
 
 CONFIG = """
@@ -210,6 +214,22 @@ async def test_a_descriptor_of_millions_of_empty_entries_is_refused_as_invalid(
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details() == message
     assert (await ask(channel, KEY)).overall_code == Response.OK
+
+
+class _NamelessAnswer:
+    """A limiter whose answer names a limit UTF-8 cannot carry (the loader refuses such a
+    name; a bug could still make one)."""
+
+    async def check(self, request: LimitRequest) -> LimitOutcome:
+        limit = Limit("k", 1, "second", name="per-\ud800")
+        return LimitOutcome(False, (DescriptorOutcome("over_limit", limit, 0, 1.0, 1.0),), 1)
+
+
+async def test_an_answer_that_cannot_be_written_is_logged_and_admitted() -> None:
+    servicer = RateLimitServicer(cast(Limiter, _NamelessAnswer()))
+    raw = rls_pb2.RateLimitRequest(domain="llm", descriptors=[KEY]).SerializeToString()
+    answer = Response.FromString(await servicer.should_rate_limit(raw, cast(Context, None)))
+    assert answer.overall_code == Response.OK
 
 
 async def test_health_and_http_endpoints(server: RateLimitProcess, channel: grpc.aio.Channel) -> None:

@@ -325,6 +325,8 @@ OUTCOMES: dict[str, LimitOutcome] = {
                        "concurrent"),), 1,
         outcome_status(Limit("h", 0, "second", concurrent=2), 0, 0.0, "over_limit",
                        "concurrent")),
+    "a limit name UTF-8 cannot carry (upb refuses it too)": LimitOutcome(True, (
+        outcome_status(Limit("s", 10, "second", name="per-\ud800"), 4, 0.6),)),
     "a hundred statuses (two-byte lengths)": LimitOutcome(True, tuple(
         outcome_status(LIMITS[n % len(LIMITS)], n * 1000, n / 3) for n in range(100))),
 }
