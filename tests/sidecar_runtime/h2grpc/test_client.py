@@ -107,7 +107,8 @@ async def test_the_rate_limit_servicer_answers_through_the_client(
         with pytest.raises(RpcError) as refused:  # the servicer's abort, through the wire
             await channel.unary_unary(RLS, too_many, rls_pb2.RateLimitResponse.FromString, 5)
         assert refused.value.code is StatusCode.INVALID_ARGUMENT
-        assert refused.value.details == "at most 1024 descriptors per call"
+        assert refused.value.details == \
+            "the request exceeds the bound of 1,024 descriptors per request"
     finally:
         await channel.aclose()
         await server.stop(0.5)
