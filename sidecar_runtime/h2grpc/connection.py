@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 
 log = get_logger("sidecar_runtime.h2grpc")
 
+RECENT_STREAMS = 1_024
+"""Stream ids remembered as opened: HEADERS on one of them (it just ended: the client had not
+seen our END_STREAM or RST_STREAM yet) resets it; on a lower id not among them it is a
+connection error."""
 FIELDS_PER_READ = 2_000
 """Header fields decoded before a read yields the event loop (a few ms of hpack)."""
 DRAIN_LINGER_S = 0.2
@@ -70,6 +74,7 @@ class Connection(H2Peer[Call]):
         self._head_bytes = 0  # what the open calls' request heads hold
         self._fields_read = 0  # header fields decoded since the last yield
         self._calls = 0  # calls this connection has carried
+        self._recent: dict[int, None] = {}  # the last RECENT_STREAMS ids opened, oldest first
         self._premature = 0  # of which the client reset before their answer began
         self._pings = Budget(limits.pings)
         self._settings_budget = Budget(limits.settings)
@@ -251,6 +256,10 @@ class Connection(H2Peer[Call]):
             self._yield = True
         call = self._streams.get(stream)
         if call is not None:  # trailers of the request
+            if call.input_ended:  # half-closed (remote): a stream error (RFC 9113 §5.1)
+                self.reset_stream(call, f.STREAM_CLOSED)
+                call.reset()
+                return
             if not flags & f.END_STREAM:
                 raise ConnectionError_(f.PROTOCOL_ERROR, "trailers without END_STREAM")
             problem = call.end_input()
@@ -260,9 +269,17 @@ class Connection(H2Peer[Call]):
                 self._start(call)
             return
         if stream <= self._last_stream:
-            self._write(f.rst_stream(stream, f.STREAM_CLOSED))
+            if stream not in self._recent:
+                # Never opened (skipped, so closed) or long gone: an id a new stream may not
+                # take (RFC 9113 §5.1.1).
+                raise ConnectionError_(f.PROTOCOL_ERROR, "HEADERS on a stream below the last")
+            self._write(f.rst_stream(stream, f.STREAM_CLOSED))  # one that just ended
             return
         self._last_stream = stream
+        recent = self._recent
+        if len(recent) >= RECENT_STREAMS:
+            del recent[next(iter(recent))]
+        recent[stream] = None
         if self._draining or len(self._streams) >= self._server.max_concurrent_streams:
             # Past the advertised limit (RFC 9113 §5.1.2), e.g. sent before the client read
             # our SETTINGS: refused, which a client may retry (Envoy does, on another
@@ -338,6 +355,8 @@ class Connection(H2Peer[Call]):
             raise ConnectionError_(f.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
 
     def _priority_size(self, stream: int) -> None:
+        if stream > self._last_stream or stream % 2 == 0:
+            return  # no RST_STREAM for an idle stream (RFC 9113 §6.4); a glitch all the same
         call = self._streams.get(stream)
         if call is not None:
             self.reset_stream(call, f.FRAME_SIZE_ERROR)
@@ -367,6 +386,8 @@ class Connection(H2Peer[Call]):
         pass  # the client opens no new stream; the ones open finish
 
     def _known(self, stream: int) -> Call | None:
+        if stream % 2 == 0 or stream > self._last_stream:  # RFC 9113 §5.1: idle
+            raise ConnectionError_(f.PROTOCOL_ERROR, f"a frame on idle stream {stream}")
         return self._streams.get(stream)
 
     def _bad_window_update(self, call: Call, code: int) -> None:

@@ -72,9 +72,14 @@ def length_prefixed(message: bytes) -> bytes:
     return b"\0" + len(message).to_bytes(4, "big") + message
 
 
-def unpad(payload: bytes) -> bytes:
-    """The payload of a PADDED frame without its pad length and padding."""
-    if not payload or payload[0] >= len(payload):
+def unpad(payload: bytes, fields: int = 0) -> bytes:
+    """The payload of a PADDED frame without its pad length and padding (RFC 9113 §6.1, §6.2):
+    a frame too short for its Pad Length is a FRAME_SIZE_ERROR, padding that covers the rest
+    (or the ``fields`` bytes that must follow the Pad Length, a HEADERS' priority) a
+    PROTOCOL_ERROR."""
+    if not payload:
+        raise ConnectionError_(FRAME_SIZE_ERROR, "a PADDED frame without its Pad Length")
+    if payload[0] >= len(payload) - fields:
         raise ConnectionError_(PROTOCOL_ERROR, "bad padding")
     return payload[1:len(payload) - payload[0]]
 

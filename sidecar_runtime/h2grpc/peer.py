@@ -210,22 +210,30 @@ class H2Peer(asyncio.Protocol, Generic[S]):
             elif kind == f.CONTINUATION:
                 self._on_continuation(stream, flags, payload)
             elif kind == f.RST_STREAM:
-                if stream == 0 or length != 4:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed RST_STREAM")
+                if stream == 0:
+                    raise ConnectionError_(f.PROTOCOL_ERROR, "RST_STREAM on stream 0")
+                if length != 4:  # RFC 9113 §6.4
+                    raise ConnectionError_(f.FRAME_SIZE_ERROR, "a malformed RST_STREAM")
                 self._on_rst(stream, payload)
             elif kind == f.SETTINGS:
                 self._on_settings(stream, flags, payload)
             elif kind == f.WINDOW_UPDATE:
                 self._on_window_update(stream, payload)
             elif kind == f.PING:
-                if stream != 0 or length != 8:
-                    raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed PING")
+                if stream != 0:
+                    raise ConnectionError_(f.PROTOCOL_ERROR, "PING on a stream")
+                if length != 8:  # RFC 9113 §6.7
+                    raise ConnectionError_(f.FRAME_SIZE_ERROR, "a malformed PING")
                 if not flags & f.ACK:
                     self._on_ping()
                     self._write(f.frame(f.PING, f.ACK, 0, payload))
                 else:
                     self._on_pong(payload)
             elif kind == f.GOAWAY:
+                if stream != 0:  # RFC 9113 §6.8
+                    raise ConnectionError_(f.PROTOCOL_ERROR, "GOAWAY on a stream")
+                if length < 8:  # RFC 9113 §4.2: a frame too short for its fields
+                    raise ConnectionError_(f.FRAME_SIZE_ERROR, "a malformed GOAWAY")
                 self._on_goaway(stream, payload)
             elif kind == f.PUSH_PROMISE:
                 raise ConnectionError_(f.PROTOCOL_ERROR, self._PUSH_ERROR)
@@ -290,9 +298,10 @@ class H2Peer(asyncio.Protocol, Generic[S]):
     # -- frames ----------------------------------------------------------------------------
 
     def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
+        fields = 5 if flags & f.PRIORITY_FLAG else 0
         if flags & f.PADDED:
-            payload = f.unpad(payload)
-        if flags & f.PRIORITY_FLAG:
+            payload = f.unpad(payload, fields)
+        if fields:
             if len(payload) < 5:
                 raise ConnectionError_(f.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
             payload = payload[5:]
@@ -320,8 +329,10 @@ class H2Peer(asyncio.Protocol, Generic[S]):
             self._on_header_block(stream, opened.flags, bytes(opened.block))
 
     def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
-        if stream != 0 or len(payload) % 6:
-            raise ConnectionError_(f.PROTOCOL_ERROR, "a malformed SETTINGS")
+        if stream != 0:
+            raise ConnectionError_(f.PROTOCOL_ERROR, "SETTINGS on a stream")
+        if len(payload) % 6:  # RFC 9113 §6.5
+            raise ConnectionError_(f.FRAME_SIZE_ERROR, "a malformed SETTINGS")
         if flags & f.ACK:
             if payload:
                 raise ConnectionError_(f.FRAME_SIZE_ERROR, "a SETTINGS ACK with a payload")
@@ -335,6 +346,9 @@ class H2Peer(asyncio.Protocol, Generic[S]):
                 delta, self._peer_window = value - self._peer_window, value
                 for open_stream in self._streams.values():
                     open_stream.send_window += delta
+                    if open_stream.send_window > f.MAX_WINDOW:  # RFC 9113 §6.9.2
+                        raise ConnectionError_(f.FLOW_CONTROL_ERROR,
+                                               "a stream's window above 2^31-1")
             elif key == f.SETTINGS_MAX_FRAME_SIZE:
                 if not f.DEFAULT_MAX_FRAME <= value <= 0xFFFFFF:
                     raise ConnectionError_(f.PROTOCOL_ERROR, "a bad SETTINGS_MAX_FRAME_SIZE")

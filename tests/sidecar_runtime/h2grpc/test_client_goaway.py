@@ -48,11 +48,11 @@ CASES = {
         SETTINGS + f.frame(f.DATA, 0, 2, b"x"), f.PROTOCOL_ERROR,
         "a frame on stream 2, not opened"),
     "a PING on a stream": (
-        SETTINGS + f.frame(f.PING, 0, 1, b"\0" * 8), f.PROTOCOL_ERROR, "a malformed PING"),
+        SETTINGS + f.frame(f.PING, 0, 1, b"\0" * 8), f.PROTOCOL_ERROR, "PING on a stream"),
     "RST_STREAM on stream 0": (
-        SETTINGS + f.rst_stream(0, f.CANCEL), f.PROTOCOL_ERROR, "a malformed RST_STREAM"),
+        SETTINGS + f.rst_stream(0, f.CANCEL), f.PROTOCOL_ERROR, "RST_STREAM on stream 0"),
     "a short GOAWAY": (
-        SETTINGS + f.frame(f.GOAWAY, 0, 0, b"\0\0\0\1"), f.PROTOCOL_ERROR,
+        SETTINGS + f.frame(f.GOAWAY, 0, 0, b"\0\0\0\1"), f.FRAME_SIZE_ERROR,
         "a malformed GOAWAY"),
     "a push": (
         SETTINGS + f.frame(f.PUSH_PROMISE, f.END_HEADERS, 1, b"\0\0\0\2\x88"),

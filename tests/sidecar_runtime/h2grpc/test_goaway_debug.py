@@ -30,8 +30,8 @@ DEBUG = {
     "INITIAL_WINDOW_SIZE past 2^31-1": "window above 2^31-1",
     "MAX_FRAME_SIZE below 16384": "a bad SETTINGS_MAX_FRAME_SIZE",
     "SETTINGS of odd length": "a malformed SETTINGS",
-    "PING on a stream": "a malformed PING",
-    "RST_STREAM on stream 0": "a malformed RST_STREAM",
+    "PING on a stream": "PING on a stream",
+    "RST_STREAM on stream 0": "RST_STREAM on stream 0",
     "header block above 64 KiB": "header block too large",
 }
 

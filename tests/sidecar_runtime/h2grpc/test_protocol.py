@@ -84,7 +84,7 @@ VIOLATIONS: dict[str, tuple[Callable[[FrameClient], bytes], int]] = {
                                         FLOW_CONTROL_ERROR),
     "MAX_FRAME_SIZE below 16384": (lambda c: raw(0x4, 0, 0, b"\0\x05\0\0\x10\0"),
                                    PROTOCOL_ERROR),
-    "SETTINGS of odd length": (lambda c: raw(0x4, 0, 0, b"\0\x04\0"), PROTOCOL_ERROR),
+    "SETTINGS of odd length": (lambda c: raw(0x4, 0, 0, b"\0\x04\0"), FRAME_SIZE_ERROR),
     "PING on a stream": (lambda c: raw(0x6, 0, 1, b"12345678"), PROTOCOL_ERROR),
     "RST_STREAM on stream 0": (lambda c: raw(0x3, 0, 0, b"\0\0\0\x08"), PROTOCOL_ERROR),
     "header block above 64 KiB": (lambda c: raw(0x1, 0x0, 1, _request_block(c))
