@@ -171,6 +171,7 @@ class Call:
             buffer += data
             source = buffer
         position, size = 0, len(source)
+        queued = self._queued
         while size - position >= 5:
             if source[position] != 0:
                 return _COMPRESSED
@@ -180,13 +181,14 @@ class Call:
             if size - position - 5 < length:
                 break
             self._messages.append(bytes(source[position + 5:position + 5 + length]))
-            self._queued += length + MESSAGE_OVERHEAD
+            queued += length + MESSAGE_OVERHEAD
             position += 5 + length
         if source is buffer:
             del buffer[:position]
         elif position < size:
             buffer += data[position:]
-        self.held = self._queued + len(buffer)
+        self._queued = queued
+        self.held = queued + len(buffer)
         self._wake()
         return None
 
@@ -263,9 +265,16 @@ class Call:
             finally:
                 self._waiter = None
         raw = messages.popleft()
-        size = len(raw) + MESSAGE_OVERHEAD
-        self._queued -= size
-        self.connection.taken(self, size)
+        if not messages:
+            # Released once the queue is empty, not per message: bytes taken from a queue
+            # that is not yet empty are counted a little longer, which delays the connection's
+            # window, never widens it. The connection is told only when there is window to
+            # give back (a method call a message was a tenth of the server's CPU per message).
+            self.held -= self._queued
+            self._queued = 0
+            connection = self.connection
+            if self.recv_unacked >= connection.grant_at or connection.starved:
+                connection.taken(self)
         return raw
 
     def _parse(self, raw: bytes) -> Any:

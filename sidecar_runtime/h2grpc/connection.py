@@ -69,12 +69,18 @@ class Connection(H2Peer[Call]):
         self._window = limits.stream_window  # each stream's receive window
         self._buffer = server.connection_buffer  # the most the calls may hold
         self._refill_at = max(1, self._buffer // 4)
+        self._refill_below = self._buffer - self._refill_at
+        """The client's window at or below which what the calls released is given back."""
+        self.starved = False
+        """The client's window is low and was not refilled: released bytes refill it."""
+        self.grant_at = self._window // 2
+        """A stream's window is given back once this much of it was used and taken."""
         self._recv_window = f.DEFAULT_WINDOW  # what the client may still send, all streams
-        self._held = 0  # bytes the calls hold for their handlers (and each message's overhead)
         self._head_bytes = 0  # what the open calls' request heads hold
         self._fields_read = 0  # header fields decoded since the last yield
         self._calls = 0  # calls this connection has carried
-        self._recent: dict[int, None] = {}  # the last RECENT_STREAMS ids opened, oldest first
+        self._recent: set[int] = set()  # ids opened lately (RECENT_STREAMS)...
+        self._older: set[int] = set()  # ...and the generation before
         self._premature = 0  # of which the client reset before their answer began
         self._pings = Budget(limits.pings)
         self._settings_budget = Budget(limits.settings)
@@ -150,21 +156,20 @@ class Connection(H2Peer[Call]):
         if call is None or call.input_ended:
             if stream > self._last_stream:
                 raise ConnectionError_(f.PROTOCOL_ERROR, "DATA on an idle stream")
-            self._refill()  # a stream already answered or reset: its data is dropped
+            if window <= self._refill_below:  # dropped: a stream already answered or reset
+                self._refill()
             return
         unacked = call.recv_unacked + counted
         if unacked > self._window:  # a stream error (RFC 9113 §6.9.1): that stream ends
             self.reset_stream(call, f.FLOW_CONTROL_ERROR)
             call.reset()
-            self._refill()
+            if window <= self._refill_below:
+                self._refill()
             return
         if payload:
-            held = call.held
             problem = call.receive(payload)
-            self._held += call.held - held
             if problem is not None:
                 call.fail(*problem)
-                self._refill()
                 return
         elif not flags & f.END_STREAM:
             self._on_glitch()
@@ -172,46 +177,49 @@ class Connection(H2Peer[Call]):
             problem = call.end_input()
             if problem is not None:
                 call.fail(*problem)
-                self._refill()
                 return
         else:
             call.recv_unacked = unacked
             if not call.has_message:  # else granted as the handler takes them (taken)
                 self._grant(call)
-        if self._buffer - self._held - self._recv_window >= self._refill_at \
-                or self._recv_window < f.DEFAULT_MAX_FRAME:
+        if window <= self._refill_below:
             self._refill()
         if not call.started and (call.has_message or call.input_ended):
             self._start(call)
 
-    def taken(self, call: Call, size: int) -> None:
-        """``call``'s handler took a message that held ``size`` bytes (with its overhead)."""
+    def taken(self, call: Call) -> None:
+        """``call``'s handler took the last message waiting, and its stream has window to give
+        back or the connection is short of it (:attr:`starved`)."""
         if call.finished:
-            return  # forgotten: its bytes were released then
-        self._held -= size
-        call.held -= size
-        if not call.has_message:
-            self._grant(call)
-        if self._buffer - self._held - self._recv_window >= self._refill_at:
+            return  # forgotten: what it held went with it
+        self._grant(call)
+        if self.starved:
             self._refill()
 
     def _grant(self, call: Call) -> None:
         """No whole message of ``call`` waits for its handler: give the client back the window
         its data used. Granted as the handler reads, not as data arrives, a stream holds at
         most its window (and one message) of data its handler has not taken."""
-        if call.recv_unacked >= self._window // 2 and not call.finished \
+        if call.recv_unacked >= self.grant_at and not call.finished \
                 and not call.input_ended:
             self._write(f.window_update(call.id, call.recv_unacked))
             call.recv_unacked = 0
 
+    def held(self) -> int:
+        """What the calls hold for their handlers: messages waiting (each with its overhead)
+        and partial ones. Summed when asked (the window runs low), not kept per message."""
+        return sum(call.held for call in self._streams.values())
+
     def _refill(self) -> None:
-        """Give the client back the connection window its released bytes free: what the calls
-        hold plus what it may still send stays within the connection's buffer."""
-        grant = self._buffer - self._held - self._recv_window
+        """The client's connection window ran low: give it back what the calls released, so
+        that what they hold plus what the client may still send stays within the buffer."""
+        held = self.held()
+        grant = self._buffer - held - self._recv_window
         if grant >= self._refill_at or (grant > 0 and self._recv_window < f.DEFAULT_MAX_FRAME):
             self._recv_window += grant
             self._write(f.window_update(0, grant))
-        if self._recv_window < f.DEFAULT_MAX_FRAME and self._held:
+        self.starved = self._recv_window <= self._refill_below
+        if self._recv_window < f.DEFAULT_MAX_FRAME and held:
             self._unjam()
 
     def _unjam(self) -> None:
@@ -228,17 +236,13 @@ class Connection(H2Peer[Call]):
             largest.fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"the connection's receive buffer ({self._buffer} bytes) is full of "
                          "partial messages")
-            self._refill()
 
     def _forget(self, call: Call) -> None:
         """``call`` is over: what it held is released."""
         self._streams.pop(call.id, None)
         self._blocked.pop(call.id, None)
         self._head_bytes -= call.head_held
-        call.head_held = 0
-        if call.held:
-            self._held -= call.held
-            call.held = 0
+        if self.starved:
             self._refill()
 
     def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
@@ -269,7 +273,7 @@ class Connection(H2Peer[Call]):
                 self._start(call)
             return
         if stream <= self._last_stream:
-            if stream not in self._recent:
+            if stream not in self._recent and stream not in self._older:
                 # Never opened (skipped, so closed) or long gone: an id a new stream may not
                 # take (RFC 9113 §5.1.1).
                 raise ConnectionError_(f.PROTOCOL_ERROR, "HEADERS on a stream below the last")
@@ -277,9 +281,9 @@ class Connection(H2Peer[Call]):
             return
         self._last_stream = stream
         recent = self._recent
-        if len(recent) >= RECENT_STREAMS:
-            del recent[next(iter(recent))]
-        recent[stream] = None
+        recent.add(stream)
+        if len(recent) >= RECENT_STREAMS:  # two generations: the last 1,024 to 2,048 kept
+            self._older, self._recent = recent, set()
         if self._draining or len(self._streams) >= self._server.max_concurrent_streams:
             # Past the advertised limit (RFC 9113 §5.1.2), e.g. sent before the client read
             # our SETTINGS: refused, which a client may retry (Envoy does, on another
