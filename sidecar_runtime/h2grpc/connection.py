@@ -40,10 +40,10 @@ if TYPE_CHECKING:
 
 log = get_logger("sidecar_runtime.h2grpc")
 
-RECENT_STREAMS = 1_024
-"""Stream ids remembered as opened: HEADERS on one of them (it just ended: the client had not
-seen our END_STREAM or RST_STREAM yet) resets it; on a lower id not among them it is a
-connection error."""
+SKIPPED_RANGES = 64
+"""Ranges of stream ids the client skipped (never opened) remembered: HEADERS on one of them is
+a connection error; on a lower id it did open (it ended: the client had not seen our
+END_STREAM or RST_STREAM yet) it resets that stream. Older gaps count as opened."""
 FIELDS_PER_READ = 2_000
 """Header fields decoded before a read yields the event loop (a few ms of hpack)."""
 DRAIN_LINGER_S = 0.2
@@ -62,6 +62,8 @@ class Connection(H2Peer[Call]):
         limits = self._limits = server.limits
         self._max_header_block = limits.max_header_list
         self._max_continuations = limits.max_continuations
+        self._max_fields = limits.max_header_fields
+        self._max_head_bytes = limits.header_bytes
         self._heads = head_decoder(server.heads, server.heads_bytes,
                                    max_list=limits.max_header_list,
                                    max_bytes=limits.heads_cache_bytes)
@@ -79,8 +81,7 @@ class Connection(H2Peer[Call]):
         self._head_bytes = 0  # what the open calls' request heads hold
         self._fields_read = 0  # header fields decoded since the last yield
         self._calls = 0  # calls this connection has carried
-        self._recent: set[int] = set()  # ids opened lately (RECENT_STREAMS)...
-        self._older: set[int] = set()  # ...and the generation before
+        self._skipped: list[tuple[int, int]] = []  # ids never opened: [low, high) ranges
         self._premature = 0  # of which the client reset before their answer began
         self._pings = Budget(limits.pings)
         self._settings_budget = Budget(limits.settings)
@@ -272,18 +273,21 @@ class Connection(H2Peer[Call]):
             elif not call.started:
                 self._start(call)
             return
-        if stream <= self._last_stream:
-            if stream not in self._recent and stream not in self._older:
-                # Never opened (skipped, so closed) or long gone: an id a new stream may not
-                # take (RFC 9113 §5.1.1).
+        last = self._last_stream
+        if stream <= last:
+            if any(low <= stream < high for low, high in self._skipped):
+                # Never opened (skipped, so closed): an id a new stream may not take (RFC 9113
+                # §5.1.1). (Gaps are remembered as ranges; clients skip none.)
                 raise ConnectionError_(f.PROTOCOL_ERROR, "HEADERS on a stream below the last")
-            self._write(f.rst_stream(stream, f.STREAM_CLOSED))  # one that just ended
+            self._write(f.rst_stream(stream, f.STREAM_CLOSED))  # one that ended
             return
+        expected = last + 2 if last else 1
+        if stream != expected:
+            skipped = self._skipped
+            if len(skipped) >= SKIPPED_RANGES:
+                del skipped[0]
+            skipped.append((expected, stream))
         self._last_stream = stream
-        recent = self._recent
-        recent.add(stream)
-        if len(recent) >= RECENT_STREAMS:  # two generations: the last 1,024 to 2,048 kept
-            self._older, self._recent = recent, set()
         if self._draining or len(self._streams) >= self._server.max_concurrent_streams:
             # Past the advertised limit (RFC 9113 §5.1.2), e.g. sent before the client read
             # our SETTINGS: refused, which a client may retry (Envoy does, on another
@@ -294,12 +298,11 @@ class Connection(H2Peer[Call]):
             self._write(f.rst_stream(stream, f.PROTOCOL_ERROR))
             return
         ended = bool(flags & f.END_STREAM)
-        limits = self._limits
-        if head.fields > limits.max_header_fields:
+        if head.fields > self._max_fields:
             self._refuse(stream, ended, f"a header block of {head.fields} fields is above the "
-                                        f"limit ({limits.max_header_fields})")
+                                        f"limit ({self._max_fields})")
             return
-        if self._head_bytes + head.held > limits.header_bytes:
+        if self._head_bytes + head.held > self._max_head_bytes:
             # The open calls' heads already hold what a connection may: this one waits for
             # some to end (REFUSED_STREAM: the client may retry it).
             self._write(f.rst_stream(stream, f.REFUSED_STREAM))
