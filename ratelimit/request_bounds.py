@@ -19,6 +19,8 @@ request only after it passed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ratelimit.errors import OutOfBounds
 
 MAX_REQUEST_BYTES = 1024 * 1024
@@ -85,80 +87,71 @@ def _too_many_fields() -> OutOfBounds:
                        "per request")
 
 
+class _Scan:
+    """One walk over a request's bytes, counting every field it steps on."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.fields = 0
+
+    def spans(self, pos: int, end: int) -> Iterator[tuple[int, int, int]]:
+        """``(tag, start, stop)`` of each length-delimited field of the message in
+        ``raw[pos:end]``; the others are stepped over. Every field counts toward
+        :data:`MAX_FIELDS`."""
+        raw = self.raw
+        while pos < end:
+            self.fields += 1
+            if self.fields > MAX_FIELDS:
+                raise _too_many_fields()
+            tag, pos = _varint(raw, pos, end)
+            if tag & 7 != 2:
+                pos, self.fields = _skip(raw, pos, end, tag, self.fields)
+                continue
+            length, pos = _varint(raw, pos, end)
+            stop = pos + length
+            if stop > end:
+                raise _Malformed
+            yield tag, pos, stop
+            pos = stop
+
+
 def _request(raw: bytes) -> None:
-    end = len(raw)
-    pos = descriptors = entries = fields = 0
-    while pos < end:
-        fields += 1
-        if fields > MAX_FIELDS:
-            raise _too_many_fields()
-        tag, pos = _varint(raw, pos, end)
-        if tag & 7 != 2:
-            pos, fields = _skip(raw, pos, end, tag, fields)
-            continue
-        length, pos = _varint(raw, pos, end)
-        stop = pos + length
-        if stop > end:
-            raise _Malformed
+    scan = _Scan(raw)
+    descriptors = entries = 0
+    for tag, pos, stop in scan.spans(0, len(raw)):
         if tag == 0x12:
             descriptors += 1
             if descriptors > MAX_DESCRIPTORS:
                 raise OutOfBounds(f"the request exceeds the bound of {MAX_DESCRIPTORS:,} "
                                   "descriptors per request")
-            found, fields = _descriptor(raw, pos, stop, descriptors, fields)
-            entries += found
+            entries += _descriptor(scan, pos, stop, descriptors)
             if entries > MAX_ENTRIES:
                 raise OutOfBounds(f"the request exceeds the bound of {MAX_ENTRIES:,} "
                                   "entries per request")
-        elif tag == 0x0A and length > MAX_TEXT_BYTES:
+        elif tag == 0x0A and stop - pos > MAX_TEXT_BYTES:
             raise OutOfBounds(f"the domain exceeds the bound of {MAX_TEXT_BYTES:,} bytes")
-        pos = stop
 
 
-def _descriptor(raw: bytes, pos: int, end: int, number: int, fields: int) -> tuple[int, int]:
+def _descriptor(scan: _Scan, pos: int, end: int, number: int) -> int:
     """The entries of the descriptor in ``raw[pos:end]`` (the ``number``-th of its request),
-    once its bounds are checked, and the fields counted so far."""
+    once its bounds are checked."""
     entries = 0
-    while pos < end:
-        fields += 1
-        if fields > MAX_FIELDS:
-            raise _too_many_fields()
-        tag, pos = _varint(raw, pos, end)
-        if tag & 7 != 2:
-            pos, fields = _skip(raw, pos, end, tag, fields)
-            continue
-        length, pos = _varint(raw, pos, end)
-        stop = pos + length
-        if stop > end:
-            raise _Malformed
+    for tag, start, stop in scan.spans(pos, end):
         if tag == 0x0A:
             entries += 1
             if entries > MAX_ENTRIES_PER_DESCRIPTOR:
                 raise OutOfBounds(f"descriptor {number:,} exceeds the bound of "
                                   f"{MAX_ENTRIES_PER_DESCRIPTOR:,} entries per descriptor")
-            fields = _entry(raw, pos, stop, number, fields)
-        pos = stop
-    return entries, fields
+            _entry(scan, start, stop, number)
+    return entries
 
 
-def _entry(raw: bytes, pos: int, end: int, number: int, fields: int) -> int:
-    """The fields counted so far, once the entry in ``raw[pos:end]`` is checked."""
-    while pos < end:
-        fields += 1
-        if fields > MAX_FIELDS:
-            raise _too_many_fields()
-        tag, pos = _varint(raw, pos, end)
-        if tag & 7 != 2:
-            pos, fields = _skip(raw, pos, end, tag, fields)
-            continue
-        length, pos = _varint(raw, pos, end)
-        if pos + length > end:
-            raise _Malformed
-        if (tag == 0x0A or tag == 0x12) and length > MAX_TEXT_BYTES:
+def _entry(scan: _Scan, pos: int, end: int, number: int) -> None:
+    """Check the entry in ``raw[pos:end]``: its key and value within :data:`MAX_TEXT_BYTES`."""
+    for tag, start, stop in scan.spans(pos, end):
+        if (tag == 0x0A or tag == 0x12) and stop - start > MAX_TEXT_BYTES:
             raise OutOfBounds(f"an entry {'key' if tag == 0x0A else 'value'} of descriptor "
                               f"{number:,} exceeds the bound of {MAX_TEXT_BYTES:,} bytes")
-        pos += length
-    return fields
 
 
 def _varint(raw: bytes, pos: int, end: int) -> tuple[int, int]:
