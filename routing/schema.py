@@ -413,6 +413,11 @@ class TelemetrySection(Strict):
     id. Canary traffic always is, and while a model has a canary as many of its stable requests
     as canary ones. 1: every request (as before; a 256-token stream then costs extproc ~15x a
     short answer); 0: only those and the responses Envoy cannot read usage from."""
+    sample_min_per_s: int = Field(default=5, ge=0)
+    """Besides that share, extproc reads up to this many of a model's other stable responses a
+    second (per extproc worker process), so a quiet gateway measures every request; a busy one
+    reads this many more a second than the share. 0: the share alone. These extra reads feed
+    the metrics, not the canary guard (its stable side stays the share)."""
     envoy_usage: bool = True
     """true: for the other streamed requests Envoy's sse_to_metadata filter reads the usage for
     the rate limiter (and a Lua filter strips the usage chunk a client did not ask for; the
