@@ -55,11 +55,31 @@ class SaturationSpec(_Strict):
     """The ``retry-after`` of the 503."""
 
 
+METRIC_NAME_PATTERN = r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"
+"""Prometheus's metric name syntax (its data model's ``[a-zA-Z_:][a-zA-Z0-9_:]*``)."""
+
+
+class LoadMetricNames(_Strict):
+    """The load series of an engine the picker does not know by name: each pod's
+    ``metrics_path`` is read for these instead of the engines it recognises. Every label set
+    of a series counts: queues and running requests summed, KV use the fullest."""
+
+    queue: str = Field(pattern=METRIC_NAME_PATTERN, max_length=200)
+    """A gauge of the requests waiting on the pod."""
+    running: str | None = Field(default=None, pattern=METRIC_NAME_PATTERN, max_length=200)
+    """A gauge of the requests it is generating (unset: 0)."""
+    kv_cache: str | None = Field(default=None, pattern=METRIC_NAME_PATTERN, max_length=200)
+    """A gauge of its KV-cache use from 0 to 1 (unset: the `kv_cache` scorer is neutral)."""
+
+
 class EndpointPickerSpec(_Strict):
     metrics_interval: str = Field(default="100ms", pattern=INTERVAL_PATTERN)
-    """How often each pod's vLLM ``/metrics`` is scraped (``100ms``, ``1s``)."""
+    """How often each pod's ``/metrics`` is scraped (``100ms``, ``1s``)."""
     metrics_path: str = Field(default="/metrics", pattern=r"^/[\x21-\x7e]*$")
-    """Path of vLLM's Prometheus metrics on each pod."""
+    """Path of the engine's Prometheus metrics on each pod."""
+    metrics: LoadMetricNames | None = None
+    """The load series of an engine the picker does not recognise by name (vLLM, SGLang, TGI,
+    llama.cpp and TensorRT-LLM/Triton need none): ``{queue, running, kv_cache}``."""
     resolve_interval: str = Field(default="5s", pattern=INTERVAL_PATTERN)
     """How often DNS names among the endpoints are re-resolved (a headless Service: one A
     record per pod)."""

@@ -24,11 +24,14 @@ from extproc.picker.state import PodMetrics, PoolState
 LABELS = ["cluster", "endpoint"]
 
 _GAUGES: tuple[tuple[str, str, Callable[[PodMetrics], float | bool | None]], ...] = (
-    ("llm_sidecar_endpoint_queue", "Requests waiting on the pod (vllm:num_requests_waiting).",
+    ("llm_sidecar_endpoint_queue",
+     "Requests waiting on the pod (vllm:num_requests_waiting, or its engine's queue).",
      lambda m: m.waiting),
-    ("llm_sidecar_endpoint_running", "Requests running on the pod (vllm:num_requests_running).",
+    ("llm_sidecar_endpoint_running",
+     "Requests running on the pod (vllm:num_requests_running, or its engine's).",
      lambda m: m.running),
-    ("llm_sidecar_endpoint_kv_cache_usage", "KV-cache use of the pod, 0 to 1.",
+    ("llm_sidecar_endpoint_kv_cache_usage",
+     "KV-cache use of the pod, 0 to 1 (none when its engine exposes no KV gauge).",
      lambda m: m.kv_usage),
     ("llm_sidecar_endpoint_gpu_temperature_celsius", "Hottest GPU of the pod (DCGM).",
      lambda m: m.gpu_temp_c),
@@ -81,7 +84,7 @@ class EndpointMetrics(Collector):
             "Requests this extproc replica has open on the pod.", labels=LABELS)
         failures = CounterMetricFamily(
             "llm_sidecar_endpoint_scrape_failures",
-            "Failed scrapes of the pod's metrics (unreachable, HTTP error, not vLLM's).",
+            "Failed scrapes of the pod's metrics (unreachable, HTTP error, not an engine's).",
             labels=LABELS)
         ejections = CounterMetricFamily(
             "llm_sidecar_endpoint_ejections",

@@ -4,7 +4,7 @@
 | scorer      | score                                           | unknown pod (no fresh metrics) |
 |-------------|-------------------------------------------------|--------------------------------|
 | `queue`     | ``1 - (waiting + sent_since_scrape) / depth``   | ``0.5 - sent_since_scrape / depth`` |
-| `kv_cache`  | ``1 - kv_usage``                                | 0.5                            |
+| `kv_cache`  | ``1 - kv_usage`` (0.5: the engine has no KV gauge) | 0.5                         |
 | `in_flight` | ``1 - in_flight / depth``                       | the same (replica-local)       |
 | `speed`     | ``best_cost / cost`` (below); 0.5 unmeasured    | 0.5                            |
 | `prefix`    | ``prefix_match x headroom``                     | the same, headroom = `queue`   |
@@ -12,12 +12,15 @@
 
 ``cost = tpot x (1 + waiting + sent_since_scrape)``; ``best_cost`` is the pool's lowest.
 
-All clipped to 0..1. ``depth`` is the saturation queue depth (``saturation.queue_depth``, 32 by
-default, also when shedding is off): absolute, not relative to the pool, so a score means the
-same whatever the other pods do. A pool-relative ``1 - q/max_q`` would make 1 waiting request
-against 0 the whole difference between best and worst, and ``1/(1+q)`` would halve a pod's
-score for its first queued request; linear to ``depth`` charges each request the same,
-``1/depth``, until the pod is as deep as the operator calls saturated.
+All clipped to 0..1. A pod whose engine exposes no KV gauge (``kv_usage`` None: TGI, recent
+llama.cpp) is scored on what it has: `kv_cache` neutral, and saturated by its queue alone.
+
+``depth`` is the saturation queue depth (``saturation.queue_depth``, 32 by default, also when
+shedding is off): absolute, not relative to the pool, so a score means the same whatever the other
+pods do. A pool-relative ``1 - q/max_q`` would make 1 waiting request against 0 the whole
+difference between best and worst, and ``1/(1+q)`` would halve a pod's score for its first queued
+request; linear to ``depth`` charges each request the same, ``1/depth``, until the pod is as deep
+as the operator calls saturated.
 
 ``sent_since_scrape`` counts in `queue` (requests this replica sent that the last scrape could not
 see) and ``in_flight`` in its own scorer, for known and unknown pods alike: a burst between two
@@ -102,7 +105,8 @@ def _clip(value: float) -> float:
 
 def saturated(metrics: PodMetrics, ctx: PoolContext) -> bool:
     """Over the shedding thresholds (from the pod's own metrics: what it reported)."""
-    return metrics.waiting >= ctx.depth or metrics.kv_usage >= ctx.kv_full
+    kv = metrics.kv_usage
+    return metrics.waiting >= ctx.depth or (kv is not None and kv >= ctx.kv_full)
 
 
 def queue(c: Candidate, ctx: PoolContext) -> float:
@@ -111,7 +115,9 @@ def queue(c: Candidate, ctx: PoolContext) -> float:
 
 
 def kv_cache(c: Candidate, ctx: PoolContext) -> float:
-    return NEUTRAL if c.metrics is None else _clip(1.0 - c.metrics.kv_usage)
+    if c.metrics is None or c.metrics.kv_usage is None:
+        return NEUTRAL
+    return _clip(1.0 - c.metrics.kv_usage)
 
 
 def in_flight(c: Candidate, ctx: PoolContext) -> float:
@@ -173,11 +179,13 @@ def score_rows(rows: Iterable[Row], weights: PickerWeights,
             kv = th = sp = NEUTRAL
             full = False
         else:
-            waiting = metrics.waiting
+            waiting, used = metrics.waiting, metrics.kv_usage
             q = 1.0 - (waiting + sent) / depth
-            kv = 1.0 - metrics.kv_usage
             th = NEUTRAL if metrics.throttled is None else 0.0 if metrics.throttled else 1.0
-            full = waiting >= depth or metrics.kv_usage >= kv_full
+            if used is None:  # the engine has no KV gauge
+                kv, full = NEUTRAL, waiting >= depth
+            else:
+                kv, full = 1.0 - used, waiting >= depth or used >= kv_full
             if tpot is None or tpot <= 0.0 or best is None:
                 sp = NEUTRAL
             else:

@@ -1,5 +1,5 @@
 """Keep each picker pool's :class:`~extproc.picker.state.PoolState` current: its pods' addresses
-(DNS re-resolved) and each pod's vLLM metrics (and DCGM's, when configured).
+(DNS re-resolved) and each pod's engine metrics (and DCGM's, when configured).
 
 One task per pod scrapes it on its own schedule, so a slow or dead pod delays nobody else, and
 requests never wait for a scrape: they read whatever the last one left in the PoolState. All of
@@ -47,7 +47,8 @@ from typing import Any
 
 import aiohttp
 
-from extproc.picker.parse import MAX_BODY_BYTES, GpuReading, MetricsError, parse_dcgm, parse_vllm
+from extproc.picker.engines import Dialect, parse_pod
+from extproc.picker.parse import MAX_BODY_BYTES, GpuReading, MetricsError, parse_dcgm
 from extproc.picker.state import PoolState
 from routing.schema import ClusterSpec, RoutingConfig
 from routing.units import parse_hostport
@@ -114,14 +115,19 @@ class PoolPlan:
     resolve_s: float
     stale_s: float
     dcgm_url: str | None
+    dialect: Dialect | None = None
+    """The configured load series (``endpoint_picker.metrics``); None: recognised by name."""
 
     @classmethod
     def of(cls, cluster: str, spec: ClusterSpec) -> PoolPlan | None:
         picker = spec.endpoint_picker
         if picker is None:
             return None
+        names = picker.metrics
+        dialect = None if names is None else Dialect.named(names.queue, names.running,
+                                                           names.kv_cache)
         return cls(cluster, tuple(spec.endpoints), picker.metrics_path, picker.interval_s,
-                   picker.resolve_s, picker.stale_s, picker.dcgm_url)
+                   picker.resolve_s, picker.stale_s, picker.dcgm_url, dialect)
 
     def dcgm_for(self, pod: str) -> str | None:
         if self.dcgm_url is None:
@@ -197,7 +203,7 @@ class Scraper:
 
     def update(self, config: RoutingConfig) -> None:
         """Follow a reloaded config: pools added, removed or changed (endpoints, intervals,
-        path, DCGM URL) restart their scraping; unchanged ones carry on untouched. Call it on
+        path, DCGM URL, metric names) restart their scraping; unchanged ones carry on untouched. Call it on
         the event loop's thread; an unchanged config is a no-op."""
         new = plans(config)
         for cluster, old in list(self._plans.items()):
@@ -341,7 +347,7 @@ class Scraper:
             started = loop.time()
             pool = self._pools.get(plan.cluster)
             try:
-                metrics = parse_vllm(await self._fetch(url, timeout_s))
+                metrics = parse_pod(await self._fetch(url, timeout_s), plan.dialect)
             except Exception as exc:  # any failure is a failed scrape; the loop lives on
                 failures += 1
                 if pool is not None:

@@ -50,14 +50,16 @@ that would cost a failed connect now."""
 
 @dataclass(frozen=True)
 class PodMetrics:
-    """One scrape of a pod: vLLM's gauges and counters, and DCGM's when a URL is configured."""
+    """One scrape of a pod: its engine's gauges and counters (vLLM's names below; the other
+    engines' in :mod:`extproc.picker.engines`), and DCGM's when a URL is configured."""
 
     waiting: float = 0.0
     """``vllm:num_requests_waiting``."""
     running: float = 0.0
     """``vllm:num_requests_running``."""
-    kv_usage: float = 0.0
-    """``vllm:kv_cache_usage_perc`` (or the older ``vllm:gpu_cache_usage_perc``), 0 to 1."""
+    kv_usage: float | None = 0.0
+    """``vllm:kv_cache_usage_perc`` (or the older ``vllm:gpu_cache_usage_perc``), 0 to 1; None
+    when the pod's engine exposes no KV gauge (TGI, recent llama.cpp)."""
     prefix_queries: float = 0.0
     """``vllm:prefix_cache_queries`` (tokens, cumulative)."""
     prefix_hits: float = 0.0

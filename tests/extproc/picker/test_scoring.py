@@ -14,7 +14,7 @@ CTX = PoolContext.of(SaturationSpec())  # depth 32, KV full at 0.98
 W = PickerWeights()
 
 
-def pod(waiting: float = 0, kv: float = 0.0, sent: int = 0, open_: int = 0, prefix: float = 0.0,
+def pod(waiting: float = 0, kv: float | None = 0.0, sent: int = 0, open_: int = 0, prefix: float = 0.0,
         throttled: bool | None = None, running: float = 0, tpot: float | None = None) -> Candidate:
     return Candidate("10.0.0.1:8000", PodMetrics(waiting=waiting, running=running, kv_usage=kv,
                                                  throttled=throttled),
@@ -47,6 +47,7 @@ Scorer = Callable[[Candidate, PoolContext], float]
     (scoring.kv_cache, pod(kv=0.25), 0.75),
     (scoring.kv_cache, pod(kv=1.0), 0.0),
     (scoring.kv_cache, unknown(), NEUTRAL),
+    (scoring.kv_cache, pod(kv=None), NEUTRAL),  # an engine without a KV gauge (TGI)
     # in_flight: this replica's open requests, linear to the depth, known or not
     (scoring.in_flight, pod(), 1.0),
     (scoring.in_flight, pod(open_=8), 0.75),
@@ -59,6 +60,8 @@ Scorer = Callable[[Candidate, PoolContext], float]
     (scoring.prefix, pod(prefix=1.0, waiting=31), 1 / 32),
     (scoring.prefix, pod(prefix=1.0, waiting=32), 0.0),
     (scoring.prefix, pod(prefix=1.0, kv=0.98), 0.0),
+    (scoring.prefix, pod(prefix=1.0, kv=None), 1.0),  # no KV gauge: full by its queue alone
+    (scoring.prefix, pod(prefix=1.0, kv=None, waiting=32), 0.0),
     (scoring.prefix, pod(prefix=0.0), 0.0),
     (scoring.prefix, unknown(prefix=1.0), NEUTRAL),
     # thermal: DCGM's throttle reasons when known
@@ -132,6 +135,7 @@ def test_context_comes_from_saturation(saturation: SaturationSpec | None, depth:
 @pytest.mark.parametrize(("metrics", "saturated"), [
     (PodMetrics(), False), (PodMetrics(waiting=31, kv_usage=0.97), False),
     (PodMetrics(waiting=32), True), (PodMetrics(kv_usage=0.98), True),
+    (PodMetrics(kv_usage=None), False), (PodMetrics(waiting=32, kv_usage=None), True),
 ])
 def test_saturated(metrics: PodMetrics, saturated: bool) -> None:
     assert scoring.saturated(metrics, CTX) is saturated
@@ -152,7 +156,7 @@ def test_total_is_the_weighted_sum() -> None:
 def _random_candidate(rng: random.Random) -> Candidate:
     metrics = None if rng.random() < 0.3 else PodMetrics(
         waiting=rng.choice([0, 1, 5, 31, 32, 40]), running=rng.choice([0, 1, 4]),
-        kv_usage=rng.choice([0.0, 0.3, 0.97, 0.98, 1.0]), throttled=rng.choice([None, True, False]))
+        kv_usage=rng.choice([None, 0.0, 0.3, 0.97, 0.98, 1.0]), throttled=rng.choice([None, True, False]))
     return Candidate("10.0.0.1:8000", metrics, rng.randint(0, 40), rng.randint(0, 40),
                      rng.choice([0.0, 0.25, 1.0]),
                      tpot_s=rng.choice([None, 0.0, 0.005, 0.01, 0.02]))
