@@ -10,6 +10,7 @@ from extproc.canary.policy import OPEN_CANARIES, CanaryPolicy
 from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
 from extproc.quick_init import quick_init
+from extproc.sampling import ReadFloor
 from routing.compiled import Snapshot
 from sidecar_runtime.wire_names import (
     BOOTSTRAP_HEADER,
@@ -44,6 +45,8 @@ class RequestContext:
     """The canaries in force, read once when the request started (a guard may stop one)."""
     picker: EndpointPicking | None = None
     """Picks the pod of ``endpoint_picker`` pools; None: Envoy balances every pool."""
+    read_floor: ReadFloor | None = None
+    """The process's ``telemetry.sample_min_per_s`` budget; None: the share alone."""
 
     def sticky_value(self, sticky: str) -> str:
         if sticky == "tenant":

@@ -56,6 +56,13 @@ class RequestRecord:
     sampled: bool = True
     """extproc read the response. False: recorded at the response headers (``telemetry.sample``),
     so ``duration_s`` is time to headers and there are no TTFT, TPOT or token counts."""
+    by_floor: bool = False
+    """Read only because the model had reads left under ``telemetry.sample_min_per_s`` this
+    second: in the metrics, not in the canary guard's windows. The floor takes the first
+    requests of each second, so which stable requests it reads depends on the load (all in a
+    quiet second, few in a busy one); counted by the guard, they would weight quiet seconds
+    over busy ones on the stable side only (every canary request is read), and bias the error
+    ratio and p99 TTFT it compares. The share's reads are a uniform sample of request ids."""
 
 
 def outcome(record: RequestRecord) -> Outcome:

@@ -4,7 +4,9 @@ Reading a response costs one ext_proc round trip per body chunk: per token on an
 So extproc reads only a sampled share of stable traffic (for TTFT, time per output token, token
 counts, mid-stream errors), all canary traffic (the canary comparison and guard need it), and
 the responses whose usage Envoy cannot read for the rate limiter (non-streamed answers, vLLM's
-running usage; see :mod:`routing.render_usage`). Pure functions on the parsed request.
+running usage; see :mod:`routing.render_usage`). Pure functions on the parsed request, and
+:class:`ReadFloor`, the one piece of state: up to ``telemetry.sample_min_per_s`` more a second
+per model (issue 35), so a quiet gateway is measured in full.
 """
 
 from __future__ import annotations
@@ -39,6 +41,43 @@ def stable_share(sample: float, canary_percent: float | None) -> float:
     if canary_percent >= 100:
         return 1.0
     return max(sample, min(1.0, canary_percent / (100 - canary_percent)))
+
+
+class ReadFloor:
+    """Reads left this second, per model: ``telemetry.sample_min_per_s`` of the stable
+    responses nothing else has extproc read (the share, the canary, the rate limiter's usage).
+
+    One per extproc process, shared by its streams. No lock: streams run on one event loop and
+    :meth:`take` never awaits. No clock of its own: the caller passes the monotonic time it read
+    for the request already (``sent_at``), and a model's count starts over when that crosses
+    into another whole second. Models are the config's (bounded); one dropped by a reload keeps
+    its two numbers.
+    """
+
+    __slots__ = ("_seconds",)
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, list[int]] = {}
+        """model -> [the whole second of its last read, reads in that second]"""
+
+    def take(self, model: str, per_s: int, now: float) -> bool:
+        """True (and one read fewer left) while ``model`` has had fewer than ``per_s`` floor
+        reads in the second ``now`` falls in."""
+        if per_s <= 0:
+            return False
+        second = int(now)
+        slot = self._seconds.get(model)
+        if slot is None:
+            self._seconds[model] = [second, 1]
+            return True
+        if slot[0] != second:
+            slot[0] = second
+            slot[1] = 1
+            return True
+        if slot[1] >= per_s:
+            return False
+        slot[1] += 1
+        return True
 
 
 UsagePlan = Literal["extproc", "envoy", "envoy_injected"]

@@ -27,6 +27,7 @@ from extproc.canary.report import MIN_SAMPLES, render_all
 from extproc.context import EndpointPicking
 from extproc.picker.runtime import PickerRuntime
 from extproc.rls_client import RateLimitClient
+from extproc.sampling import ReadFloor
 from extproc.settlements import SettlementBatcher
 from extproc.stream import StreamState
 from extproc.telemetry.envoy_drift import EnvoyDrift
@@ -79,6 +80,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
             settings.cache_store_timeout_ms / 1000, settings.redis_breaker_cooldown_ms / 1000,
             CacheMetrics(CollectorRegistry()))
         self._limits = limits if limits is not None else RateLimitClient(CollectorRegistry())
+        self._read_floor = ReadFloor()
+        """``telemetry.sample_min_per_s`` of this process: each ``--workers`` process reads up
+        to that many a second per model (see the README's Telemetry sampling)."""
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Context
@@ -86,7 +90,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         telemetry = self._telemetry
         clock = time.perf_counter
         state = StreamState(self._snapshot(), self._secret, guards=self._guards,
-                            picker=self._picker, on_stale=self._on_stale)
+                            picker=self._picker, on_stale=self._on_stale,
+                            read_floor=self._read_floor)
         responses_asked = False  # the filter config skips response messages unless asked
         try:
             async for request in request_iterator:

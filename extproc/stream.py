@@ -37,6 +37,7 @@ from extproc.processors.error import ErrorProcessor
 from extproc.processors.generation import GenerationProcessor
 from extproc.processors.models import ModelsProcessor
 from extproc.records import Rejection, RequestRecord
+from extproc.sampling import ReadFloor
 from routing.compiled import Snapshot
 from sidecar_runtime.logs import get_logger
 from sidecar_runtime.wire_names import (
@@ -91,8 +92,10 @@ class StreamState:
                  clock: Callable[[], float] = time.monotonic,
                  guards: PolicySource | None = None,
                  picker: EndpointPicking | None = None,
-                 on_stale: Callable[[str, str], None] | None = None) -> None:
+                 on_stale: Callable[[str, str], None] | None = None,
+                 read_floor: ReadFloor | None = None) -> None:
         self.snapshot = snapshot
+        self.read_floor = read_floor
         self.on_stale = on_stale
         """Told (Envoy's fingerprint, the config's) when this request's Envoy runs a bootstrap
         the running config does not render (:mod:`extproc.telemetry.envoy_drift`)."""
@@ -194,6 +197,7 @@ class StreamState:
             started=self.clock(),
             clock=self.clock,
             picker=self.picker,
+            read_floor=self.read_floor,
             # Read once: the request routes by the canaries in force when it started.
             canaries=self.guards.policy if self.guards is not None else OPEN_CANARIES,
         )

@@ -121,8 +121,12 @@ class CanaryGuards:
 
     def observe(self, snapshot: Snapshot, record: RequestRecord) -> str | None:
         """Count one finished request; the reason when this request trips a guard."""
-        if not record.sampled:
-            return None  # no mid-stream errors or TTFT known: the guard compares sampled ones
+        if not record.sampled or record.by_floor:
+            # Unread: no mid-stream errors or TTFT known. Read for the floor: the first
+            # requests of each second, which would weight quiet seconds over busy ones on the
+            # stable side only (RequestRecord.by_floor). The guard compares the share's reads
+            # and the canary's, as before the floor.
+            return None
         if record.aborted:
             # A client that hangs up says nothing about the variant that served it, and
             # counting it as an error would let callers who drop streams stop a canary.

@@ -226,6 +226,7 @@ class GenerationProcessor(BaseProcessor):
             aborted=aborted,
             limited=reading.limited,
             sampled=sampled,
+            by_floor=reading.routed.by_floor,
         )
         return record
 
@@ -254,21 +255,28 @@ class GenerationProcessor(BaseProcessor):
             and self.ctx.headers.get(ENVOY_USAGE_HEADER) == "1"
         if not envoy_reads:
             plan = "extproc"  # this Envoy cannot read the usage (an Istio EnvoyFilter)
+        telemetry = snapshot.config.telemetry
         reads_body = (
             decision.variant == "canary"
             or sampled(self.ctx.request_id, stable_share(
-                snapshot.config.telemetry.sample, canary.percent if canary else None))
+                telemetry.sample, canary.percent if canary else None))
             # Without rate limits no usage is settled: only sampling decides.
             or (limited and plan == "extproc"))
         headers = route_headers(self.ctx, model, decision)
         route = dict(headers)  # the level values Envoy's rate-limit descriptors read
         lease = new_lease()
+        # The time read for TTFT serves the floor's second too (no second clock read per
+        # request); the floor is asked only about responses nothing else reads.
+        sent_at = self.ctx.clock()
+        floor = self.ctx.read_floor
+        by_floor = not reads_body and floor is not None \
+            and floor.take(model.name, telemetry.sample_min_per_s, sent_at)
         self.phase = advance(GENERATION, self.phase, "request_body",
-                             Routed(decision, model.name, reads_body, lease, headers,
-                                    envoy_reads and parsed.stream
+                             Routed(decision, model.name, reads_body or by_floor, lease,
+                                    headers, envoy_reads and parsed.stream
                                     and (parsed.include_usage or inject),
                                     strip_usage=inject and not envoy_reads,
-                                    sent_at=self.ctx.clock()))
+                                    sent_at=sent_at, by_floor=by_floor))
         new_body = None
         # A client's own ``priority`` never reaches vLLM: with priority scheduling it would jump
         # the queue (lower is served first), so it is replaced by the tier, or dropped.

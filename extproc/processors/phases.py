@@ -102,6 +102,8 @@ class Routed:
     """When extproc routed it (its body in hand): time to first token counts from here, so a
     client's own slow upload is not the pool's time (one slow body could trip, or mask, the
     canary guard's p99)."""
+    by_floor: bool = False
+    """Read only for ``telemetry.sample_min_per_s`` (:class:`extproc.sampling.ReadFloor`)."""
 
 
 @quick_init  # built per request: no slots, so its __init__ can be the quick one
