@@ -2,8 +2,8 @@
 did not ask for), not by extproc (issue 16), through real Envoy 1.40: settled exactly, never for
 an aborted stream, and with three ext_proc messages instead of one per token.
 
-``telemetry.sample: 0``: no stable request is sampled, so every request Envoy can read the
-usage of is left to Envoy. Each test has its own tenant.
+``telemetry.sample: 0`` and ``sample_min_per_s: 0``: no stable request is read for telemetry,
+so every request Envoy can read the usage of is left to Envoy. Each test has its own tenant.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ DAY_CAP = 100_000
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     d = default_doc()
     d["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 20}
-    d["telemetry"] = {"sample": 0, "envoy_usage": True}
+    d["telemetry"] = {"sample": 0, "sample_min_per_s": 0, "envoy_usage": True}
     # ``chunky`` always goes to its canary (so extproc reads every stream of it), whose pods
     # send four tokens a chunk (vLLM's --stream-interval).
     d["clusters"]["vllm-canary"]["simulate"] = {"decode_ms_per_token": 0.2, "stream_interval": 4}

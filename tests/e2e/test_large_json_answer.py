@@ -31,7 +31,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     d = default_doc()
     d["envoy"]["max_request_bytes"] = BUFFER
     d["clusters"]["vllm-long"]["simulate"] = {"decode_ms_per_token": 0}
-    d["telemetry"] = {"sample": 0, "envoy_usage": True}
+    d["telemetry"] = {"sample": 0, "sample_min_per_s": 0, "envoy_usage": True}
     d["rate_limits"] = {"tenant": {"default": {"tokens": "1000000/d"}}}
     with running_gateway(d, str(tmp_path_factory.mktemp("gw-json-answer")),
                          capture_logs=True) as gateway:

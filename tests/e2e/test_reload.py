@@ -34,9 +34,10 @@ def base_doc() -> dict[str, Any]:
         "api_key": {"default": {"requests": "10000/s", "tokens": "100M/min"}},
         "tenant": {"default": {"requests": "600000/min"}},
     }
-    # No stream sampled: each one's usage chunk is injected, read by Envoy and stripped by its
-    # Lua filter, and every stream must still arrive whole and as asked for (issue 16).
-    doc["telemetry"] = {"sample": 0}
+    # No stream read for telemetry (no share, no floor): each one's usage chunk is injected,
+    # read by Envoy and stripped by its Lua filter, and every stream must still arrive whole
+    # and as asked for (issue 16).
+    doc["telemetry"] = {"sample": 0, "sample_min_per_s": 0}
     return doc
 
 
