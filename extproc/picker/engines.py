@@ -1,6 +1,6 @@
 """Which series of a pod's ``/metrics`` are its load, per engine, recognised by name.
 
-A pool may run any OpenAI-compatible engine (CONTRACT §10). Each writes its own names, and each
+A pool may run any OpenAI-compatible engine. Each writes its own names, and each
 its own text: the parsing is :mod:`extproc.picker.parse`'s, which reads any valid exposition.
 :func:`parse_pod` finds the engine by the names in the body, with no configuration; a cluster's
 ``endpoint_picker.metrics`` names the series for any other engine (:meth:`Dialect.named`).
