@@ -39,7 +39,7 @@ def build_app(config: SimConfig) -> web.Application:
     tokenizer: TextTokenizer | None = (
         FileTokenizer(config.tokenizer) if config.tokenizer is not None else None
     )
-    metrics = SimMetrics(config.served_name)
+    metrics = SimMetrics(config.served_name, config.engine)
     state = SimState(
         config=config,
         tokenizer=tokenizer,

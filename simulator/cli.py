@@ -7,6 +7,7 @@ import asyncio
 
 from sidecar_runtime.logs import configure, get_logger
 from simulator.config import SimConfig
+from simulator.exposition import ENGINES
 from simulator.prefix import DEFAULT_BLOCK_SIZE
 from simulator.server import serve_until_signalled
 
@@ -74,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPU speed factor: prefill and decode times are divided by it (default 1.0)",
     )
     parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="vllm",
+        help="whose metric names and text /metrics serves (default vllm)",
+    )
+    parser.add_argument(
         "--no-dcgm",
         dest="dcgm",
         action="store_false",
@@ -100,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefix_block_size=args.prefix_block_size,
         speed=args.speed,
         dcgm=args.dcgm,
+        engine=args.engine,
     )
 
 

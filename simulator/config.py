@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator.exposition import ENGINES
 from simulator.prefix import DEFAULT_BLOCK_SIZE
 
 # How many full-length sequences the simulated KV cache holds when no size is given: enough that a
@@ -19,7 +20,9 @@ class SimConfig:
     ``kv_cache_tokens`` ``None`` means ``8 * max_model_len``; a request waits until every running
     sequence's prompt and output budget plus its own fit in it. ``prefix_block_size`` is the
     block of the prefix cache in tokens. ``speed`` divides prefill and decode times (2.0: a GPU
-    twice as fast). ``dcgm`` serves DCGM-exporter-style GPU gauges at ``/dcgm/metrics``.
+    twice as fast). ``engine``: whose metric names and text ``/metrics`` serves
+    (:data:`~simulator.exposition.ENGINES`). ``dcgm`` serves DCGM-exporter-style GPU gauges at
+    ``/dcgm/metrics``.
     ``natural_stop``: answers end at ``default_output_tokens`` even when ``max_tokens`` allows
     more (``simulator.generation``). ``stream_interval``: tokens per streamed chunk, as vLLM's
     ``--stream-interval`` (speculative decoding also sends several tokens in one chunk).
@@ -40,6 +43,7 @@ class SimConfig:
     prefix_block_size: int = DEFAULT_BLOCK_SIZE
     speed: float = 1.0
     dcgm: bool = True
+    engine: str = "vllm"
 
     def __post_init__(self) -> None:
         problems = []
@@ -65,6 +69,8 @@ class SimConfig:
             problems.append("prefix_block_size must be at least 1")
         if not self.speed > 0 or self.speed == float("inf"):
             problems.append("speed must be a positive number")
+        if self.engine not in ENGINES:
+            problems.append(f"engine must be one of {', '.join(ENGINES)}")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -1,4 +1,5 @@
-"""vLLM's Prometheus metrics, on a registry of the simulator's own.
+"""vLLM's Prometheus metrics, on a registry of the simulator's own (or, with ``--engine``, another
+engine's load gauges: :mod:`simulator.exposition`).
 
 Names, label and buckets follow vLLM's V1 engine (``vllm/v1/metrics/loggers.py``); every series is
 labelled ``model_name`` with the served name, as vLLM labels with its first served model name. A
@@ -12,9 +13,12 @@ reported; the real values are kept and come back when the overrides are cleared.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from simulator.exposition import Load, render
 from simulator.overrides import NONE, SimOverrides
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -34,9 +38,14 @@ _E2E_BUCKETS = (
 
 
 class SimMetrics:
-    """The metric handles of one simulator; ``render`` gives the Prometheus text."""
+    """The metric handles of one simulator; ``render`` gives the Prometheus text, in ``engine``'s
+    names and shape."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, engine: str = "vllm") -> None:
+        self.engine = engine
+        self._shown: tuple[float, float, float] = (0, 0, 0.0)
+        self._tokens = [0, 0]  # prompt, generated: the counters other engines' text reports
+        self._created = time.time()
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         reg = self.registry
@@ -120,9 +129,12 @@ class SimMetrics:
     def _publish(self) -> None:
         running, waiting, kv_usage = self._real
         o = self.overrides
-        self._running.set(running if o.running is None else o.running)
-        self._waiting.set(waiting if o.waiting is None else o.waiting)
-        self._kv.set(kv_usage if o.kv_usage is None else o.kv_usage)
+        self._shown = (running if o.running is None else o.running,
+                       waiting if o.waiting is None else o.waiting,
+                       kv_usage if o.kv_usage is None else o.kv_usage)
+        self._running.set(self._shown[0])
+        self._waiting.set(self._shown[1])
+        self._kv.set(self._shown[2])
 
     def prefix_query(self, queried_tokens: int, hit_tokens: int) -> None:
         """A sequence looked its prompt up in the prefix cache and found ``hit_tokens`` of it."""
@@ -133,10 +145,12 @@ class SimMetrics:
         """A sequence finished prefill and produced its first token (or its embedding)."""
         self._ttft.observe(seconds)
         self._prompt.inc(prompt_tokens)
+        self._tokens[0] += prompt_tokens
 
     def token(self, since_previous: float | None) -> None:
         """A sequence produced a token; ``since_previous`` is None for its first."""
         self._generation.inc()
+        self._tokens[1] += 1
         if since_previous is not None:
             self._tpot.observe(since_previous)
 
@@ -146,5 +160,9 @@ class SimMetrics:
         self._e2e.observe(seconds)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric (vLLM's), or of ``engine``'s load."""
+        if self.engine == "vllm":
+            return generate_latest(self.registry)
+        running, waiting, kv_usage = self._shown
+        load = Load(running, waiting, kv_usage, self._tokens[0], self._tokens[1], self._created)
+        return render(self.engine, self._model_name, load).encode()
