@@ -4,6 +4,8 @@ still compares what it compared before the floor."""
 
 from __future__ import annotations
 
+import pathlib
+import textwrap
 import uuid
 from dataclasses import replace
 from typing import Any
@@ -17,6 +19,8 @@ from extproc.records import RequestRecord
 from extproc.sampling import ReadFloor
 from extproc.stream import StreamState
 from routing.compiled import Snapshot
+from routing.errors import ConfigError
+from routing.loader import load_config
 from tests.extproc.helpers import BASE, JSON_POST, snapshot
 from tests.extproc.served import Recorder, Served
 
@@ -43,6 +47,27 @@ def test_the_floor_reads_the_first_n_of_each_second_per_model(
         per_s: int, calls: list[tuple[str, float]], read: list[bool]) -> None:
     floor = ReadFloor()
     assert [floor.take(model, per_s, now) for model, now in calls] == read
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("-1", "Input should be greater than or equal to 0"),
+    ("2.5", "Input should be a valid integer, got a number with a fractional part"),
+])
+def test_a_floor_below_0_or_not_whole_is_a_check_error(value: str, message: str,
+                                                       tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "routing.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        version: 1
+        clusters:
+          vllm-short: {{endpoints: ["10.0.0.11:8000"], max_context: 2048}}
+        models:
+          llama-2-13b: {{clusters: [vllm-short]}}
+        telemetry: {{sample_min_per_s: {value}}}
+        """))
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(path))
+    assert [str(p) for p in caught.value.problems] == [
+        f"{path}:6: telemetry.sample_min_per_s: {message}"]
 
 
 def stream(snap: Snapshot, floor: ReadFloor | None, now: float, model: str = "llama-2-13b",
