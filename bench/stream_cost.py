@@ -1,6 +1,8 @@
 """What a streamed answer costs the gateway, before and after issue 16, in one run.
 
     .venv/bin/python -m bench.stream_cost [--requests 200] [--streams 60] [--concurrency 8]
+        [--samples 1,0.1,0.02,0] [--floors 5] [--settle-batch-ms 5] [--rate R]
+        [--workloads json16,sse16,sse256,sse256+usage]
 
 Runs the whole gateway (real Envoy, extproc, ratelimit on memory, simulators) once per
 ``telemetry.sample`` (``--samples``, default 1, 0.1, 0.02, 0): 1 is extproc reading every response,
@@ -11,7 +13,12 @@ one workload after another:
 * ``sse256``: chat, 256 tokens streamed, one SSE event per token (1 ms apart, so Envoy forwards
   each as its own body chunk, as from a decoding vLLM pod), without ``stream_options``;
 * ``sse256+usage``: the same with ``stream_options.include_usage`` (without it, unsampled
-  streams get it added and the chunk stripped by Envoy's Lua filter).
+  streams get it added and the chunk stripped by Envoy's Lua filter);
+* ``sse16`` (only when ``--workloads`` names it): 16 tokens streamed, short enough to pace at
+  hundreds a second on a small machine.
+
+``--floors 0,5`` runs each sample once per ``telemetry.sample_min_per_s`` (issue 35; 0: the
+share alone, as before it; default 5, the config's default).
 
 For each: CPU per request of extproc, ratelimit and Envoy (``/proc``, children included), ext_proc
 messages per request (Envoy's ``ext_proc.stream_msgs_sent``), rate-limit calls per request (the
@@ -50,13 +57,15 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "sse256": {"max_tokens": 256, "stream": True},
     "sse256+usage": {"max_tokens": 256, "stream": True,
                      "stream_options": {"include_usage": True}},
+    "sse16": {"max_tokens": 16, "stream": True},
 }
+DEFAULT_WORKLOADS = "json16,sse256,sse256+usage"
 
 
-def _doc(sample: float) -> dict[str, Any]:
+def _doc(sample: float, floor: int = 5) -> dict[str, Any]:
     d = default_doc()
     d["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 1, "prefill_ms_per_token": 0}
-    d["telemetry"] = {"sample": sample}
+    d["telemetry"] = {"sample": sample, "sample_min_per_s": floor}
     d["rate_limits"] = {"tenant": {"default": {"requests": "1M/s", "tokens": "1000M/s"}}}
     return d
 
@@ -161,18 +170,28 @@ def main() -> None:
                         help="telemetry.sample of each run; 1 reads every response, as before")
     parser.add_argument("--settle-batch-ms", default="5",
                         help="LLM_SIDECAR_SETTLE_BATCH_MS of each run (0: Envoy settles)")
+    parser.add_argument("--floors", default="5",
+                        help="telemetry.sample_min_per_s of each run (0: the share alone)")
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS,
+                        help=f"which to send, of {','.join(WORKLOADS)}")
     args = parser.parse_args()
+    names = args.workloads.split(",")
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; known: {','.join(WORKLOADS)}")
     rows: list[tuple[str, str, dict[str, float]]] = []
     for sample in (float(v) for v in args.samples.split(",")):
-        for batch in args.settle_batch_ms.split(","):
-            label = f"sample {sample:g}, settle batch {batch} ms"
-            env = {"LLM_SIDECAR_SETTLE_BATCH_MS": batch}
-            with tempfile.TemporaryDirectory() as work, \
-                    running_gateway(_doc(sample), work, env=env) as gw:
-                for name, body in WORKLOADS.items():
-                    count = args.requests if not body.get("stream") else args.streams
-                    rows.append((label, name, measure(gw, body, count,
-                                                      Load(args.concurrency, args.rate))))
+        for floor in (int(v) for v in args.floors.split(",")):
+            for batch in args.settle_batch_ms.split(","):
+                label = f"sample {sample:g}, floor {floor}/s, settle batch {batch} ms"
+                env = {"LLM_SIDECAR_SETTLE_BATCH_MS": batch}
+                with tempfile.TemporaryDirectory() as work, \
+                        running_gateway(_doc(sample, floor), work, env=env) as gw:
+                    for name in names:
+                        body = WORKLOADS[name]
+                        count = args.requests if not body.get("stream") else args.streams
+                        rows.append((label, name, measure(gw, body, count,
+                                                          Load(args.concurrency, args.rate))))
     print("| run | workload | req/s | extproc ms/req | ratelimit ms/req | Envoy ms/req "
           "| ext_proc msgs/req | RLS calls/req | load avg (1 min) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -182,6 +201,8 @@ def main() -> None:
               f"{r['rls_calls']:.2f} | {r['load1']:.2f} |")
     for label in dict.fromkeys(label for label, _, _ in rows):
         by = {name: r for lab, name, r in rows if lab == label}
+        if not {"json16", "sse256", "sse256+usage"} <= by.keys():
+            continue
         print(f"{label}: extproc sse256 / json16 = "
               f"{by['sse256']['extproc_ms'] / by['json16']['extproc_ms']:.2f}, "
               f"sse256+usage / json16 = "
