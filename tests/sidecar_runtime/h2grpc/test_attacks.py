@@ -140,6 +140,7 @@ def bounded(target: Target) -> Iterator[None]:
     with Health(target.port).watching():
         yield
         grown = target.rss() - before
+    print(f"RSS grew {grown / MIB:.1f} MiB")
     assert grown < RSS_BOUND, f"RSS grew {grown / MIB:.0f} MiB"
 
 
