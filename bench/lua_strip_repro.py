@@ -15,6 +15,8 @@ it in the chain (before it, on the response path).
     .venv/bin/python -m bench.lua_strip_repro --order before-fix --tokens 4
     .venv/bin/python -m bench.lua_strip_repro --order rendered --tokens 4
     .venv/bin/python -m bench.lua_strip_repro --raw       # one cut stream's bytes, as received
+    .venv/bin/python -m bench.lua_strip_repro --cpu-against b40486c --tokens 64 --requests 1500 \
+        --concurrency 16      # Envoy's CPU per stream: this strip against b40486c's
 
 Each run prints the outcomes (``ok``; ``cut``: no ``[DONE]``; ``usage``: the usage chunk reached
 a client that did not ask for it; exception names) and what the responses were framed with.
@@ -29,6 +31,7 @@ import json
 import os
 import random
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -131,11 +134,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def lua_at(ref: str) -> str:
+    """The strip's Lua as ``routing/render_usage.py`` renders it at git ``ref``."""
+    source = subprocess.run(["git", "show", f"{ref}:routing/render_usage.py"], check=True,
+                            capture_output=True, text=True).stdout
+    module: dict[str, Any] = {"__name__": "render_usage_at_ref"}
+    exec(compile(source, f"{ref}:routing/render_usage.py", "exec"), module)
+    return str(module["STRIP_USAGE_LUA"])
+
+
 def _filter(kind: str, lua: str) -> dict[str, Any]:
     if kind == "lua":
         rendered = strip_usage_filter()
         if lua != "rendered":
-            source = {"main": MAIN_LUA, "comment": COMMENT_LUA}[lua]
+            source = {"main": MAIN_LUA, "comment": COMMENT_LUA}.get(lua) or lua_at(lua)
             rendered["typed_config"]["default_source_code"]["inline_string"] = source
         return rendered
     if kind == "sse":
@@ -214,9 +226,13 @@ class Upstream:
     """The paced SSE pool; ``GET /hold`` answers after ``hold_from_ms`` + 0..``hold_ms`` ms."""
 
     def __init__(self, tokens: int, pace_ms: float, pattern: str, hold_ms: float,
-                 hold_from_ms: float = 0.0) -> None:
+                 hold_from_ms: float = 0.0,
+                 streams: dict[str, list[bytes]] | None = None) -> None:
         self.tokens, self.pace_ms, self.pattern = tokens, pace_ms, pattern
         self.hold_ms, self.hold_from_ms = hold_ms, hold_from_ms
+        self.streams = streams or {}
+        """HTTP chunks to answer a request for a path with, as given (another engine's
+        bytes), instead of vLLM's."""
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -236,7 +252,8 @@ class Upstream:
                     continue
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")
-                for data in writes(self.tokens, self.pattern):
+                path = lines[0].split(" ")[1] if " " in lines[0] else ""
+                for data in self.streams.get(path) or writes(self.tokens, self.pattern):
                     writer.write(b"%x\r\n%s\r\n" % (len(data), data))
                     await writer.drain()
                     if self.pace_ms:
@@ -297,10 +314,10 @@ def raw_exchange(port: int, requests: int) -> bytes:
 
 
 @contextmanager
-def repro_envoy(order: str, lua: str, upstream: Upstream,
-                log_level: str = "warning") -> Iterator[tuple[int, int, str]]:
+def repro_envoy(order: str, lua: str, upstream: Upstream, log_level: str = "warning",
+                pids: list[int] | None = None) -> Iterator[tuple[int, int, str]]:
     """The upstream (on its own thread) and Envoy; yields Envoy's listener and admin ports and
-    its log file."""
+    its log file (and adds Envoy's pid to ``pids``)."""
     loop = asyncio.new_event_loop()
     up_port, listen, admin = _free_port(), _free_port(), _free_port()
     server = loop.run_until_complete(asyncio.start_server(upstream.serve, "127.0.0.1", up_port))
@@ -313,6 +330,8 @@ def repro_envoy(order: str, lua: str, upstream: Upstream,
     log = os.path.join(workdir, "envoy.log")
     child = start("envoy", [envoy_binary(), "-c", path, "--log-level", log_level,
                             "--disable-hot-restart", "--concurrency", "2"], log_path=log)
+    if pids is not None:
+        pids.append(child.process.pid)
     try:
         wait_http_ok(f"http://127.0.0.1:{admin}/ready", 30, child)
         yield listen, admin, log
@@ -323,7 +342,39 @@ def repro_envoy(order: str, lua: str, upstream: Upstream,
         thread.join(5)
 
 
+def _cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()  # noqa: SIM115
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_against(args: argparse.Namespace) -> int:
+    """Envoy's CPU per stream with the rendered strip and with ``args.cpu_against``'s, rounds
+    alternating, each on a fresh Envoy warmed by 50 streams."""
+    url_path = "/v1/chat/completions"
+    per_stream: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for lua in ("rendered", args.cpu_against):
+            pids: list[int] = []
+            upstream = Upstream(args.tokens, 0.0, args.pattern, 0.0)
+            with repro_envoy("rendered", lua, upstream, args.log_level, pids) as (listen, _a, _l):
+                asyncio.run(drive(f"http://127.0.0.1:{listen}{url_path}", 50, 8))
+                before = _cpu_s(pids[0])
+                outcomes, _ = asyncio.run(drive(f"http://127.0.0.1:{listen}{url_path}",
+                                                args.requests, args.concurrency))
+                used = _cpu_s(pids[0]) - before
+            per_stream.setdefault(lua, []).append(used / args.requests * 1e6)
+            print(f"lua={lua}: {used / args.requests * 1e6:.0f} µs Envoy CPU per "
+                  f"{args.tokens}-token stream {dict(outcomes)}", flush=True)
+    medians = {lua: sorted(v)[len(v) // 2] for lua, v in per_stream.items()}
+    print(f"median: rendered {medians['rendered']:.0f} µs, {args.cpu_against} "
+          f"{medians[args.cpu_against]:.0f} µs, ratio "
+          f"{medians['rendered'] / medians[args.cpu_against]:.3f}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.cpu_against:
+        return cpu_against(args)
     upstream = Upstream(args.tokens, args.pace_ms, args.pattern, args.hold_ms)
     with repro_envoy(args.order, args.lua, upstream, args.log_level) as (listen, admin, log):
         if args.raw:
@@ -358,9 +409,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--order", choices=["rendered", *sorted(ORDERS)], default="rendered",
                         help="rendered: as render writes the chain (ext_proc as the holder)")
-    parser.add_argument("--lua", choices=("rendered", "main", "comment"), default="rendered",
-                        help="the Lua routing.render_usage renders, main's before the fix, or "
-                             "09640dc's")
+    parser.add_argument("--lua", default="rendered",
+                        help="rendered: the Lua routing.render_usage renders; main: main's "
+                             "before the fix; comment: 09640dc's; else a git ref whose "
+                             "routing/render_usage.py renders it")
+    parser.add_argument("--cpu-against", metavar="REF",
+                        help="measure Envoy's CPU per stream with the rendered strip and with "
+                             "REF's, alternating (--rounds), instead of looking for cut streams")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pattern", choices=("event", "split", "one"), default="event")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--pace-ms", type=float, default=1.0)

@@ -18,9 +18,15 @@ the headers for extproc's answer (a short stream under load) they left with that
 for an emptied last chunk) instead of chunked framing: the client read that many bytes, the rest
 broke the next response on the keep-alive connection (``ClientResponseError``), and HTTP/2
 clients refused the stream (bench/README.md, "Usage read by Envoy"; ``bench.lua_strip_repro``).
-It holds back only an event not yet ended by its blank line (vLLM writes whole events), drops
-such a tail at the end of a stream, as every SSE client does, and calls ``setBytes`` only on a
-chunk it changes. The SSE filter sits after ext_proc, so it reads the pool's bytes; ext_proc
+It reads events, not bytes (issue 35): an event whose data is a JSON object with an empty
+top-level ``choices`` and an object ``usage`` is dropped, in whatever key order and spacing the
+engine wrote it (llama.cpp's server puts ``choices`` first and ``created`` after it, so a byte
+match on vLLM's ``"choices":[],"usage":{`` leaked it); a C-speed pattern picks the few events
+holding a usage object before any is scanned in Lua (Envoy's CPU per stream as before:
+``bench.lua_strip_repro --cpu-against``). It holds back only an event not yet ended
+by its blank line (``\n\n`` or ``\r\n\r\n``), drops such a tail at the end of a stream, as
+every SSE client does, and calls ``setBytes`` only on a chunk it changes. The SSE filter sits
+after ext_proc, so it reads the pool's bytes; ext_proc
 passes on unchanged the bodies it reads (a sampled or canary stream with ``strip_usage``), so
 the Lua filter sees the pool's bytes too. Both
 act on every route (Envoy decides a route's per-filter config before extproc's answer re-routes
@@ -83,6 +89,93 @@ def sse_usage_filter() -> dict[str, Any]:
 
 
 STRIP_USAGE_LUA = f"""
+-- Is this SSE event the usage event the gateway asked for? Read as an event, not matched as
+-- bytes, so any engine's key order and spacing is understood: its data is a JSON object whose
+-- top-level "choices" is an empty array and whose top-level "usage" is an object. A plain
+-- search first: only an event holding a usage object (one a stream) is scanned in Lua.
+local function has_usage_object(text)
+  local from = 1
+  while true do
+    local _, e = string.find(text, '"usage"', from, true)
+    if e == nil then return false end
+    if string.find(text, "^%s*:%s*{{", e + 1) ~= nil then return true end
+    from = e + 1
+  end
+end
+
+local function is_usage(ev)
+  if not has_usage_object(ev) then return false end
+  local lines = {{}}
+  for line in string.gmatch(ev, "[^\\r\\n]+") do
+    local value = string.match(line, "^data:%s?(.*)$")
+    if value ~= nil then lines[#lines + 1] = value end
+  end
+  local json = table.concat(lines, "\\n")
+  local depth, i, n = 0, 1, #json
+  local empty_choices, usage_object = false, false
+  while i <= n do
+    local c = string.byte(json, i)
+    if c == 34 then
+      local j = i + 1
+      while true do
+        local k = string.find(json, '["\\\\]', j)
+        if k == nil then return false end
+        if string.byte(json, k) == 92 then j = k + 2 else j = k; break end
+      end
+      if depth == 1 then
+        local _, colon = string.find(json, "^%s*:%s*", j + 1)
+        if colon ~= nil then
+          local key = string.sub(json, i + 1, j - 1)
+          if key == "choices" then
+            empty_choices = string.find(json, "^%[%s*%]", colon + 1) ~= nil
+          elseif key == "usage" then
+            usage_object = string.byte(json, colon + 1) == 123
+          end
+        end
+      end
+      i = j + 1
+    else
+      if c == 123 or c == 91 then depth = depth + 1
+      elseif c == 125 or c == 93 then depth = depth - 1 end
+      i = i + 1
+    end
+  end
+  return empty_choices and usage_object
+end
+
+-- Where the last whole event of ``data`` ends (its blank line: \\n\\n or \\r\\n\\r\\n), or nil.
+local function last_event_end(data)
+  local last, from = nil, 1
+  while true do
+    local _, e = string.find(data, "\\n\\n", from, true)
+    if e == nil then break end
+    last, from = e, e + 1
+  end
+  if string.find(data, "\\r", 1, true) ~= nil then
+    from = 1
+    while true do
+      local _, e = string.find(data, "\\n\\r\\n", from, true)
+      if e == nil then break end
+      if last == nil or e > last then last = e end
+      from = e + 1
+    end
+  end
+  return last
+end
+
+-- ``events`` (whole events) without the usage one.
+local function without_usage(events)
+  local kept, from = {{}}, 1
+  while true do
+    local _, e = string.find(events, "\\r?\\n\\r?\\n", from)
+    if e == nil then break end
+    local ev = string.sub(events, from, e)
+    if not is_usage(ev) then kept[#kept + 1] = ev end
+    from = e + 1
+  end
+  return table.concat(kept)
+end
+
 function envoy_on_response(handle)
   local md = handle:streamInfo():dynamicMetadata():get("{METADATA_NAMESPACE}")
   if md == nil or md["{STRIP_USAGE_METADATA_KEY}"] ~= "1" then return end
@@ -92,20 +185,15 @@ function envoy_on_response(handle)
   for chunk in handle:bodyChunks() do
     local got = chunk:getBytes(0, chunk:length())
     local data = carry .. got
-    local last, from = nil, 1
-    while true do
-      local _, e = string.find(data, "\\n\\n", from, true)
-      if e == nil then break end
-      last, from = e, e + 1
-    end
+    -- Whole events pass (the usage one left out); the start of an event not yet ended waits
+    -- for the next chunk. Only a chunk holding a usage object is read event by event.
+    local last = last_event_end(data)
     local out = ""
     if last == nil then
       carry = data
     else
       out, carry = string.sub(data, 1, last), string.sub(data, last + 1)
-      -- The usage chunk: no choices, a usage object ('"choices":[]' never occurs in escaped
-      -- content).
-      out = string.gsub(out, 'data: {{[^\\n]-"choices":%[%],"usage":{{[^\\n]*\\n\\n', "")
+      if has_usage_object(out) then out = without_usage(out) end
     end
     -- setBytes also rewrites the response's content-length: only on a chunk that changed.
     if out ~= got then chunk:setBytes(out) end
