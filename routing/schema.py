@@ -169,6 +169,9 @@ class SimulateSpec(Strict):
     kv_cache_tokens: int | None = Field(default=None, ge=1, le=1_000_000_000)
     """KV cache of each simulated pod in tokens: a request waits while the running requests'
     prompts and output budgets leave no room for its own; default 8 x ``max_context``."""
+    engine: Literal["vllm", "sglang", "tgi", "llamacpp", "trtllm"] = "vllm"
+    """Which engine the simulated pods pass for: its metric names and ``/metrics`` text, and the
+    JSON shape of its stream chunks (``llm-sidecar sim --engine``)."""
 
     def sim_flags(self) -> list[str]:
         """The ``llm-sidecar sim`` flags these settings stand for (besides host, port, name and
@@ -177,7 +180,7 @@ class SimulateSpec(Strict):
                  "--decode-ms-per-token", str(self.decode_ms_per_token),
                  "--default-output-tokens", str(self.default_output_tokens),
                  "--embedding-dim", str(self.embedding_dim),
-                 "--speed", str(self.speed)]
+                 "--speed", str(self.speed), "--engine", self.engine]
         if self.kv_cache_tokens is not None:
             flags += ["--kv-cache-tokens", str(self.kv_cache_tokens)]
         if self.natural_stop:

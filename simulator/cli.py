@@ -78,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine",
         choices=ENGINES,
         default="vllm",
-        help="whose metric names and text /metrics serves (default vllm)",
+        help="whose metric names and text /metrics serves, and the JSON shape of its stream "
+        "chunks (default vllm)",
     )
     parser.add_argument(
         "--no-dcgm",

@@ -20,8 +20,9 @@ class SimConfig:
     ``kv_cache_tokens`` ``None`` means ``8 * max_model_len``; a request waits until every running
     sequence's prompt and output budget plus its own fit in it. ``prefix_block_size`` is the
     block of the prefix cache in tokens. ``speed`` divides prefill and decode times (2.0: a GPU
-    twice as fast). ``engine``: whose metric names and text ``/metrics`` serves
-    (:data:`~simulator.exposition.ENGINES`). ``dcgm`` serves DCGM-exporter-style GPU gauges at
+    twice as fast). ``engine``: whose metric names and text ``/metrics`` serves, and the JSON
+    shape of its stream chunks (:data:`~simulator.exposition.ENGINES`,
+    :func:`simulator.sse.engine_event`). ``dcgm`` serves DCGM-exporter-style GPU gauges at
     ``/dcgm/metrics``.
     ``natural_stop``: answers end at ``default_output_tokens`` even when ``max_tokens`` allows
     more (``simulator.generation``). ``stream_interval``: tokens per streamed chunk, as vLLM's

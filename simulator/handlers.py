@@ -281,6 +281,7 @@ async def _stream(
     await response.prepare(request)
     continuous = parsed.continuous_usage
     interval = state.config.stream_interval
+    engine = state.config.engine
     opened = False
     pending: dict[int, list[str]] = {}
     """Each sequence's tokens not yet sent (``stream_interval`` above 1)."""
@@ -308,10 +309,12 @@ async def _stream(
                             sse.completion_token_chunk(meta, event.seq, text, event.finish_reason, usage)
                         )
                 if chunks:
-                    await response.write(b"".join(sse.sse_event(chunk) for chunk in chunks))
+                    await response.write(b"".join(sse.engine_event(chunk, engine)
+                                                  for chunk in chunks))
         if parsed.include_usage:
             kind = "chat.completion.chunk" if chat else "text_completion"
-            await response.write(sse.sse_event(sse.usage_chunk(meta, kind, usage_of(plans, parsed.n))))
+            await response.write(sse.engine_event(
+                sse.usage_chunk(meta, kind, usage_of(plans, parsed.n)), engine))
         await response.write(sse.DONE)
         await response.write_eof()
     except ConnectionResetError:

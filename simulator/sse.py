@@ -32,6 +32,38 @@ def sse_event(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+_LLAMACPP_ORDER = ("choices", "created", "id", "model", "system_fingerprint", "object", "usage",
+                   "timings")
+
+
+def engine_event(payload: Mapping[str, Any], engine: str) -> bytes:
+    """``payload`` (a chunk as vLLM writes it) as ``engine``'s server writes that chunk, the way
+    ``llm-sidecar sim --engine`` streams (what the gateway must understand of each; facts from
+    each engine's source, no code):
+
+    - ``llamacpp``: its server builds chunks as ``nlohmann::ordered_json`` in the order
+      ``choices, created, id, model, system_fingerprint, object`` (``tools/server``), the usage
+      chunk with ``usage`` then ``timings`` after them: ``"choices":[]`` is followed by
+      ``"created"``, not by ``"usage"``.
+    - ``sglang``: its ``ChatCompletionStreamResponse`` always carries ``usage``: ``null`` on
+      every chunk but the usage one.
+    - ``vllm``, ``tgi``, ``trtllm``: vLLM's shape (TGI's and Triton's OpenAI front ends write
+      the same keys in the same compact JSON).
+    """
+    if engine == "llamacpp":
+        chunk = dict(payload)
+        chunk["system_fingerprint"] = "b1-sim"
+        if "usage" in chunk:
+            usage = chunk["usage"]
+            chunk["timings"] = {"prompt_n": usage.get("prompt_tokens", 0),
+                                "predicted_n": usage.get("completion_tokens", 0)}
+        ordered = {key: chunk[key] for key in _LLAMACPP_ORDER if key in chunk}
+        return sse_event(ordered)
+    if engine == "sglang" and "usage" not in payload:
+        return sse_event({**payload, "usage": None})
+    return sse_event(payload)
+
+
 def chat_role_chunk(meta: ResponseMeta, usage: Usage | None = None, index: int = 0) -> dict[str, Any]:
     """The opening chat chunk that announces the assistant role (one per choice)."""
     choice = {

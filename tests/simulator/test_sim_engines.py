@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.picker.engines import parse_pod
 from extproc.picker.state import PodMetrics
-from simulator import RunningSimulator, SimConfig, add_arguments, config_from_args
+from simulator import RunningSimulator, SimConfig, add_arguments, config_from_args, sse
 from simulator.exposition import ENGINES
 from simulator.metrics import SimMetrics
 from simulator.overrides import SimOverrides
@@ -82,3 +82,19 @@ def test_the_engine_flag_and_its_default() -> None:
         parser.parse_args(["--port=1", "--name=n", "--engine=ollama"])
     with pytest.raises(ValueError, match="engine must be one of vllm, sglang, tgi, llamacpp, trtllm"):
         SimConfig(name="n", engine="ollama")
+
+
+def test_stream_chunks_take_each_engines_shape() -> None:
+    """llama.cpp's key order (choices first, usage and timings after object), SGLang's usage
+    null on every content chunk, vLLM's as it was."""
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": []}
+    usage = {**chunk, "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
+    assert sse.engine_event(chunk, "vllm") == sse.sse_event(chunk)
+    llama = sse.engine_event(usage, "llamacpp")
+    assert llama.startswith(b'data: {"choices":[],"created":1,"id":"c","model":"m",'
+                            b'"system_fingerprint":"b1-sim","object":"chat.completion.chunk",'
+                            b'"usage":{')
+    assert b'"timings":{"prompt_n":2,"predicted_n":3}}' in llama
+    assert sse.engine_event(chunk, "sglang").endswith(b',"usage":null}\n\n')
+    assert sse.engine_event(usage, "sglang") == sse.sse_event(usage)
