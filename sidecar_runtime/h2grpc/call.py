@@ -110,7 +110,6 @@ class Call:
         "handler",
         "head_held",
         "headers_sent",
-        "held",
         "id",
         "input_ended",
         "metadata",
@@ -142,7 +141,6 @@ class Call:
         self._buffer = bytearray()  # the start of a message whose rest has not come yet
         self._messages: deque[bytes] = deque()
         self._queued = 0  # the bytes of _messages, each with its overhead
-        self.held = 0  # what this call holds of the connection's buffer: _queued + _buffer
         self.head_held = 0  # what its request head holds (the connection counts it)
         self.started = False  # its handler's task was started
         self._waiter: asyncio.Future[None] | None = None
@@ -188,7 +186,6 @@ class Call:
         elif position < size:
             buffer += data[position:]
         self._queued = queued
-        self.held = queued + len(buffer)
         self._wake()
         return None
 
@@ -202,6 +199,12 @@ class Call:
         if self._buffer:
             return grpc.StatusCode.INTERNAL, "the request ended inside a message"
         return None
+
+    @property
+    def held(self) -> int:
+        """What this call holds of the connection's buffer: its messages waiting (each with its
+        overhead; released once the queue empties) and the start of one not yet whole."""
+        return self._queued + len(self._buffer)
 
     @property
     def has_message(self) -> bool:
@@ -270,7 +273,6 @@ class Call:
             # that is not yet empty are counted a little longer, which delays the connection's
             # window, never widens it. The connection is told only when there is window to
             # give back (a method call a message was a tenth of the server's CPU per message).
-            self.held -= self._queued
             self._queued = 0
             connection = self.connection
             if self.recv_unacked >= connection.grant_at or connection.starved:

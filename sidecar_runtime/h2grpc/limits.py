@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 
 MIB = 1024 * 1024
+MAX_CONTINUATIONS = 8
+"""CONTINUATION frames after one HEADERS (nghttp2's default), for the server and the client."""
 MESSAGE_OVERHEAD = 64
 """What each message waiting for its handler costs beyond its bytes (a Python ``bytes`` and its
 slot in the queue), counted against the connection's buffer: 16 MiB of empty messages is not
@@ -58,8 +60,8 @@ class Limits:
     """The process-wide cache of decoded request heads (Envoy sends the same few blocks on
     every call), in the same bytes; a head above :data:`.head.HEAD_CACHED_MAX_HELD` is not
     cached at all."""
-    max_continuations: int = 8
-    """CONTINUATION frames after one HEADERS (nghttp2's default); more is a flood."""
+    max_continuations: int = MAX_CONTINUATIONS
+    """CONTINUATION frames after one HEADERS; more is a flood."""
     max_settings_entries: int = 32
     """Entries in one SETTINGS frame (nghttp2's ``max_settings``)."""
     pings: Rate = Rate(100, 10.0)

@@ -17,6 +17,7 @@ import hpack
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST
+from sidecar_runtime.h2grpc.limits import MAX_CONTINUATIONS
 
 _unpack_header = f.HEADER.unpack_from
 
@@ -77,8 +78,8 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         self._headers_open: _OpenBlock | None = None  # CONTINUATION pending
         self._max_header_block = MAX_HEADER_LIST
         """The largest header block read (HEADERS and its CONTINUATIONs)."""
-        self._max_continuations = 8
-        """CONTINUATION frames after one HEADERS (nghttp2's default): more is a flood."""
+        self._max_continuations = MAX_CONTINUATIONS
+        """CONTINUATION frames after one HEADERS: more is a flood."""
         self._last_stream = 0  # the last stream the peer opened that we took (a client: none)
         self._streams: dict[int, S] = {}  # the open streams
         self._blocked: dict[int, S] = {}  # streams whose data waits for window
@@ -227,8 +228,8 @@ class H2Peer(asyncio.Protocol, Generic[S]):
                 if not flags & f.ACK:
                     self._on_ping()
                     self._write(f.frame(f.PING, f.ACK, 0, payload))
-                else:
-                    self._on_pong(payload)
+                else:  # the server sends no PING: an ACK answers nothing (the client's probe
+                    self._on_glitch()  # is alive: data_received saw the read)
             elif kind == f.GOAWAY:
                 if stream != 0:  # RFC 9113 §6.8
                     raise ConnectionError_(f.PROTOCOL_ERROR, "GOAWAY on a stream")
@@ -281,10 +282,6 @@ class H2Peer(asyncio.Protocol, Generic[S]):
         if data[size + 3] != f.SETTINGS or data[size + 4] & f.ACK:
             raise ConnectionError_(f.PROTOCOL_ERROR, "the client preface is not SETTINGS")
         return size
-
-    def _on_pong(self, payload: bytes) -> None:
-        """A PING's ACK: the server sent no PING, so it is a glitch; the client's probe."""
-        self._on_glitch()
 
     def _priority_size(self, stream: int) -> None:
         """A PRIORITY frame of the wrong size: a stream error (RFC 9113 §6.3); the server
