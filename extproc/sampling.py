@@ -68,12 +68,9 @@ class ReadFloor:
         second = int(now)
         slot = self._seconds.get(model)
         if slot is None:
-            self._seconds[model] = [second, 1]
-            return True
-        if slot[0] != second:
-            slot[0] = second
-            slot[1] = 1
-            return True
+            slot = self._seconds[model] = [second, 0]
+        elif slot[0] != second:
+            slot[0], slot[1] = second, 0
         if slot[1] >= per_s:
             return False
         slot[1] += 1
