@@ -45,6 +45,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from bench.acct import cpu_seconds
 from routing.loader import load_config
 from routing.render_clusters import API, TYPE
 from routing.render_envoy import http_connection_manager
@@ -342,11 +343,6 @@ def repro_envoy(order: str, lua: str, upstream: Upstream, log_level: str = "warn
         thread.join(5)
 
 
-def _cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()  # noqa: SIM115
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_against(args: argparse.Namespace) -> int:
     """Envoy's CPU per stream with the rendered strip and with ``args.cpu_against``'s, rounds
     alternating, each on a fresh Envoy warmed by 50 streams."""
@@ -358,10 +354,10 @@ def cpu_against(args: argparse.Namespace) -> int:
             upstream = Upstream(args.tokens, 0.0, args.pattern, 0.0)
             with repro_envoy("rendered", lua, upstream, args.log_level, pids) as (listen, _a, _l):
                 asyncio.run(drive(f"http://127.0.0.1:{listen}{url_path}", 50, 8))
-                before = _cpu_s(pids[0])
+                before = cpu_seconds(pids[0])
                 outcomes, _ = asyncio.run(drive(f"http://127.0.0.1:{listen}{url_path}",
                                                 args.requests, args.concurrency))
-                used = _cpu_s(pids[0]) - before
+                used = cpu_seconds(pids[0]) - before
             per_stream.setdefault(lua, []).append(used / args.requests * 1e6)
             print(f"lua={lua}: {used / args.requests * 1e6:.0f} µs Envoy CPU per "
                   f"{args.tokens}-token stream {dict(outcomes)}", flush=True)
