@@ -1,12 +1,12 @@
 """``python -m bench.extproc_python``: the Python one non-streamed chat request costs extproc.
 
 The four ext_proc messages Envoy sends for it (request headers, request body, response headers,
-response body with usage), parsed from bytes, through :class:`extproc.service.ExternalProcessor`
+response body with usage), parsed from bytes, through :class:`extproc.adapters.service.ExternalProcessor`
 (stream state, routing, telemetry with the Prometheus metrics and the JSON log line, the
 settlement handed to a :class:`~extproc.settlements.SettlementBatcher`) to serialised answers,
 then the stream reset as Envoy resets it; and, apart, the encoding of one settlement batch
 (``--batch`` requests of 3 token descriptors, each request its own lease) as
-:mod:`extproc.rls_client` sends it. The config
+:mod:`extproc.adapters.rls_client` sends it. The config
 is the gateway bench's (bench/front.py: requests and tokens limits on api key, tenant and model).
 No I/O: the log goes to ``/dev/null``, the batcher's calls encode and return. CPU time per
 request (``time.process_time``), minimum and median of the rounds: on a shared machine the
@@ -30,17 +30,17 @@ from prometheus_client import CollectorRegistry
 
 from bench import bodies, front
 from bench.h2_extproc_load import body, headers
-from extproc import rls_wire
 from extproc.actions import Descriptor
+from extproc.adapters import rls_pb
+from extproc.adapters.service import ExternalProcessor
 from extproc.canary.guard import CanaryGuards, GuardedTelemetry
-from extproc.service import ExternalProcessor
 from extproc.settlements import SettlementBatcher, settlement_for
 from extproc.telemetry.metrics import ExtprocMetrics, settlements_counter
 from extproc.telemetry.request_log import LoggedTelemetry
 from routing.compiled import Snapshot, compile_config
-from sidecar_runtime import logs
 from sidecar_runtime.h2grpc import Context
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process import logs
+from sidecar_runtime.process.settings import Settings
 
 _Request = pb.ProcessingRequest
 
@@ -109,13 +109,13 @@ async def _one(servicer: ExternalProcessor, raw: list[bytes]) -> int:
 
 
 class _Encoder:
-    """The batcher's send: encode the batch as :mod:`extproc.rls_client` does, answer OK."""
+    """The batcher's send: encode the batch as :mod:`extproc.adapters.rls_client` does, answer OK."""
 
     def __init__(self) -> None:
         self.batches = 0
 
     async def __call__(self, descriptors: tuple[Descriptor, ...]) -> bool:
-        rls_wire.settle_payload(descriptors)
+        rls_pb.settle_payload(descriptors)
         self.batches += 1
         return True
 
@@ -195,10 +195,10 @@ def main() -> None:
             per_request, encoded = asyncio.run(_requests(args.requests, args.rounds))
         finally:
             sys.stderr = saved
-    # More leases than extproc.rls_wire keeps encoded, so its cache is as cold as in use.
+    # More leases than extproc.adapters.rls_pb keeps encoded, so its cache is as cold as in use.
     several = batches(args.batch, 100)
     turn = iter(range(1 << 62))
-    encode = _time(lambda: rls_wire.settle_payload(several[next(turn) % len(several)]),
+    encode = _time(lambda: rls_pb.settle_payload(several[next(turn) % len(several)]),
                    max(1, args.requests // 30), args.rounds)
     print(f"one chat request: 4 messages; {encoded} settlement batches encoded on the way; "
           f"a batch of {args.batch} requests: {len(several[0])} descriptors")

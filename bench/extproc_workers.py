@@ -28,7 +28,7 @@ import yaml
 
 from bench import bodies
 from bench.acct import cpu_seconds
-from sidecar_runtime.procs import free_port, sidecar_command, start, wait_http_ok
+from sidecar_runtime.process.procs import free_port, sidecar_command, start, wait_http_ok
 
 CLIENT = r"""
 import asyncio, json, sys, time

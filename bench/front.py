@@ -24,7 +24,7 @@ import yaml
 from bench import bodies
 from bench.paced import POOLS
 from routing.loader import load_config
-from routing.render_envoy import bootstrap
+from routing.render.envoy import bootstrap
 from routing.schema import RoutingConfig
 
 Variant = Literal["bare", "headers", "body", "full"]

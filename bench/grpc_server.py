@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench import bodies
 from bench.acct import cpu_seconds
-from sidecar_runtime.procs import free_port
+from sidecar_runtime.process.procs import free_port
 
 SERVER = r"""
 import asyncio, sys

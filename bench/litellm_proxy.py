@@ -22,7 +22,7 @@ import yaml
 from bench import bodies
 from bench.paced import POOLS
 from bench.stack import START_TIMEOUT_S, Shared, spawn
-from sidecar_runtime.procs import Child, free_port, wait_http_ok
+from sidecar_runtime.process.procs import Child, free_port, wait_http_ok
 
 VENV = Path(__file__).resolve().parent / ".venv-litellm"
 PACKAGE = "litellm[proxy]"

@@ -1,6 +1,6 @@
 """Reproduce (or rule out) streams cut short by the Lua filter that strips the usage chunk.
 
-Real Envoy, no extproc: the filters ``routing.render_usage`` renders (Lua strip, then
+Real Envoy, no extproc: the filters ``routing.render.usage`` renders (Lua strip, then
 ``sse_to_metadata``), in front of a paced SSE upstream written here (one ``data:`` event per
 token as vLLM writes them, a usage chunk, ``data: [DONE]``), with N concurrent aiohttp clients
 on HTTP/1.1 keep-alive connections (as the soak drives the gateway). A ``header_to_metadata``
@@ -47,11 +47,11 @@ import yaml
 
 from bench.acct import cpu_seconds
 from routing.loader import load_config
-from routing.render_clusters import API, TYPE
-from routing.render_envoy import http_connection_manager
-from routing.render_usage import LUA_FILTER, SSE_FILTER, sse_usage_filter, strip_usage_filter
-from sidecar_runtime.procs import envoy_binary, start, wait_http_ok
-from sidecar_runtime.wire_names import METADATA_NAMESPACE, STRIP_USAGE_METADATA_KEY
+from routing.render.clusters import API, TYPE
+from routing.render.envoy import http_connection_manager
+from routing.render.usage import LUA_FILTER, SSE_FILTER, sse_usage_filter, strip_usage_filter
+from sidecar_runtime.process.procs import envoy_binary, start, wait_http_ok
+from sidecar_runtime.wire.names import METADATA_NAMESPACE, STRIP_USAGE_METADATA_KEY
 
 MAIN_LUA = f"""
 function envoy_on_response(handle)
@@ -136,11 +136,11 @@ def _free_port() -> int:
 
 
 def lua_at(ref: str) -> str:
-    """The strip's Lua as ``routing/render_usage.py`` renders it at git ``ref``."""
-    source = subprocess.run(["git", "show", f"{ref}:routing/render_usage.py"], check=True,
+    """The strip's Lua as ``routing/render/usage.py`` renders it at git ``ref``."""
+    source = subprocess.run(["git", "show", f"{ref}:routing/render/usage.py"], check=True,
                             capture_output=True, text=True).stdout
     module: dict[str, Any] = {"__name__": "render_usage_at_ref"}
-    exec(compile(source, f"{ref}:routing/render_usage.py", "exec"), module)
+    exec(compile(source, f"{ref}:routing/render/usage.py", "exec"), module)
     return str(module["STRIP_USAGE_LUA"])
 
 
@@ -406,9 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--order", choices=["rendered", *sorted(ORDERS)], default="rendered",
                         help="rendered: as render writes the chain (ext_proc as the holder)")
     parser.add_argument("--lua", default="rendered",
-                        help="rendered: the Lua routing.render_usage renders; main: main's "
+                        help="rendered: the Lua routing.render.usage renders; main: main's "
                              "before the fix; comment: 09640dc's; else a git ref whose "
-                             "routing/render_usage.py renders it")
+                             "routing/render/usage.py renders it")
     parser.add_argument("--cpu-against", metavar="REF",
                         help="measure Envoy's CPU per stream with the rendered strip and with "
                              "REF's, alternating (--rounds), instead of looking for cut streams")

@@ -9,7 +9,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from sidecar_runtime.procs import envoy_binary
+from sidecar_runtime.process.procs import envoy_binary
 
 
 def _first_line(command: list[str]) -> str:

@@ -51,7 +51,7 @@ from bench.picker_workload import (
     script,
     table,
 )
-from sidecar_runtime.procs import Child, free_port, sidecar_command, start, wait_http_ok
+from sidecar_runtime.process.procs import Child, free_port, sidecar_command, start, wait_http_ok
 from tests.harness.gateway import Gateway, running_gateway
 
 MODEL = "m"

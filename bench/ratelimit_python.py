@@ -29,16 +29,16 @@ from bench import bodies, front
 from ratelimit.bucket import BucketResult, Hit, Settle
 from ratelimit.descriptors import RateLimitConfig
 from ratelimit.from_routing import compile_rate_limits
-from ratelimit.guard import GuardedStore
 from ratelimit.limiter import Limiter, Matches, plan, resolve
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.request_bytes import request_from_bytes
+from ratelimit.rls_pb import request_from_proto, response_bytes, response_to_proto
 from ratelimit.service import RateLimitServicer
+from ratelimit.shielded_store import ShieldedStore
 from ratelimit.store import StoreResult
-from ratelimit.wire import request_from_proto, response_bytes, response_to_proto
 from routing.ratelimits import DOMAIN
 from sidecar_runtime.h2grpc import Context
-from sidecar_runtime.wire_names import DONE_ENTRY, LEASE_ENTRY, USED_ENTRY
+from sidecar_runtime.wire.names import DONE_ENTRY, LEASE_ENTRY, USED_ENTRY
 
 SETTLED_REQUESTS = 20
 """Requests per settlement batch (extproc sends up to 256 descriptors a call)."""
@@ -104,7 +104,7 @@ def _whole_call(config: RateLimitConfig) -> Callable[[bytes], Awaitable[bytes]]:
     """One ``ShouldRateLimit`` as the servicer runs it, bytes in and out, the guarded store's
     deadline, breaker and metrics included (the context is used only to refuse a call)."""
     metrics = RateLimitMetrics()
-    limiter = Limiter(lambda: config, GuardedStore(_InstantStore(), 0.05, 1.0, metrics), metrics)
+    limiter = Limiter(lambda: config, ShieldedStore(_InstantStore(), 0.05, 1.0, metrics), metrics)
     servicer = RateLimitServicer(limiter)
 
     async def call(raw: bytes) -> bytes:

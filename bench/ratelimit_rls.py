@@ -23,7 +23,7 @@ import grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from bench.acct import cpu_seconds
-from sidecar_runtime.procs import Child, free_port, sidecar_command, start, wait_tcp
+from sidecar_runtime.process.procs import Child, free_port, sidecar_command, start, wait_tcp
 from tests.harness.redis_servers import start_redis
 
 DESCRIPTORS = """\

@@ -34,8 +34,8 @@ import redis
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from bench.acct import cpu_seconds
-from sidecar_runtime.procs import free_port, sidecar_command, start, wait_tcp
-from sidecar_runtime.wire_names import LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
+from sidecar_runtime.process.procs import free_port, sidecar_command, start, wait_tcp
+from sidecar_runtime.wire.names import LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
 from tests.harness.redis_servers import start_redis
 
 LEVELS = ("api_key", "tenant", "model")

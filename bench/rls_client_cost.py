@@ -25,7 +25,7 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from bench.acct import cpu_seconds
-from sidecar_runtime.procs import free_port, sidecar_command, start, wait_tcp
+from sidecar_runtime.process.procs import free_port, sidecar_command, start, wait_tcp
 
 CONFIG = """\
 domain: llm-sidecar

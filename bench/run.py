@@ -21,7 +21,7 @@ from typing import Any
 from bench import litellm_proxy, loadgen, machine, report, stack
 from bench.measure import Point, measure
 from bench.scenarios import STACKS, Scenario, StackName, Workload, request_headers, scenarios, workloads
-from sidecar_runtime.procs import Child
+from sidecar_runtime.process.procs import Child
 
 HERE = Path(__file__).resolve().parent
 BEARER = "sk-bench-tenant-key"

@@ -23,7 +23,7 @@ import yaml
 from bench import front, paced, upstream
 from routing.loader import load_config
 from routing.units import parse_hostport
-from sidecar_runtime.procs import (
+from sidecar_runtime.process.procs import (
     Child,
     envoy_binary,
     free_port,
@@ -32,7 +32,7 @@ from sidecar_runtime.procs import (
     wait_tcp,
     wait_unix,
 )
-from sidecar_runtime.wire_names import UNIX_PREFIX
+from sidecar_runtime.wire.names import UNIX_PREFIX
 
 Store = Literal["memory", "redis"]
 START_TIMEOUT_S = 60.0

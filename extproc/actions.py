@@ -1,6 +1,6 @@
 """What the stream state answers each ext_proc message with, as plain frozen values.
 
-:mod:`extproc.wire` turns these into protobuf; nothing else in the package sees protobuf.
+:mod:`extproc.adapters.ext_proc_pb` turns these into protobuf; nothing else in the package sees protobuf.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 from extproc.hit_limits import limit_applies
 from routing.schema import RoutingConfig
-from sidecar_runtime.wire_names import (
+from sidecar_runtime.wire.names import (
     CAP_METADATA_KEY,
     DONE_METADATA_KEY,
     LEASE_METADATA_KEY,

@@ -12,7 +12,7 @@ from extproc.picker.pick import Pick, Priority
 from extproc.quick_init import quick_init
 from extproc.sampling import ReadFloor
 from routing.compiled import Snapshot
-from sidecar_runtime.wire_names import (
+from sidecar_runtime.wire.names import (
     BOOTSTRAP_HEADER,
     DESTINATION_ENDPOINT,
     ENVOY_USAGE_HEADER,

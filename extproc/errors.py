@@ -7,8 +7,8 @@ import orjson
 # The embedding cache's store errors are the runtime's, shared with the rate limiter: the
 # request bypasses the cache; a NodeDown (one Redis Cluster master) does not count towards the
 # cache's breaker.
-from sidecar_runtime.guarded import BackendError as BackendError
-from sidecar_runtime.guarded import NodeDown as NodeDown
+from sidecar_runtime.redis.shield import BackendError as BackendError
+from sidecar_runtime.redis.shield import NodeDown as NodeDown
 
 
 class ClientError(Exception):

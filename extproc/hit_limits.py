@@ -4,7 +4,7 @@ Envoy's rate-limit filter runs after ext_proc, so an ImmediateResponse never rea
 asks the rate-limit service itself, with the domain and the request descriptors Envoy would
 have built from the routed ``x-llm-*`` headers (read off :func:`routing.ratelimits
 .route_rate_limits`, so the two cannot drift), and answers from the verdict as Envoy would.
-Pure: the call itself is :mod:`extproc.rls_client`.
+Pure: the call itself is :mod:`extproc.adapters.rls_client`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from extproc.errors import error_body
 from routing.compiled import Snapshot
 from routing.ratelimits import DOMAIN, LEVEL_HEADERS, limit_entries, route_rate_limits
 from routing.schema import RoutingConfig
-from sidecar_runtime.wire_names import RATELIMIT_BACKEND_HEADER
+from sidecar_runtime.wire.names import RATELIMIT_BACKEND_HEADER
 
 UNAVAILABLE_DETAILS = "ratelimit_unavailable"
 
@@ -102,7 +102,7 @@ def descriptor_entries(actions: list[dict[str, Any]], headers: Mapping[str, str]
     """The descriptor Envoy builds from one rate limit's ``actions``, or None when Envoy would
     send none (a header absent; a required metadata key absent or empty, as Envoy's
     ``metadata`` action treats an empty string). ``metadata``: extproc's own dynamic metadata
-    in :data:`~sidecar_runtime.wire_names.METADATA_NAMESPACE` (None: metadata actions are an
+    in :data:`~sidecar_runtime.wire.names.METADATA_NAMESPACE` (None: metadata actions are an
     error)."""
     return evaluate(compile_actions(actions, metadata is not None), headers, metadata)
 

@@ -15,10 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
+from sidecar_runtime.compat.dataclass_internals import DEFAULT_FACTORY, has_initvar
+
 _T = TypeVar("_T")
-_FACTORY: Any = dataclasses._HAS_DEFAULT_FACTORY  # type: ignore[attr-defined]
-"""Stands for "not given" in the parameter list of a field with a ``default_factory``: the
-dataclass's own sentinel, so the signature reads as before (``<factory>``)."""
 
 
 def quick_init(cls: type[_T]) -> type[_T]:
@@ -27,10 +26,9 @@ def quick_init(cls: type[_T]) -> type[_T]:
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or not params.init or "__slots__" in cls.__dict__:
         raise TypeError(f"quick_init takes a frozen dataclass without slots, not {cls}")
-    initvar = dataclasses._FIELD_INITVAR  # type: ignore[attr-defined]
-    if any(f._field_type is initvar for f in cls.__dataclass_fields__.values()):  # type: ignore[attr-defined]
+    if has_initvar(cls):
         raise TypeError(f"quick_init does not handle InitVar fields ({cls})")
-    names: dict[str, Any] = {"__quick_factory": _FACTORY}
+    names: dict[str, Any] = {"__quick_factory": DEFAULT_FACTORY}
     args: list[str] = []
     body: list[str] = []
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]

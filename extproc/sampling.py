@@ -4,7 +4,7 @@ Reading a response costs one ext_proc round trip per body chunk: per token on an
 So extproc reads only a sampled share of stable traffic (for TTFT, time per output token, token
 counts, mid-stream errors), all canary traffic (the canary comparison and guard need it), and
 the responses whose usage Envoy cannot read for the rate limiter (non-streamed answers, vLLM's
-running usage; see :mod:`routing.render_usage`). Pure functions on the parsed request, and
+running usage; see :mod:`routing.render.usage`). Pure functions on the parsed request, and
 :class:`ReadFloor`, the one piece of state: up to ``telemetry.sample_min_per_s`` more a second
 per model (issue 35), so a quiet gateway is measured in full.
 """
@@ -81,7 +81,7 @@ UsagePlan = Literal["extproc", "envoy", "envoy_injected"]
 """Who reads a response's usage for the rate limiter: extproc (it reads the body), Envoy
 (sse_to_metadata on the usage chunk the client asked for), or Envoy on a usage chunk extproc
 asked vLLM for, which Envoy's Lua filter then removes from the client's stream (see
-:mod:`routing.render_usage`). Where Envoy has no such filters, extproc reads every stream a
+:mod:`routing.render.usage`). Where Envoy has no such filters, extproc reads every stream a
 limit settles, and removes an injected chunk itself."""
 
 

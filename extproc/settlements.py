@@ -33,8 +33,8 @@ from typing import Any
 from extproc.actions import Descriptor, Headers, Settlement
 from extproc.hit_limits import Step, compile_actions, evaluate, once_per_config, route_limits
 from routing.schema import RoutingConfig
-from sidecar_runtime.logs import get_logger
-from sidecar_runtime.wire_names import DONE_METADATA_KEY, LEASE_METADATA_KEY, TOKENS_METADATA_KEY
+from sidecar_runtime.process.logs import get_logger
+from sidecar_runtime.wire.names import DONE_METADATA_KEY, LEASE_METADATA_KEY, TOKENS_METADATA_KEY
 
 log = get_logger("extproc.settlements")
 

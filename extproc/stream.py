@@ -39,8 +39,8 @@ from extproc.processors.models import ModelsProcessor
 from extproc.records import Rejection, RequestRecord
 from extproc.sampling import ReadFloor
 from routing.compiled import Snapshot
-from sidecar_runtime.logs import get_logger
-from sidecar_runtime.wire_names import (
+from sidecar_runtime.process.logs import get_logger
+from sidecar_runtime.wire.names import (
     BOOTSTRAP_HEADER,
     CLIENT_CREDENTIALS,
     CLUSTER_HEADER,

@@ -172,7 +172,7 @@ def settled_tokens(usage: Usage, status: int) -> int | None:
 
 _USAGE_EVENT = re.compile(rb'data: \{[^\n]*?"choices":\[\],"usage":\{[^\n]*\n\n')
 """vLLM's usage chunk: no choices, a usage object (``"choices":[]`` never occurs inside an
-escaped content string). The same pattern as Envoy's Lua strip (:mod:`routing.render_usage`)."""
+escaped content string). The same pattern as Envoy's Lua strip (:mod:`routing.render.usage`)."""
 
 
 class UsageStripper:

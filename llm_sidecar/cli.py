@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from routing.errors import ConfigError
-from sidecar_runtime.logs import configure
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process.logs import configure
+from sidecar_runtime.process.settings import Settings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--ratelimit-metrics-port", type=int, default=9102,
                     help="ratelimit's /metrics and /healthz (default 9102)")
 
-    from extproc.main import add_arguments as extproc_args
+    from extproc.adapters.main import add_arguments as extproc_args
     extproc_args(sub.add_parser("extproc", help="the ext_proc gRPC service"))
 
     rl = sub.add_parser("ratelimit", help="the rate-limit gRPC service (Envoy RLS v3)")
@@ -121,7 +121,7 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
         from llm_sidecar.up import run as up_run
         return up_run(args)
     if args.command == "extproc":
-        from extproc.main import run as extproc_run
+        from extproc.adapters.main import run as extproc_run
         return extproc_run(args, settings)
     if args.command == "ratelimit":
         from ratelimit.main import run as ratelimit_run

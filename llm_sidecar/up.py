@@ -19,8 +19,8 @@ from routing.loader import load_config, local_listeners
 from routing.render import write_all
 from routing.schema import RoutingConfig
 from routing.units import parse_hostport, parse_service_address
-from sidecar_runtime.grpc_listen import HELD_PORT_WAIT_S, listening
-from sidecar_runtime.procs import (
+from sidecar_runtime.process.grpc_listen import HELD_PORT_WAIT_S, listening
+from sidecar_runtime.process.procs import (
     Child,
     envoy_binary,
     sidecar_command,
@@ -29,7 +29,7 @@ from sidecar_runtime.procs import (
     wait_tcp,
     wait_unix,
 )
-from sidecar_runtime.wire_names import UNIX_PREFIX
+from sidecar_runtime.wire.names import UNIX_PREFIX
 
 
 def example_config_path() -> str:

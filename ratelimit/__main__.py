@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from ratelimit.main import add_arguments, run
-from sidecar_runtime.logs import configure
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process.logs import configure
+from sidecar_runtime.process.settings import Settings
 
 
 def main() -> int:

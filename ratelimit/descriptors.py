@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from ratelimit.bucket import BucketSpec
-from sidecar_runtime.wire_names import KEY_ID_HEADER, MODEL_HEADER, TENANT_HEADER
+from sidecar_runtime.wire.names import KEY_ID_HEADER, MODEL_HEADER, TENANT_HEADER
 
 OnBackendError = Literal["allow", "deny"]
 

@@ -30,7 +30,7 @@ from ratelimit.errors import BackendError
 from ratelimit.keys import bucket_key
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.store import BucketStore, StoreResult
-from sidecar_runtime.metric_children import Children
+from sidecar_runtime.process.metric_children import Children
 
 RELEASE_ONLY = BucketSpec(0.0, 0.0, concurrent=True)
 """The spec of a slot release whose cap is gone: a release reads no capacity or rate."""

@@ -1,5 +1,5 @@
 """``llm-sidecar ratelimit``: flags, and what the rate-limit service brings to the process
-skeleton (:mod:`sidecar_runtime.service_process`): its default address, its config check."""
+skeleton (:mod:`sidecar_runtime.process.service_process`): its default address, its config check."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 from ratelimit.loader import is_routing_yaml, load_path, read_config
 from ratelimit.service import CONFIG_ERRORS, RateLimitService
 from routing.units import parse_service_address
-from sidecar_runtime.service_process import ServiceCommand, run_service
-from sidecar_runtime.settings import Settings
-from sidecar_runtime.workers import add_worker_arguments
+from sidecar_runtime.process.service_process import ServiceCommand, run_service
+from sidecar_runtime.process.settings import Settings
+from sidecar_runtime.process.workers import add_worker_arguments
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50052

@@ -8,7 +8,7 @@ usually live in different slots. The hits are grouped per slot, the groups run c
 and if any group denies the request, the groups that admitted are refunded with a second
 script. The small race: between a charge and its refund, another request may see those tokens
 missing and be denied. Debt charges are never refunded. Every command goes through
-:class:`~sidecar_runtime.redis_cluster.ClusterRouter`: a master that is down fails its keys at once
+:class:`~sidecar_runtime.redis.cluster.ClusterRouter`: a master that is down fails its keys at once
 (:class:`NodeDownError`, before any group is charged), the other masters keep deciding.
 """
 
@@ -29,10 +29,10 @@ from ratelimit.bucket import BucketResult, BucketSpec, Hit, Settle
 from ratelimit.errors import BackendError, NodeDown
 from ratelimit.lua import DECIDE, DECIDE_SHA, REFUND, REFUND_SHA, SETTLE, SETTLE_SHA
 from ratelimit.store import LEASE_TTL_S, StoreResult
-from sidecar_runtime.logs import get_logger
-from sidecar_runtime.redis_batch import CommandBatcher
-from sidecar_runtime.redis_client import MAX_CONNECTIONS, Client
-from sidecar_runtime.redis_cluster import ClusterRouter, NodeDownError
+from sidecar_runtime.process.logs import get_logger
+from sidecar_runtime.redis.batch import CommandBatcher
+from sidecar_runtime.redis.client import MAX_CONNECTIONS, Client
+from sidecar_runtime.redis.cluster import ClusterRouter, NodeDownError
 
 _SCRIPTS = (DECIDE, SETTLE, REFUND)
 

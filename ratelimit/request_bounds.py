@@ -3,7 +3,7 @@ before any of it is read.
 
 Every count and size a request could grow without limit is bounded here, in one place: what the
 service reads (:mod:`ratelimit.request_bytes`, and upb with
-:func:`ratelimit.wire.request_from_proto` for the unusual) is then bounded work, whatever a
+:func:`ratelimit.rls_pb.request_from_proto` for the unusual) is then bounded work, whatever a
 client sends. The bounds are far above what Envoy and extproc send (each says why), so a request
 above one is not traffic this gateway makes: the service refuses it with ``INVALID_ARGUMENT``
 and the message of :class:`~ratelimit.errors.OutOfBounds`, which names the bound and its value.

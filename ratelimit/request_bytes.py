@@ -1,5 +1,5 @@
 """The RLS request read from its bytes by hand: the same :class:`LimitRequest` as upb's parse and
-:func:`ratelimit.wire.request_from_proto`, for less CPU.
+:func:`ratelimit.rls_pb.request_from_proto`, for less CPU.
 
 Reading a message through upb's Python API costs a wrapper object per field read; an admission
 (6 descriptors) cost ~15 µs there, a settlement batch (60) ~215 µs (bench.ratelimit_python).
@@ -35,8 +35,8 @@ from ratelimit.request_bounds import (
     MAX_REQUEST_BYTES,
     MAX_TEXT_BYTES,
 )
-from ratelimit.wire import LEASE_VALUE, USED_VALUE, request_from_proto
-from sidecar_runtime.wire_names import CONTROL_ENTRIES, LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
+from ratelimit.rls_pb import LEASE_VALUE, USED_VALUE, request_from_proto
+from sidecar_runtime.wire.names import CONTROL_ENTRIES, LEASE_ENTRY, RELEASE_ENTRY, USED_ENTRY
 
 MAX_KEPT = 4096
 """Descriptors, and apart entries, remembered by their bytes; past this many, afresh (a client
@@ -149,7 +149,7 @@ def _request(raw: bytes) -> LimitRequest:
 
 
 def _descriptor(raw: bytes, pos: int, end: int) -> tuple[DescriptorRequest, int]:
-    """As :func:`ratelimit.wire._descriptor` reads a descriptor, from its bytes; and its count
+    """As :func:`ratelimit.rls_pb._descriptor` reads a descriptor, from its bytes; and its count
     of entries."""
     entries: list[tuple[str, str]] = []
     count = 0

@@ -1,7 +1,7 @@
 """The gRPC side: ``envoy.service.ratelimit.v3.RateLimitService`` (served by
 :mod:`sidecar_runtime.h2grpc`), and what the
 service brings to the process skeleton (store, limiter, config reloader); the skeleton
-(:mod:`sidecar_runtime.service_process`) adds health, ops HTTP, reload polling and the drain.
+(:mod:`sidecar_runtime.process.service_process`) adds health, ops HTTP, reload polling and the drain.
 The only module of the package that imports ``grpc``.
 """
 
@@ -15,23 +15,23 @@ from envoy.service.ratelimit.v3 import rls_pb2
 
 from ratelimit.descriptors import RateLimitConfig
 from ratelimit.errors import ConfigError, OutOfBounds
-from ratelimit.guard import GuardedStore
 from ratelimit.limiter import Limiter
 from ratelimit.loader import load_path
 from ratelimit.memory_store import MemoryStore
 from ratelimit.metrics import RateLimitMetrics
 from ratelimit.redis_store import RedisStore
 from ratelimit.request_bytes import Unparsable, request_from_bytes
+from ratelimit.rls_pb import response_bytes
+from ratelimit.shielded_store import ShieldedStore
 from ratelimit.store import BucketStore
-from ratelimit.wire import response_bytes
 from sidecar_runtime.h2grpc import Context, Server
-from sidecar_runtime.logs import get_logger
-from sidecar_runtime.redis_audit import audit_redis
-from sidecar_runtime.redis_client import make_client
-from sidecar_runtime.reload import Reloader
-from sidecar_runtime.service_process import Listen, ServiceProcess
-from sidecar_runtime.settings import Settings, redis_url_for_logs
-from sidecar_runtime.workers import LAST_GOOD_CONFIG, worker_file
+from sidecar_runtime.process.logs import get_logger
+from sidecar_runtime.process.reload import Reloader
+from sidecar_runtime.process.service_process import Listen, ServiceProcess
+from sidecar_runtime.process.settings import Settings, redis_url_for_logs
+from sidecar_runtime.process.workers import LAST_GOOD_CONFIG, worker_file
+from sidecar_runtime.redis.audit import audit_redis
+from sidecar_runtime.redis.client import make_client
 
 log = get_logger("ratelimit")
 SERVICE_NAME = "envoy.service.ratelimit.v3.RateLimitService"
@@ -49,7 +49,7 @@ class RateLimitServicer:
 
     Registered without grpc's (de)serialisers (:meth:`register`): the request is read from its
     bytes and the answer written as bytes (:mod:`ratelimit.request_bytes`,
-    :func:`ratelimit.wire.response_bytes`), the same on the wire as through upb, for less CPU."""
+    :func:`ratelimit.rls_pb.response_bytes`), the same on the wire as through upb, for less CPU."""
 
     def __init__(self, limiter: Limiter) -> None:
         self._limiter = limiter
@@ -97,12 +97,12 @@ def make_store(settings: Settings, metrics: RateLimitMetrics) -> BucketStore:
     timeout_s = settings.redis_timeout_ms / 1000
     client = make_client(settings.redis_url.get_secret_value(), timeout_s)  # RedisUrlError
     log.info("ratelimit_redis_store", redis=redis_url_for_logs(settings.redis_url))
-    return GuardedStore(RedisStore(client), timeout_s, settings.redis_breaker_cooldown_ms / 1000, metrics,
+    return ShieldedStore(RedisStore(client), timeout_s, settings.redis_breaker_cooldown_ms / 1000, metrics,
                         failures_to_open=settings.redis_breaker_failures)
 
 
 class RateLimitService:
-    """ratelimit's part of the process skeleton (:mod:`sidecar_runtime.service_process`): the
+    """ratelimit's part of the process skeleton (:mod:`sidecar_runtime.process.service_process`): the
     descriptor config and its reloader, the bucket store, the limiter and its servicer."""
 
     name = "ratelimit"

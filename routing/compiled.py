@@ -97,7 +97,7 @@ class Snapshot:
     tenants. Both come from the config, so the label stays bounded whatever tenant headers
     callers send."""
     envoy_fingerprint: str = ""
-    """:func:`routing.render_envoy.bootstrap_fingerprint` of ``config`` (extproc sets it when it
+    """:func:`routing.render.envoy.bootstrap_fingerprint` of ``config`` (extproc sets it when it
     loads the file: what the Envoy in front should run)."""
 
 

@@ -18,7 +18,7 @@ from routing.ratelimits import UINT32_MAX, limit_entries
 from routing.schema import TENANT_RULE, Limit, RoutingConfig, is_tenant
 from routing.units import parse_hostport, parse_rate
 from routing.yamlsrc import Located, Path, read_yaml
-from sidecar_runtime.wire_names import UNIX_PREFIX
+from sidecar_runtime.wire.names import UNIX_PREFIX
 
 
 def load_config(path: str) -> RoutingConfig:

@@ -30,7 +30,7 @@ from typing import Any
 from routing.compiled import listed_key_id
 from routing.schema import LevelLimits, Limit, RoutingConfig
 from routing.units import parse_rate
-from sidecar_runtime.wire_names import (
+from sidecar_runtime.wire.names import (
     CAP_ENTRY,
     CAP_METADATA_KEY,
     DONE_ENTRY,

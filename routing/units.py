@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from sidecar_runtime.wire_names import UNIX_PREFIX
+from sidecar_runtime.wire.names import UNIX_PREFIX
 
 _UNIT_SECONDS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 DURATION_PATTERN = r"^(\d+)(s|m|h|d)$"

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from sidecar_runtime.logs import get_logger
+from sidecar_runtime.process.logs import get_logger
 from simulator import handlers
 from simulator.config import SimConfig
 from simulator.dcgm import DcgmExporter

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from sidecar_runtime.logs import configure, get_logger
+from sidecar_runtime.process.logs import configure, get_logger
 from simulator.config import SimConfig
 from simulator.exposition import ENGINES
 from simulator.prefix import DEFAULT_BLOCK_SIZE

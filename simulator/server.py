@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from sidecar_runtime.logs import get_logger
-from sidecar_runtime.signals import install_stop_handlers, remove_stop_handlers
+from sidecar_runtime.process.logs import get_logger
+from sidecar_runtime.process.signals import install_stop_handlers, remove_stop_handlers
 from simulator.app import build_app
 from simulator.config import SimConfig
 from simulator.state import STATE

@@ -8,7 +8,7 @@ import pathlib
 import socket
 import subprocess
 
-from sidecar_runtime.procs import free_port, sidecar_command
+from sidecar_runtime.process.procs import free_port, sidecar_command
 
 EXAMPLE = str(pathlib.Path(__file__).parents[1] / "llm_sidecar" / "example.yaml")
 

@@ -1,7 +1,7 @@
 """Cached vectors in Redis (standalone or Cluster), shared by every extproc replica.
 
 A lookup is one ``MGET``; a store is one pipeline of ``SET key value PX ttl``. On a Cluster,
-through :class:`~sidecar_runtime.redis_cluster.ClusterRouter`: one ``MGET`` per slot, one pipeline
+through :class:`~sidecar_runtime.redis.cluster.ClusterRouter`: one ``MGET`` per slot, one pipeline
 per master, masters in parallel, and a master that is down fails the call at once. Values are
 the bytes of :mod:`extproc.cache.codec`, with no client-side encoding.
 """
@@ -17,8 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
 from extproc.errors import BackendError, NodeDown
-from sidecar_runtime.redis_client import MAX_CONNECTIONS, Client
-from sidecar_runtime.redis_cluster import ClusterRouter, NodeDownError
+from sidecar_runtime.redis.client import MAX_CONNECTIONS, Client
+from sidecar_runtime.redis.cluster import ClusterRouter, NodeDownError
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ ENTRY_OVERHEAD_BYTES = 96
 
 
 class VectorStore(Protocol):
-    """Stored vectors by key. Errors propagate; the guard in :mod:`extproc.cache.guard` turns
+    """Stored vectors by key. Errors propagate; the guard in :mod:`extproc.cache.shielded` turns
     them (and missed deadlines) into a bypass."""
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -26,8 +26,8 @@ from extproc.records import RequestRecord
 from extproc.telemetry.events import ForwardingTelemetry, Telemetry
 from routing.compiled import Canary, ModelRoute, Snapshot
 from routing.schema import GuardSpec
-from sidecar_runtime.files import replace_file
-from sidecar_runtime.logs import get_logger
+from sidecar_runtime.process.files import replace_file
+from sidecar_runtime.process.logs import get_logger
 
 log = get_logger("extproc.canary.guard")
 CANARY_TRIPS = "canary-trips"

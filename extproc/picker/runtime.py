@@ -15,7 +15,7 @@ from extproc.picker.metrics import EndpointMetrics
 from extproc.picker.pick import EndpointPicker, Pick, Priority
 from extproc.picker.scrape import Scraper
 from routing.schema import RoutingConfig
-from sidecar_runtime.logs import get_logger
+from sidecar_runtime.process.logs import get_logger
 
 log = get_logger("extproc.picker")
 

@@ -52,7 +52,7 @@ from extproc.picker.parse import MAX_BODY_BYTES, GpuReading, MetricsError, parse
 from extproc.picker.state import PoolState
 from routing.schema import ClusterSpec, RoutingConfig
 from routing.units import parse_hostport
-from sidecar_runtime.logs import get_logger
+from sidecar_runtime.process.logs import get_logger
 
 log = get_logger("extproc.picker.scrape")
 

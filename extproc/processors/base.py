@@ -3,7 +3,7 @@ one API kind), a pass-through base, and the routing steps a routed API kind take
 pool/canary/priority decision, the ``x-llm-*`` headers).
 
 A processor sees plain values (headers as a mapping, body bytes) and returns actions; the stream
-state in :mod:`extproc.stream` calls it, and :mod:`extproc.wire` builds the protobuf.
+state in :mod:`extproc.stream` calls it, and :mod:`extproc.adapters.ext_proc_pb` builds the protobuf.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from extproc.errors import (
 )
 from extproc.records import RequestRecord
 from routing.compiled import ModelRoute
-from sidecar_runtime.wire_names import (
+from sidecar_runtime.wire.names import (
     CLUSTER_HEADER,
     CONTEXT_LENGTH_HEADER,
     KEY_ID_HEADER,

@@ -92,8 +92,8 @@ from extproc.processors.phases import (
 from extproc.records import RequestRecord, RouteChosen
 from extproc.settlements import settlement_for
 from extproc.tokens import counter_for
-from sidecar_runtime.logs import get_logger
-from sidecar_runtime.wire_names import CACHE_HEADER
+from sidecar_runtime.process.logs import get_logger
+from sidecar_runtime.wire.names import CACHE_HEADER
 
 log = get_logger("extproc.processors.embeddings")
 

@@ -44,7 +44,7 @@ from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.settlements import settlement_for
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, UsageStripper, settled_tokens, tokens_to_charge
-from sidecar_runtime.wire_names import (
+from sidecar_runtime.wire.names import (
     ENVOY_USAGE_HEADER,
     RATELIMIT_BACKEND_HEADER,
     STRIP_USAGE_METADATA_KEY,

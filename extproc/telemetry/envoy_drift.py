@@ -6,7 +6,7 @@ Envoy reads its bootstrap once; extproc and ratelimit reload the YAML live. An e
 ``rate_limits:`` added to a file that had none, ``telemetry.envoy_usage``) used to be half
 applied in silence: extproc routed to a cluster Envoy did not have, or a new limit was never
 asked for. The bootstrap ``render`` writes sends its fingerprint with every request
-(:data:`~sidecar_runtime.wire_names.BOOTSTRAP_HEADER`); extproc compares it with the one its
+(:data:`~sidecar_runtime.wire.names.BOOTSTRAP_HEADER`); extproc compares it with the one its
 running config renders, and says when they differ.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from sidecar_runtime.logs import get_logger
+from sidecar_runtime.process.logs import get_logger
 
 log = get_logger("extproc.telemetry.envoy_drift")
 

@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from extproc.records import RequestRecord, outcome
-from sidecar_runtime.metric_children import Children
+from sidecar_runtime.process.metric_children import Children
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)

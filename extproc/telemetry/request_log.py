@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from extproc.records import RequestRecord, outcome
 from extproc.telemetry.events import ForwardingTelemetry
-from sidecar_runtime.logs import get_logger
+from sidecar_runtime.process.logs import get_logger
 
 log = get_logger("extproc.request")
 

@@ -19,7 +19,7 @@ import grpc
 
 from sidecar_runtime.h2grpc import frames
 from sidecar_runtime.h2grpc.limits import MESSAGE_OVERHEAD
-from sidecar_runtime.logs import get_logger
+from sidecar_runtime.process.logs import get_logger
 
 if TYPE_CHECKING:
     from sidecar_runtime.h2grpc.connection import Connection

@@ -24,7 +24,7 @@ from typing import Protocol, TypeVar
 from sidecar_runtime.h2grpc import frames as f
 from sidecar_runtime.h2grpc.client_connection import ClientConnection
 from sidecar_runtime.h2grpc.status import RpcError, StatusCode
-from sidecar_runtime.wire_names import UNIX_PREFIX
+from sidecar_runtime.wire.names import UNIX_PREFIX
 
 DEFAULT_MAX_RECEIVE = 4 * 1024 * 1024
 """grpc's default limit on one answer message."""

@@ -24,7 +24,7 @@ from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import MAX_HEADER_LIST
 from sidecar_runtime.h2grpc.peer import H2Peer
 from sidecar_runtime.h2grpc.status import RpcError, StatusCode, reset_error
-from sidecar_runtime.logs import get_logger
+from sidecar_runtime.process.logs import get_logger
 
 log = get_logger("sidecar_runtime.h2grpc")
 

@@ -33,7 +33,7 @@ from sidecar_runtime.h2grpc.frames import ConnectionError_
 from sidecar_runtime.h2grpc.head import head_decoder
 from sidecar_runtime.h2grpc.limits import Budget
 from sidecar_runtime.h2grpc.peer import H2Peer
-from sidecar_runtime.logs import get_logger
+from sidecar_runtime.process.logs import get_logger
 
 if TYPE_CHECKING:
     from sidecar_runtime.h2grpc.server import Server

@@ -14,6 +14,8 @@ from typing import Generic, TypeVar, cast
 
 import hpack
 
+from sidecar_runtime.compat.hpack_internals import table_state
+
 Metadata = tuple[tuple[str, str], ...]
 T = TypeVar("T")
 
@@ -115,15 +117,13 @@ class BlockCache(Generic[T]):
     def decode(self, block: bytes) -> T:
         """What ``block`` carries. Raises ``hpack.HPACKError`` (a connection error)."""
         decoder = self._decoder
-        table = decoder.header_table
-        empty = not table.dynamic_entries
-        size = decoder.header_table_size
+        empty, size = table_state(decoder)
         if empty:
             found = self._cache.get(block)
             if found is not None and found[0] == size:
                 return found[1]
         value = self._read(cast(list[tuple[str, str]], decoder.decode(block)))
-        if empty and not table.dynamic_entries and decoder.header_table_size == size \
+        if empty and table_state(decoder) == (True, size) \
                 and len(block) <= self._max_block:
             self._keep(block, size, value)
         return value

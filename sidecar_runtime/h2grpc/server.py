@@ -28,7 +28,7 @@ from sidecar_runtime.h2grpc.call import Metadata, first_handler
 from sidecar_runtime.h2grpc.connection import Connection
 from sidecar_runtime.h2grpc.head import RequestHead
 from sidecar_runtime.h2grpc.limits import Limits
-from sidecar_runtime.wire_names import GRPC_MAX_CONCURRENT_STREAMS, UNIX_PREFIX
+from sidecar_runtime.wire.names import GRPC_MAX_CONCURRENT_STREAMS, UNIX_PREFIX
 
 DEFAULT_MAX_RECEIVE = 4 * 1024 * 1024
 """grpc's default limit on one request message."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar_runtime.procs import envoy_binary
+from sidecar_runtime.process.procs import envoy_binary
 from tests.harness.ci import unavailable
 
 pytestmark = pytest.mark.e2e

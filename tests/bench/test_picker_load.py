@@ -29,7 +29,7 @@ from bench.picker_workload import (
     script,
     table,
 )
-from sidecar_runtime.procs import envoy_binary
+from sidecar_runtime.process.procs import envoy_binary
 from tests.harness.ci import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]

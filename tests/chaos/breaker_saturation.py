@@ -28,7 +28,7 @@ import grpc
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from sidecar_runtime.procs import free_port, wait_http_ok, wait_tcp
+from sidecar_runtime.process.procs import free_port, wait_http_ok, wait_tcp
 from tests.chaos.support import metric
 from tests.harness.redis_servers import ProcessRedis, redis_binary
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from routing.render_clusters import EXTPROC_CLUSTER, RATELIMIT_CLUSTER
-from sidecar_runtime.procs import Child, free_port, sidecar_command, start, wait_http_ok, wait_tcp
+from routing.render.clusters import EXTPROC_CLUSTER, RATELIMIT_CLUSTER
+from sidecar_runtime.process.procs import Child, free_port, sidecar_command, start, wait_http_ok, wait_tcp
 from tests.harness.gateway import Gateway
 
 CLUSTER_OF = {"extproc": EXTPROC_CLUSTER, "ratelimit": RATELIMIT_CLUSTER}

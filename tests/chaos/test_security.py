@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from sidecar_runtime.procs import free_port, wait_http_ok
-from sidecar_runtime.redis_audit import exposure
-from sidecar_runtime.redis_url import UNPARSED
+from sidecar_runtime.process.procs import free_port, wait_http_ok
+from sidecar_runtime.redis.audit import exposure
+from sidecar_runtime.redis.url import UNPARSED
 from tests.chaos.support import (
     DEADLINE_S,
     LOAD_KEY,
@@ -208,7 +208,7 @@ def test_a_url_whose_password_is_not_encoded_stops_the_service_in_one_line(
 async def test_a_certificate_from_another_ca_is_refused(tmp_path: Path, tls_redis: TlsRedis) -> None:
     """Verification is on: a server the configured CA did not sign is an error (and the
     services then apply their Redis-down policy), never a silent plaintext fallback."""
-    from sidecar_runtime.redis_client import make_client
+    from sidecar_runtime.redis.client import make_client
 
     other = make_tls_files(tmp_path / "other-ca")
     url = tls_redis.url.replace(str(tls_redis.files.ca_cert), str(other.ca_cert))
@@ -247,7 +247,7 @@ async def test_tls_context_is_made_once_per_client(tls_files: TlsFiles, scheme: 
     from redis.asyncio.cluster import RedisCluster
     from redis.asyncio.connection import AbstractConnection, SSLConnection
 
-    from sidecar_runtime.redis_client import make_client
+    from sidecar_runtime.redis.client import make_client
 
     client = make_client(f"{scheme}://:pw@127.0.0.1:1/0?ssl_ca_certs={tls_files.ca_cert}", 0.05)
     try:

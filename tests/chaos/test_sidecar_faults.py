@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from routing.units import parse_hostport
-from sidecar_runtime.procs import free_port, wait_tcp
+from sidecar_runtime.process.procs import free_port, wait_tcp
 from tests.chaos.load import Call, Load, Record, percentile
 from tests.chaos.replicas import Replica, ResettingPod, add_to_envoy, start_replica
 from tests.chaos.support import (
@@ -161,7 +161,7 @@ def ensure_running(rig: Rig, kind: str) -> None:
 def start_again(gw: Gateway, replica: Replica) -> Replica:
     import os
 
-    from sidecar_runtime.procs import start
+    from sidecar_runtime.process.procs import start
 
     args = replica.child.process.args
     assert isinstance(args, list)

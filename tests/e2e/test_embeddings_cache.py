@@ -18,7 +18,7 @@ from typing import Any
 import openai
 import pytest
 
-from sidecar_runtime.procs import free_port
+from sidecar_runtime.process.procs import free_port
 from tests.harness.ci import unavailable
 from tests.harness.gateway import Gateway, default_doc, running_gateway
 from tests.harness.redis_servers import RedisServer

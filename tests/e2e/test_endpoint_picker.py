@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from sidecar_runtime.procs import free_port
+from sidecar_runtime.process.procs import free_port
 from tests.harness.gateway import ip
 from tests.harness.picker_envoy import (
     TEST_CLUSTER,
@@ -123,7 +123,7 @@ def test_a_pod_outside_the_pool_is_never_reached(envoy: PickerEnvoy, pick: str) 
     ((D, B), B, 1),      # the pick refuses connections: the retry takes the next listed pod
     ((A, B), A, 0),      # a list whose first pod answers: only that one
     # A repeat is tried again: previous_hosts does not apply to listed pods, only to the
-    # fallback balancer (extproc.wire sends each pod once).
+    # fallback balancer (extproc.adapters.ext_proc_pb sends each pod once).
     ((D, D, C), C, 2),
 ])
 def test_a_retry_goes_down_the_list(envoy: PickerEnvoy, listed: tuple[int, ...], expected: int,

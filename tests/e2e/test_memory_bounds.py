@@ -14,7 +14,7 @@ from typing import Any
 
 from hyperframe.frame import HeadersFrame, SettingsFrame
 
-from routing.render_bounds import HTTP2_CONNECTION_WINDOW
+from routing.render.bounds import HTTP2_CONNECTION_WINDOW
 from routing.units import parse_hostport
 from tests.harness.envoy_alone import envoy_only, post
 from tests.harness.gateway import default_doc, envoy_counter, running_gateway

@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 
-from sidecar_runtime.procs import free_port
+from sidecar_runtime.process.procs import free_port
 from tests.harness.gateway import Gateway, envoy_counter, ip, running_gateway
 from tests.harness.waits import wait_for
 

@@ -13,7 +13,7 @@ import openai
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar_runtime.procs import envoy_binary, free_port
+from sidecar_runtime.process.procs import envoy_binary, free_port
 from tests.harness.ci import unavailable
 from tests.harness.gateway import default_doc
 

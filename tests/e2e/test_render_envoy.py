@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from sidecar_runtime.procs import free_port
+from sidecar_runtime.process.procs import free_port
 from tests.harness.gateway import Gateway, default_doc, running_gateway
 
 

@@ -1,5 +1,5 @@
 """Envoy keeps to the services' limit of streams per connection and opens more connections
-under load (routing/render_clusters.py, sidecar_runtime.wire_names.GRPC_MAX_CONCURRENT_STREAMS).
+under load (routing/render/clusters.py, sidecar_runtime.wire.names.GRPC_MAX_CONCURRENT_STREAMS).
 
 ext_proc holds one gRPC stream per request in flight. Without a limit, Envoy put them all on
 one connection per Envoy worker, and the kernel, which spreads connections (not streams) over
@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar_runtime.wire_names import GRPC_MAX_CONCURRENT_STREAMS
+from sidecar_runtime.wire.names import GRPC_MAX_CONCURRENT_STREAMS
 from tests.harness.gateway import default_doc, envoy_counter, running_gateway
 
 pytestmark = pytest.mark.e2e

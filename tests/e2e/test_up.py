@@ -14,7 +14,7 @@ import openai
 import pytest
 import yaml
 
-from sidecar_runtime.procs import envoy_binary, free_port
+from sidecar_runtime.process.procs import envoy_binary, free_port
 from tests.harness.ci import unavailable
 from tests.harness.gateway import default_doc
 

@@ -2,7 +2,7 @@
 
 The core reports nothing itself: its answers carry what happened (a route chosen, a client
 error answered, a request ended) and ``close`` returns an aborted request's record. The service
-(:meth:`extproc.service.ExternalProcessor.Process`) hands those to telemetry with
+(:meth:`extproc.adapters.service.ExternalProcessor.Process`) hands those to telemetry with
 :func:`extproc.telemetry.events.emit`; :class:`Served` does the same, so a test reads what a
 stream reports as the service would emit it.
 """

@@ -15,7 +15,7 @@ from extproc.actions import Continue, Lookup
 from extproc.records import RouteChosen, outcome
 from extproc.stream import StreamState
 from extproc.telemetry.metrics import ExtprocMetrics
-from sidecar_runtime.wire_names import DONE_METADATA_KEY, RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
+from sidecar_runtime.wire.names import DONE_METADATA_KEY, RESERVATION_METADATA_KEY, TOKENS_METADATA_KEY
 from tests.extproc.helpers import JSON_POST, snapshot
 from tests.extproc.served import Recorder, Served
 

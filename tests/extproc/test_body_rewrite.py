@@ -14,7 +14,7 @@ import pytest
 
 from extproc.actions import Action, Continue, Reply
 from extproc.stream import StreamState
-from sidecar_runtime.wire_names import (
+from sidecar_runtime.wire.names import (
     CAP_METADATA_KEY,
     ENVOY_USAGE_HEADER,
     RESERVATION_METADATA_KEY,

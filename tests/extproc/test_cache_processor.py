@@ -11,7 +11,7 @@ from extproc.actions import CacheWrite, Continue, Found, Lookup, ModeOverride, R
 from extproc.cache.codec import decode_vector, encode_vector
 from extproc.cache.keys import KEY_PREFIX
 from extproc.stream import StreamState
-from sidecar_runtime.wire_names import CLIENT_CREDENTIALS, DONE_METADATA_KEY, TOKENS_METADATA_KEY
+from sidecar_runtime.wire.names import CLIENT_CREDENTIALS, DONE_METADATA_KEY, TOKENS_METADATA_KEY
 from simulator.embeddings import embed, encode_base64
 from tests.extproc.helpers import JSON_POST, snapshot
 

@@ -9,8 +9,8 @@ import orjson
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 
-from extproc import rls_wire
 from extproc.actions import Continue, LimitStatus, Lookup, RateCheck, Reply, Verdict
+from extproc.adapters import rls_pb
 from extproc.cache.codec import encode_vector
 from extproc.hit_limits import (
     answer,
@@ -22,9 +22,9 @@ from extproc.stream import StreamState
 from extproc.tokens import counter_for
 from ratelimit.descriptors import Limit
 from ratelimit.limiter import DescriptorOutcome, LimitOutcome
-from ratelimit.wire import response_to_proto
+from ratelimit.rls_pb import response_to_proto
 from routing.compiled import listed_key_id
-from sidecar_runtime.wire_names import RESERVATION_METADATA_KEY
+from sidecar_runtime.wire.names import RESERVATION_METADATA_KEY
 from simulator.embeddings import embed
 from tests.extproc.helpers import JSON_POST, snapshot
 from tests.extproc.served import Recorder, Served
@@ -105,7 +105,7 @@ def test_the_answer_follows_the_verdict_and_the_failure_policy(
 
 def test_a_denial_the_rate_limiters_store_caused_is_a_503_as_envoy_maps_it() -> None:
     denied = LimitOutcome(False, (), 1, backend_failed=True)
-    verdict = rls_wire.verdict(response_to_proto(denied))
+    verdict = rls_pb.verdict(response_to_proto(denied))
     assert dict(verdict.headers)["x-llm-ratelimit-backend"] == "unavailable"
     reply = answer(verdict, HIT, deny_on_failure=False)
     assert reply.status == 503
@@ -116,14 +116,14 @@ def test_the_wire_reads_the_rate_limit_services_own_429() -> None:
     limit = Limit("k", 10, "second", name="api_key:default:requests")
     denied = DescriptorOutcome("over_limit", limit, 0, 1.0, 1.0, "api_key")
     proto = response_to_proto(LimitOutcome(False, (denied,), 1, cause=denied))
-    verdict = rls_wire.verdict(rls_pb2.RateLimitResponse.FromString(proto.SerializeToString()))
+    verdict = rls_pb.verdict(rls_pb2.RateLimitResponse.FromString(proto.SerializeToString()))
     assert verdict.result == "over_limit"
     assert verdict.body == proto.raw_body
     assert dict(verdict.headers)["retry-after"] == "1"
     assert verdict.statuses == (LimitStatus(10, 1, "api_key:default:requests", 0, 1),)
     check = RateCheck("t", "llm-sidecar", ((("kind", "requests"), ("tenant", "a")),), 1.0,
                       lambda v: HIT)
-    sent = rls_pb2.RateLimitRequest.FromString(rls_wire.request(check))
+    sent = rls_pb2.RateLimitRequest.FromString(rls_pb.request(check))
     assert sent.domain == "llm-sidecar" and sent.hits_addend == 0
     assert [(e.key, e.value) for e in sent.descriptors[0].entries] == [("kind", "requests"),
                                                                        ("tenant", "a")]

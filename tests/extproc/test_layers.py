@@ -1,10 +1,10 @@
-"""extproc's decisions stay pure: the core (every top-level module but the adapters), the
+"""extproc's decisions stay pure: the core (every top-level module of ``extproc``), the
 processors, the picker's choice and the cache's keys and values import no gRPC, Redis, Prometheus,
 aiohttp or protobuf, directly or through any module of the project they import.
 
-Only the adapters (``service``, ``wire``, ``rls_client``, ``rls_wire``, ``main``) and the modules
-around the core (cache stores and guard, metrics, the picker's scraper) may. A new module at the
-top of extproc is core unless it is added to :data:`ADAPTERS`.
+Only the adapters (``extproc/adapters/``: ``service``, ``ext_proc_pb``, ``rls_client``,
+``rls_pb``, ``main``) and the modules around the core (cache stores, metrics, the picker's
+scraper) may. A new module at the top of extproc is core; one that needs I/O goes in adapters.
 
 The core and the processors report nothing either: they return what happened as values
 (:mod:`extproc.records`) and the service hands them to telemetry, so they reach no module of
@@ -25,9 +25,9 @@ EXTPROC = ROOT / "extproc"
 PROJECT = ("extproc", "routing", "sidecar_runtime", "ratelimit", "llm_sidecar", "simulator")
 FORBIDDEN = ("grpc", "redis", "prometheus_client", "aiohttp", "envoy", "google.protobuf")
 
-ADAPTERS = {"service", "wire", "rls_client", "rls_wire", "main"}
-CORE = sorted(f"extproc.{p.stem}" for p in EXTPROC.glob("*.py")
-              if p.stem not in ADAPTERS and p.stem != "__init__")
+ADAPTERS = sorted(f"extproc.adapters.{p.stem}" for p in (EXTPROC / "adapters").glob("*.py")
+                  if p.stem != "__init__")
+CORE = sorted(f"extproc.{p.stem}" for p in EXTPROC.glob("*.py") if p.stem != "__init__")
 PROCESSORS = sorted(f"extproc.processors.{p.stem}" for p in (EXTPROC / "processors").glob("*.py"))
 PURE = [
     *CORE,
@@ -104,9 +104,9 @@ def test_core_module_reaches_no_telemetry(module: str) -> None:
 def test_the_walk_follows_the_projects_modules() -> None:
     # A library two imports away is found (the guard reaches Redis only through the runtime),
     # and so is telemetry behind a module that does not name it.
-    assert not any(is_forbidden(name) for name in imports_of("extproc.cache.guard"))
-    assert io_reached("extproc.cache.guard") != []
-    assert io_reached("extproc.service", reports) != []
+    assert not any(is_forbidden(name) for name in imports_of("extproc.cache.shielded"))
+    assert io_reached("extproc.cache.shielded") != []
+    assert io_reached("extproc.adapters.service", reports) != []
     assert io_reached("extproc.canary.report", reports) == []  # reads metrics text only
     assert reports("extproc.telemetry.events") and not reports("extproc.sampling")
 
@@ -117,9 +117,10 @@ def test_the_lists_name_real_modules() -> None:
     assert "extproc.processors.generation" in PURE and "extproc.records" in CORE
     assert "extproc.sampling" in CORE
     assert all(source_of(module) is not None for module in PURE)
-    assert all(source_of(f"extproc.{name}") is not None for name in ADAPTERS)
+    assert set(ADAPTERS) == {f"extproc.adapters.{name}" for name in
+                             ("service", "ext_proc_pb", "rls_client", "rls_pb", "main")}
 
 
 def test_an_adapter_is_caught() -> None:
-    assert io_reached("extproc.wire") != []
-    assert io_reached("extproc.service") != []
+    assert io_reached("extproc.adapters.ext_proc_pb") != []
+    assert io_reached("extproc.adapters.service") != []

@@ -14,12 +14,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.actions import RateCheck, Verdict
-from extproc.rls_client import RateLimitClient
+from extproc.adapters.rls_client import RateLimitClient
 from ratelimit.request_bounds import MAX_DESCRIPTORS
 from ratelimit.service import RateLimitProcess, rate_limit_process
 from routing.ratelimits import DOMAIN
 from routing.schema import ServicesSection, ServicesTls
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process.settings import Settings
 from tests.harness.tls import TlsFiles, make_tls_files
 
 YAML = """

@@ -14,7 +14,7 @@ from extproc.actions import Continue, ModeOverride
 from extproc.bodies import parse_generation
 from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.stream import StreamState
-from sidecar_runtime.wire_names import DONE_METADATA_KEY, ENVOY_USAGE_HEADER, TOKENS_METADATA_KEY
+from sidecar_runtime.wire.names import DONE_METADATA_KEY, ENVOY_USAGE_HEADER, TOKENS_METADATA_KEY
 from tests.extproc.helpers import JSON_POST, snapshot
 from tests.extproc.served import Recorder, Served
 

@@ -15,9 +15,9 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from structlog.testing import capture_logs
 
+from extproc.adapters.service import ExternalProcessor
 from extproc.records import Rejection, RequestRecord, RouteChosen
-from extproc.service import ExternalProcessor
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process.settings import Settings
 from tests.extproc.helpers import JSON_POST, snapshot
 from tests.extproc.served import Recorder
 from tests.fuzz.driver import body_message, headers_message

@@ -13,16 +13,16 @@ import pytest
 from envoy.service.ratelimit.v3 import rls_pb2
 from prometheus_client import CollectorRegistry
 
-from extproc import rls_wire
 from extproc.actions import Continue, Descriptor, Settlement
-from extproc.service import ExternalProcessor
+from extproc.adapters import rls_pb
+from extproc.adapters.service import ExternalProcessor
 from extproc.settlements import SettlementBatcher, settlement_for
 from extproc.stream import StreamState
 from extproc.telemetry.metrics import settlements_counter
-from ratelimit import wire as ratelimit_wire
+from ratelimit import rls_pb as ratelimit_pb
 from routing.compiled import listed_key_id
-from sidecar_runtime.settings import Settings
-from sidecar_runtime.wire_names import (
+from sidecar_runtime.process.settings import Settings
+from sidecar_runtime.wire.names import (
     DONE_ENTRY,
     DONE_METADATA_KEY,
     LEASE_ENTRY,
@@ -71,8 +71,8 @@ def test_the_ratelimit_service_reads_a_batch_as_settles_of_each_lease() -> None:
     second = settlement_for(limits(tenant={"default": {"tokens": "1k/min"}}).config,
                             ROUTE, "f" * 24, 0)
     assert first is not None and second is not None
-    parsed = ratelimit_wire.request_from_proto(rls_pb2.RateLimitRequest.FromString(
-        rls_wire.settle_payload(first.descriptors + second.descriptors)))
+    parsed = ratelimit_pb.request_from_proto(rls_pb2.RateLimitRequest.FromString(
+        rls_pb.settle_payload(first.descriptors + second.descriptors)))
     assert parsed.domain == "llm-sidecar"
     assert [(d.phase, d.lease, d.used, d.entries) for d in parsed.descriptors] == [
         ("settle", LEASE, 17, (("kind", "tokens"), ("tenant", "acme"))),

@@ -13,8 +13,8 @@ import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import wire
 from extproc.actions import Continue, Found, Lookup, Reply, Verdict
+from extproc.adapters import ext_proc_pb
 from extproc.stream import StreamState
 from routing.compiled import Snapshot
 from tests.extproc.helpers import snapshot
@@ -120,7 +120,7 @@ def run_stream(headers: Mapping[str, str], body: bytes | None,
 
     def feed(request: pb.ProcessingRequest) -> Answer:
         started = time.perf_counter()
-        phase, hdrs, raw, end = wire.read(request)
+        phase, hdrs, raw, end = ext_proc_pb.read(request)
         assert phase is not None
         step = state.handle(phase, hdrs, raw, end)
         # Do what the service does between messages: fetch a lookup's values, and ask the
@@ -132,7 +132,7 @@ def run_stream(headers: Mapping[str, str], body: bytes | None,
                                           for i in range(len(step.keys))))
             else:
                 step = state.admit(step, Verdict("ok"))
-        answer = Answer(phase, wire.build(phase, step), time.perf_counter() - started)
+        answer = Answer(phase, ext_proc_pb.build(phase, step), time.perf_counter() - started)
         check(answer)
         answers.append(answer)
         return answer

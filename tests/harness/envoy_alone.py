@@ -15,7 +15,7 @@ import yaml
 
 from routing.loader import load_config
 from routing.render import write_all
-from sidecar_runtime.procs import envoy_binary, start, wait_http_ok
+from sidecar_runtime.process.procs import envoy_binary, start, wait_http_ok
 
 
 @contextmanager

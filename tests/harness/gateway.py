@@ -18,7 +18,7 @@ import yaml
 
 from llm_sidecar.up import start_all, stop_all
 from routing.loader import load_config
-from sidecar_runtime.procs import Child, envoy_binary, free_port, start
+from sidecar_runtime.process.procs import Child, envoy_binary, free_port, start
 from tests.harness.ci import unavailable
 
 

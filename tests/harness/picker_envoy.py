@@ -26,8 +26,8 @@ import yaml
 
 from routing.loader import load_config
 from routing.render import write_all
-from sidecar_runtime.procs import envoy_binary, sidecar_command, start, wait_http_ok
-from sidecar_runtime.wire_names import (
+from sidecar_runtime.process.procs import envoy_binary, sidecar_command, start, wait_http_ok
+from sidecar_runtime.wire.names import (
     CLUSTER_METADATA_KEY,
     DESTINATION_ENDPOINT,
     DESTINATION_ENDPOINT_SERVED,

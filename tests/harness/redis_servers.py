@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from sidecar_runtime.procs import free_port
+from sidecar_runtime.process.procs import free_port
 
 ENV_URL = "LLM_SIDECAR_TEST_REDIS_URL"
 START_TIMEOUT_S = 10.0

@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from sidecar_runtime.procs import free_port
+from sidecar_runtime.process.procs import free_port
 from tests.harness.fault_proxy import FaultProxy
 from tests.harness.redis_servers import (
     START_TIMEOUT_S,

@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry
 
 from extproc.actions import CacheWrite
 from extproc.cache.codec import encode_vector
-from extproc.cache.guard import VectorCache
 from extproc.cache.keys import plan_keys, request_salt
 from extproc.cache.metrics import CacheMetrics
 from extproc.cache.redis_store import RedisVectorStore
+from extproc.cache.shielded import VectorCache
 from extproc.cache.store import MemoryVectorStore, VectorStore
-from sidecar_runtime.breaker import BreakerState
-from sidecar_runtime.redis_client import make_client
+from sidecar_runtime.redis.breaker import BreakerState
+from sidecar_runtime.redis.client import make_client
 from simulator.embeddings import embed
 from tests.extproc.cache.test_guard import breaker_of
 from tests.harness.redis_servers import RedisServer

@@ -16,7 +16,7 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar_runtime.procs import free_port
+from sidecar_runtime.process.procs import free_port
 from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis

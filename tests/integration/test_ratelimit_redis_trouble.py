@@ -15,10 +15,10 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from pydantic import SecretStr
 
-from ratelimit.guard import GuardedStore
 from ratelimit.service import RateLimitService, rate_limit_process
-from sidecar_runtime.breaker import BreakerState
-from sidecar_runtime.settings import Settings
+from ratelimit.shielded_store import ShieldedStore
+from sidecar_runtime.process.settings import Settings
+from sidecar_runtime.redis.breaker import BreakerState
 from tests.harness.redis_servers import RedisClusterServers, RedisServer
 
 pytestmark = pytest.mark.redis
@@ -64,7 +64,7 @@ class Client:
         return response, time.perf_counter() - started
 
     def breaker(self) -> BreakerState:
-        assert isinstance(self.server.store, GuardedStore)
+        assert isinstance(self.server.store, ShieldedStore)
         return self.server.store.breaker_state
 
     def skipped(self) -> float:
@@ -207,7 +207,7 @@ async def test_a_decision_that_missed_its_deadline_gives_its_slot_back_when_redi
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = rls_pb2_grpc.RateLimitServiceStub(channel)
             store = server.service.store
-            assert isinstance(store, GuardedStore)
+            assert isinstance(store, ShieldedStore)
             deadline = time.monotonic() + 10
             # Up first: a Cluster's client loads its slot map on the first call, which can
             # miss the 50 ms deadline on a loaded machine (and open the breaker).

@@ -17,7 +17,7 @@ from ratelimit.lua import DECIDE_SHA, REFUND_SHA, SETTLE_SHA
 from ratelimit.memory_store import MemoryStore
 from ratelimit.redis_store import RedisStore
 from ratelimit.store import BucketStore
-from sidecar_runtime.redis_client import make_client
+from sidecar_runtime.redis.client import make_client
 from tests.harness.redis_servers import RedisClusterServers
 from tests.harness.waits import until
 

@@ -18,11 +18,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ratelimit.bucket import BucketSpec, Hit
 from ratelimit.redis_store import RedisStore
-from sidecar_runtime import redis_batch
-from sidecar_runtime.procs import free_port
-from sidecar_runtime.redis_batch import CommandBatcher
-from sidecar_runtime.redis_client import make_client
-from sidecar_runtime.redis_conn import RespConnection
+from sidecar_runtime.process.procs import free_port
+from sidecar_runtime.redis import batch as redis_batch
+from sidecar_runtime.redis.batch import CommandBatcher
+from sidecar_runtime.redis.client import make_client
+from sidecar_runtime.redis.conn import RespConnection
 from tests.harness.redis_servers import RedisServer
 from tests.harness.waits import until
 

@@ -14,9 +14,9 @@ from redis.asyncio.connection import SSLConnection
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from sidecar_runtime.redis_batch import CommandBatcher
-from sidecar_runtime.redis_client import make_client
-from sidecar_runtime.redis_conn import Endpoint
+from sidecar_runtime.redis.batch import CommandBatcher
+from sidecar_runtime.redis.client import make_client
+from sidecar_runtime.redis.conn import Endpoint
 from tests.harness.fault_proxy import FaultProxy
 from tests.harness.redis_fixtures import process_redis
 from tests.harness.redis_servers import ProcessRedis

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from sidecar_runtime.redis_client import make_client
-from sidecar_runtime.redis_cluster import ClusterRouter, NodeDownError
+from sidecar_runtime.redis.client import make_client
+from sidecar_runtime.redis.cluster import ClusterRouter, NodeDownError
 from tests.harness.redis_fixtures import serving
 from tests.harness.redis_servers import ProcessRedis, RedisClusterServers, start_redis_cluster
 

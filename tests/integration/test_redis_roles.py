@@ -14,8 +14,8 @@ from ratelimit.bucket import BucketSpec, Hit
 from ratelimit.errors import BackendError
 from ratelimit.keys import bucket_key
 from ratelimit.redis_store import RedisStore
-from routing.render_deploy import REDIS_BUCKETS, REDIS_CACHE, RedisRole
-from sidecar_runtime.redis_client import make_client
+from routing.render.deploy import REDIS_BUCKETS, REDIS_CACHE, RedisRole
+from sidecar_runtime.redis.client import make_client
 from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis

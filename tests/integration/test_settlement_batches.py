@@ -15,10 +15,10 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from extproc import rls_wire
 from extproc.actions import Settlement
+from extproc.adapters import rls_pb
+from extproc.adapters.rls_client import RateLimitClient
 from extproc.admission import new_lease
-from extproc.rls_client import RateLimitClient
 from extproc.settlements import settlement_for
 from ratelimit.keys import bucket_key
 from ratelimit.request_bounds import MAX_DESCRIPTORS
@@ -26,8 +26,8 @@ from ratelimit.service import RateLimitProcess, rate_limit_process
 from routing.loader import load_config
 from routing.ratelimits import DOMAIN
 from routing.schema import ServicesSection
-from sidecar_runtime.settings import Settings
-from sidecar_runtime.wire_names import LEASE_ENTRY
+from sidecar_runtime.process.settings import Settings
+from sidecar_runtime.wire.names import LEASE_ENTRY
 from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -77,7 +77,7 @@ def admission(tenant: str, lease: str, reserved: int) -> rls_pb2.RateLimitReques
 
 def settle_request(descriptors: tuple[tuple[tuple[str, str], ...], ...]) -> rls_pb2.RateLimitRequest:
     """A stream-done call as Envoy sends it: the very bytes extproc's batches carry."""
-    return rls_pb2.RateLimitRequest.FromString(rls_wire.settle_payload(descriptors))
+    return rls_pb2.RateLimitRequest.FromString(rls_pb.settle_payload(descriptors))
 
 
 async def levels(server: RateLimitProcess, tenant: str) -> list[float]:

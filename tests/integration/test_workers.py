@@ -25,7 +25,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.h2_extproc_load import body, headers
-from sidecar_runtime.procs import Child, _wait_until, free_port, sidecar_command, start, wait_http_ok
+from sidecar_runtime.process.procs import Child, _wait_until, free_port, sidecar_command, start, wait_http_ok
 from tests.harness.redis_servers import RedisServer
 
 MAX_CONNECTIONS = 200

@@ -15,8 +15,8 @@ from extproc.picker.metrics import EndpointMetrics
 from extproc.telemetry.envoy_drift import EnvoyDrift
 from extproc.telemetry.metrics import ExtprocMetrics
 from ratelimit.metrics import RateLimitMetrics
-from sidecar_runtime.key_audit import audit_key_id_secret
-from sidecar_runtime.redis_audit import audit_redis
+from sidecar_runtime.process.key_audit import audit_key_id_secret
+from sidecar_runtime.redis.audit import audit_redis
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OBS = ROOT / "deploy" / "observability"

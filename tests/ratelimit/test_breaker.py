@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from sidecar_runtime.breaker import Breaker, BreakerState
+from sidecar_runtime.redis.breaker import Breaker, BreakerState
 
 
 def state_of(breaker: Breaker) -> BreakerState:

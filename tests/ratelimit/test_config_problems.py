@@ -12,7 +12,7 @@ import pytest
 from ratelimit.errors import ConfigError
 from ratelimit.loader import load_path
 from routing.loader import load_config
-from sidecar_runtime.reload import Reloader
+from sidecar_runtime.process.reload import Reloader
 
 UNITS = " (expected second, minute, hour, day, week, month, year, or a window like 5m)"
 LIMIT_KEYS = "unit, requests_per_unit, unlimited, name, replaces, burst, unit_multiplier, debt, concurrent"

@@ -10,7 +10,7 @@ import pytest
 from ratelimit.errors import ConfigError
 from ratelimit.loader import load_path
 from ratelimit.main import add_arguments, default_address, run
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process.settings import Settings
 
 ROUTING = """version: 1
 services: {extproc: 127.0.0.1:50051, ratelimit: 0.0.0.0:50099}

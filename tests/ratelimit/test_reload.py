@@ -10,8 +10,8 @@ from pathlib import Path
 from ratelimit.descriptors import RateLimitConfig
 from ratelimit.loader import load_path
 from ratelimit.service import rate_limit_process
-from sidecar_runtime.reload import Reloader
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process.reload import Reloader
+from sidecar_runtime.process.settings import Settings
 from tests.harness.waits import until
 
 TEMPLATE = """

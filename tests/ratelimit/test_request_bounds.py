@@ -25,18 +25,18 @@ from ratelimit.request_bounds import (
     check,
 )
 from ratelimit.request_bytes import Unparsable, request_from_bytes
-from ratelimit.wire import request_from_proto
-from sidecar_runtime import protowire
+from ratelimit.rls_pb import request_from_proto
+from sidecar_runtime.wire import pb_write
 
-DOMAIN = protowire.string(1, "llm-sidecar")
+DOMAIN = pb_write.string(1, "llm-sidecar")
 
 
 def entry(key: str = "k", value: str = "v") -> bytes:
-    return protowire.field(1, protowire.string(1, key) + protowire.string(2, value))
+    return pb_write.field(1, pb_write.string(1, key) + pb_write.string(2, value))
 
 
 def descriptor(*entries: bytes) -> bytes:
-    return protowire.field(2, b"".join(entries))
+    return pb_write.field(2, b"".join(entries))
 
 
 def request_of(size: int) -> bytes:
@@ -76,7 +76,7 @@ BOUNDS: dict[str, tuple[Callable[[int], bytes], int, str]] = {
                                "descriptor 1 exceeds the bound of 64 entries per descriptor"),
     "entries per request": (entries_in_all, MAX_ENTRIES,
                             "the request exceeds the bound of 8,192 entries per request"),
-    "domain bytes": (lambda n: protowire.string(1, text(n)) + descriptor(entry()),
+    "domain bytes": (lambda n: pb_write.string(1, text(n)) + descriptor(entry()),
                      MAX_TEXT_BYTES, "the domain exceeds the bound of 1,024 bytes"),
     "key bytes": (lambda n: DOMAIN + descriptor(entry(), entry(text(n), "v")), MAX_TEXT_BYTES,
                   "an entry key of descriptor 1 exceeds the bound of 1,024 bytes"),
@@ -127,9 +127,9 @@ def test_fields_a_client_may_add_or_repeat_are_bounded_too() -> None:
     assert request_from_bytes(at) == upb_reading(at)
     message = "the request exceeds the bound of 32,768 protobuf fields per request"
     for past in (UNKNOWN * (MAX_FIELDS + 1),
-                 protowire.field(1, b"") * (MAX_FIELDS + 1),  # the domain, again and again
+                 pb_write.field(1, b"") * (MAX_FIELDS + 1),  # the domain, again and again
                  descriptor(b"\x1a\x00" * MAX_FIELDS),  # a descriptor's hits_addend, merged
-                 descriptor(protowire.field(1, b"\x0a\x00" * MAX_FIELDS)),  # an entry's key
+                 descriptor(pb_write.field(1, b"\x0a\x00" * MAX_FIELDS)),  # an entry's key
                  b"\x0b" + b"\x08\x00" * MAX_FIELDS + b"\x0c"):  # inside a group
         with pytest.raises(OutOfBounds) as read:
             request_from_bytes(past)
@@ -138,7 +138,7 @@ def test_fields_a_client_may_add_or_repeat_are_bounded_too() -> None:
 
 HIDDEN: dict[str, tuple[bytes, str]] = {
     "entries under non-minimal tags": (
-        DOMAIN + protowire.field(2, b"\x8a\x80\x00\x00" * (MAX_ENTRIES_PER_DESCRIPTOR + 1)),
+        DOMAIN + pb_write.field(2, b"\x8a\x80\x00\x00" * (MAX_ENTRIES_PER_DESCRIPTOR + 1)),
         "descriptor 1 exceeds the bound of 64 entries per descriptor"),
     "descriptors under non-minimal tags": (
         DOMAIN + b"\x92\x00\x00" * (MAX_DESCRIPTORS + 1),
@@ -147,13 +147,13 @@ HIDDEN: dict[str, tuple[bytes, str]] = {
         b"\x0b\x13\x12\x00\x14\x0c" + b"\x12\x00" * (MAX_DESCRIPTORS + 1),
         "the request exceeds the bound of 1,024 descriptors per request"),
     "a long value after an unknown field in its entry": (
-        descriptor(protowire.field(1, b"\x18\x01" + protowire.field(2, b"v" * 1025))),
+        descriptor(pb_write.field(1, b"\x18\x01" + pb_write.field(2, b"v" * 1025))),
         "an entry value of descriptor 1 exceeds the bound of 1,024 bytes"),
     "a long key repeated after a short one": (
-        descriptor(protowire.field(1, protowire.field(1, b"k") + protowire.field(1, b"k" * 1025))),
+        descriptor(pb_write.field(1, pb_write.field(1, b"k") + pb_write.field(1, b"k" * 1025))),
         "an entry key of descriptor 1 exceeds the bound of 1,024 bytes"),
     "a long domain before a short one": (
-        protowire.field(1, b"d" * 1025) + DOMAIN,
+        pb_write.field(1, b"d" * 1025) + DOMAIN,
         "the domain exceeds the bound of 1,024 bytes"),
 }
 

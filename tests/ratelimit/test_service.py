@@ -17,9 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ratelimit.descriptors import Limit
 from ratelimit.limiter import DescriptorOutcome, Limiter, LimitOutcome, LimitRequest
 from ratelimit.service import RateLimitProcess, RateLimitServicer, rate_limit_process
-from sidecar_runtime import protowire
 from sidecar_runtime.h2grpc import Context
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process.settings import Settings
+from sidecar_runtime.wire import pb_write
 
 CONFIG = """
 domain: llm
@@ -208,7 +208,7 @@ async def test_a_descriptor_of_millions_of_empty_entries_is_refused_as_invalid(
         request_serializer=None,
         response_deserializer=None,
     )
-    hostile = protowire.string(1, "llm") + protowire.field(2, b"\x0a\x00" * entries)
+    hostile = pb_write.string(1, "llm") + pb_write.field(2, b"\x0a\x00" * entries)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await raw(hostile, timeout=5)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,6 +1,6 @@
 """envoy/, deploy/, docker-compose.yml and the JSON Schema are what the example config renders.
 
-When one fails: run ``python -m routing.artifacts`` and commit what it rewrote.
+When one fails: run ``python -m routing.render.artifacts`` and commit what it rewrote.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 import yaml
 
-from routing.artifacts import COMMAND, ROOT, artifacts, stale
 from routing.jsonschema import json_schema
 from routing.loader import load_config
-from sidecar_runtime.procs import sidecar_command
+from routing.render.artifacts import COMMAND, ROOT, artifacts, stale
+from sidecar_runtime.process.procs import sidecar_command
 from tests.routing.test_render import validate
 
 REPO = pathlib.Path(ROOT)

@@ -14,7 +14,7 @@ import pytest
 
 from routing.errors import ConfigError
 from routing.loader import check_config, load_config
-from sidecar_runtime.procs import sidecar_command
+from sidecar_runtime.process.procs import sidecar_command
 
 GOOD = """\
 version: 1

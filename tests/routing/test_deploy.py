@@ -24,8 +24,8 @@ import pytest
 import yaml
 from kubernetes_validate import ValidationError, latest_version, validate
 
-from routing.artifacts import ROOT
 from routing.loader import load_config
+from routing.render.artifacts import ROOT
 from routing.units import parse_hostport
 from tests.harness.ci import DEPLOY_TOOLS_ENV, unavailable
 

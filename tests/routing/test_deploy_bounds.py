@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from routing.render_deploy import REDIS_BUCKETS, REDIS_CACHE
+from routing.render.deploy import REDIS_BUCKETS, REDIS_CACHE
 from tests.routing.test_deploy import REPO, by_kind, compose, manifests
 
 EXTPROC, RATELIMIT, GATEWAY = "llm-sidecar-extproc", "llm-sidecar-ratelimit", "llm-gateway"

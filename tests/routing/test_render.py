@@ -14,8 +14,8 @@ from llm_sidecar.up import example_config_path, missing_upstream_keys
 from routing.loader import load_config
 from routing.render import write_all
 from routing.schema import RoutingConfig
-from sidecar_runtime.procs import envoy_binary
-from sidecar_runtime.wire_names import CLIENT_CREDENTIALS
+from sidecar_runtime.process.procs import envoy_binary
+from sidecar_runtime.wire.names import CLIENT_CREDENTIALS
 from tests.harness import istio_patch
 from tests.harness.ci import unavailable
 from tests.harness.gateway import default_doc
@@ -204,7 +204,7 @@ def test_up_refuses_to_start_a_pool_whose_key_is_not_set(tmp_path: pathlib.Path)
 
 def fingerprint_of(doc: dict[str, Any]) -> str:
     from routing.loader import validate
-    from routing.render_envoy import bootstrap_fingerprint
+    from routing.render.envoy import bootstrap_fingerprint
     from routing.yamlsrc import Located
     return bootstrap_fingerprint(validate(Located("t.yaml", doc, {})))
 
@@ -214,7 +214,7 @@ def test_every_request_tells_extproc_which_bootstrap_its_envoy_runs() -> None:
     reloads live: extproc compares it with its own config's
     (README: Checking, editor support and live reload)."""
     from routing.loader import validate
-    from routing.render_envoy import bootstrap
+    from routing.render.envoy import bootstrap
     from routing.yamlsrc import Located
     doc = default_doc()
     doc["rate_limits"] = {"tenant": {"default": {"requests": "5/s"}}}

@@ -10,8 +10,8 @@ import yaml
 
 from routing.loader import load_config
 from routing.render import write_all
-from routing.render_bounds import http2_options, overload_manager, stream_window
-from routing.render_envoy import bootstrap
+from routing.render.bounds import http2_options, overload_manager, stream_window
+from routing.render.envoy import bootstrap
 from routing.schema import EnvoySection
 from tests.harness.gateway import default_doc
 from tests.routing.test_render import hcm_of, validate

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import yaml
 
-from routing.render_clusters import EXTPROC_CLUSTER, HTTP_OPTIONS, RATELIMIT_CLUSTER
+from routing.render.clusters import EXTPROC_CLUSTER, HTTP_OPTIONS, RATELIMIT_CLUSTER
 from routing.units import parse_duration
 from sidecar_runtime.h2grpc.limits import Limits
-from sidecar_runtime.wire_names import GRPC_MAX_CONCURRENT_STREAMS
+from sidecar_runtime.wire.names import GRPC_MAX_CONCURRENT_STREAMS
 from tests.harness.gateway import default_doc
 from tests.routing.test_render import render_doc, validate
 

@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from routing.loader import validate as validate_config
-from routing.render_envoy import http_connection_manager
-from routing.render_istio import envoy_filter
+from routing.render.envoy import http_connection_manager
+from routing.render.istio import envoy_filter
 from routing.schema import RoutingConfig
 from routing.yamlsrc import Located
-from sidecar_runtime.wire_names import ENVOY_USAGE_HEADER
+from sidecar_runtime.wire.names import ENVOY_USAGE_HEADER
 from tests.harness import istio_patch
 from tests.harness.gateway import default_doc
 from tests.routing.test_render import validate

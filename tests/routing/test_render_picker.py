@@ -14,13 +14,13 @@ from typing import Any
 import yaml
 
 from routing.loader import validate as validate_config
-from routing.render_clusters import override_host_policy
-from routing.render_deploy import EXTPROC, GATEWAY, kubernetes
-from routing.render_envoy import bootstrap
-from routing.render_istio import envoy_filter
+from routing.render.clusters import override_host_policy
+from routing.render.deploy import EXTPROC, GATEWAY, kubernetes
+from routing.render.envoy import bootstrap
+from routing.render.istio import envoy_filter
 from routing.schema import RoutingConfig
 from routing.yamlsrc import Located
-from sidecar_runtime.procs import envoy_binary
+from sidecar_runtime.process.procs import envoy_binary
 from tests.harness import istio_patch
 from tests.harness.gateway import default_doc
 from tests.routing.test_render import hcm_of, validate

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sidecar_runtime.deadlines import Deadlines
+from sidecar_runtime.process.deadlines import Deadlines
 
 Outcome = str
 Runner = Callable[[Callable[[], Awaitable[int]], float], Coroutine[Any, Any, int]]

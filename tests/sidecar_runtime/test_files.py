@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from sidecar_runtime.files import replace_file
+from sidecar_runtime.process.files import replace_file
 
 
 def test_a_file_is_replaced_whole_and_no_scratch_is_left(tmp_path: pathlib.Path) -> None:

@@ -13,9 +13,9 @@ import struct
 import pytest
 import structlog
 
-from sidecar_runtime.grpc_listen import add_port, listening
 from sidecar_runtime.h2grpc import Server
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process.grpc_listen import add_port, listening
+from sidecar_runtime.process.settings import Settings
 from tests.chaos.support import wait_until
 
 

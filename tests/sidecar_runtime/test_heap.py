@@ -10,7 +10,7 @@ import textwrap
 # In a child: the test process's own collector must stay as pytest set it.
 CHILD = textwrap.dedent("""
     import gc, weakref
-    from sidecar_runtime.heap import YOUNG_THRESHOLD, settle_heap
+    from sidecar_runtime.process.heap import YOUNG_THRESHOLD, settle_heap
 
     class Node:
         pass

@@ -20,7 +20,7 @@ import structlog
 from extproc.records import RequestRecord
 from extproc.telemetry.events import NULL_TELEMETRY
 from extproc.telemetry.request_log import LoggedTelemetry
-from sidecar_runtime import logs
+from sidecar_runtime.process import logs
 
 
 @pytest.fixture

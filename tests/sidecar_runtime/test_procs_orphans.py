@@ -1,4 +1,4 @@
-"""A child started with :func:`sidecar_runtime.procs.start` dies with its parent, even when the
+"""A child started with :func:`sidecar_runtime.process.procs.start` dies with its parent, even when the
 parent is killed outright (SIGKILL: no handler runs), so ``up``, the ``--workers`` supervisor
 and the tests leave no orphans behind."""
 
@@ -13,7 +13,7 @@ from tests.harness.waits import wait_for
 
 PARENT = """
 import sys, time
-from sidecar_runtime.procs import start
+from sidecar_runtime.process.procs import start
 child = start("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"])
 print(child.process.pid, flush=True)
 time.sleep(120)

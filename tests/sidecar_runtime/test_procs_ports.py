@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar_runtime.procs import ephemeral_range, free_port
+from sidecar_runtime.process.procs import ephemeral_range, free_port
 
 
 def test_ports_are_outside_the_ephemeral_range_and_never_repeat() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar_runtime.redis_client import make_client
-from sidecar_runtime.redis_url import UNPARSED, RedisUrlError, check_url
+from sidecar_runtime.redis.client import make_client
+from sidecar_runtime.redis.url import UNPARSED, RedisUrlError, check_url
 
 PARTS = ("zq9K", "wv7X", "jj3Q")
 """Pieces of a password with the URL's own delimiters in it (``zq9K/wv7X?jj3Q``)."""

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 from routing.compiled import Snapshot, compile_config
 from routing.errors import ConfigError
 from routing.loader import load_config
-from sidecar_runtime.reload import Reloader
-from sidecar_runtime.reload_metrics import ReloadMetrics
+from sidecar_runtime.process.reload import Reloader
+from sidecar_runtime.process.reload_metrics import ReloadMetrics
 from tests.harness.waits import until
 from tests.routing.test_check import GOOD
 

@@ -6,8 +6,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from sidecar_runtime.key_audit import audit_key_id_secret
-from sidecar_runtime.settings import DEFAULT_KEY_ID_SECRET, redis_url_for_logs
+from sidecar_runtime.process.key_audit import audit_key_id_secret
+from sidecar_runtime.process.settings import DEFAULT_KEY_ID_SECRET, redis_url_for_logs
 
 SECRET = "S3cr3t"
 

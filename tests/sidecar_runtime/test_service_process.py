@@ -16,11 +16,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from sidecar_runtime import service_process
 from sidecar_runtime.h2grpc import Context, Server
-from sidecar_runtime.reload import Reloader
-from sidecar_runtime.service_process import Listen, ServiceCommand, ServiceProcess, run_service
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process import service_process
+from sidecar_runtime.process.reload import Reloader
+from sidecar_runtime.process.service_process import Listen, ServiceCommand, ServiceProcess, run_service
+from sidecar_runtime.process.settings import Settings
 from tests.harness.waits import until
 
 SERVICE = "test.Fake"
@@ -260,7 +260,7 @@ def test_run_service_exit_codes(case: str, cmd: dict[str, Any], flags: dict[str,
 
 async def test_the_heap_is_settled_once_the_service_serves(config: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CLI path freezes the heap after start-up (sidecar_runtime.heap), not before the
+    """The CLI path freezes the heap after start-up (sidecar_runtime.process.heap), not before the
     service serves, and not for a start that failed."""
     stops: list[asyncio.Event] = []
     seen: list[str] = []

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_sidecar.cli import _dispatch, _parser
-from sidecar_runtime.metrics_merge import Scrape, exposition, merge
-from sidecar_runtime.settings import Settings
-from sidecar_runtime.workers import Supervisor, port_in_use, workers_problem
+from sidecar_runtime.process.metrics_merge import Scrape, exposition, merge
+from sidecar_runtime.process.settings import Settings
+from sidecar_runtime.process.workers import Supervisor, port_in_use, workers_problem
 
 
 def main(argv: list[str]) -> int:
@@ -215,7 +215,7 @@ async def test_a_restart_whose_fork_fails_is_tried_again(monkeypatch: pytest.Mon
             raise BlockingIOError(11, "Resource temporarily unavailable")
     monkeypatch.setattr(supervisor, "_spawn", spawn)
     monkeypatch.setattr(supervisor, "_wait_ready", _ready)
-    monkeypatch.setattr("sidecar_runtime.workers.RESTART_BACKOFF_S", (0.01, 0.01))
+    monkeypatch.setattr("sidecar_runtime.process.workers.RESTART_BACKOFF_S", (0.01, 0.01))
     await supervisor._restart(worker)
     assert len(attempts) == 2
     shutil.rmtree(supervisor._dir)

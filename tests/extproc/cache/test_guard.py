@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from extproc.actions import CacheWrite
-from extproc.cache.guard import VectorCache
 from extproc.cache.metrics import CacheMetrics
+from extproc.cache.shielded import VectorCache
 from extproc.cache.store import MemoryVectorStore
 from extproc.errors import BackendError, NodeDown
-from sidecar_runtime.breaker import BreakerState
+from sidecar_runtime.redis.breaker import BreakerState
 
 
 class Clock:

@@ -8,7 +8,7 @@ from structlog.testing import capture_logs
 
 from extproc.stream import StreamState
 from extproc.telemetry.envoy_drift import STALE_WINDOW_S, EnvoyDrift
-from sidecar_runtime.wire_names import BOOTSTRAP_HEADER
+from sidecar_runtime.wire.names import BOOTSTRAP_HEADER
 from tests.extproc.helpers import snapshot
 
 

@@ -20,7 +20,7 @@ from ratelimit.service import RateLimitService, RateLimitServicer
 from sidecar_runtime.h2grpc import Server, tls_context
 from sidecar_runtime.h2grpc.client import Channel, tls_client_context
 from sidecar_runtime.h2grpc.status import RpcError, StatusCode
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process.settings import Settings
 from tests.harness.tls import TlsFiles, make_tls_files
 from tests.harness.waits import until
 from tests.sidecar_runtime.h2grpc.servicers import (

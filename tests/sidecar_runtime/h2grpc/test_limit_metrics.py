@@ -10,8 +10,8 @@ from hyperframe.frame import PingFrame
 from prometheus_client import CollectorRegistry
 
 from sidecar_runtime.h2grpc import frames as f
-from sidecar_runtime.service_process import grpc_server
-from sidecar_runtime.settings import Settings
+from sidecar_runtime.process.service_process import grpc_server
+from sidecar_runtime.process.settings import Settings
 from tests.harness.waits import until
 from tests.sidecar_runtime.h2grpc.clients import FrameClient, goaway
 
