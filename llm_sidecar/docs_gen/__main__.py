@@ -1,0 +1,5 @@
+"""``python -m llm_sidecar.docs_gen [--check]``."""
+
+from llm_sidecar.docs_gen import main
+
+raise SystemExit(main())
