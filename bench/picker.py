@@ -1,6 +1,7 @@
 """``python -m bench.picker``: the CPU cost of one endpoint pick (issue 15: <= 100 us for 64 pods).
 
-One pool of 64 pods with fresh, varied metrics; 8 KB prompts, each one of 32 shared 2 KB system
+One pool of 64 pods with fresh, varied metrics (and four paces); 8 KB prompts asking for 32 to
+256 tokens, each one of 32 shared 2 KB system
 prompts followed by 6 KB of its own text, a quarter of them repeated (a conversation's next
 turn), so the prefix index both matches and records; every pick is ended with ``done``, and the
 pods are re-scraped every 100 picks as the scraper would. The figure is CPU time per
@@ -18,6 +19,7 @@ import time
 from collections import Counter
 
 from extproc.picker.pick import EndpointPicker
+from extproc.picker.scoring import Work
 from extproc.picker.state import PodMetrics
 from routing.schema import RoutingConfig
 
@@ -44,9 +46,13 @@ def _prompts(rng: random.Random, count: int) -> list[bytes]:
 
 def _scrape(picker: EndpointPicker, rng: random.Random, now: float) -> None:
     pool = picker.pools["pool"]
-    for address in pool.pods:
+    for i, address in enumerate(pool.pods):
+        # Token counters that grow, so each pod's pace is measured (pods of 4 speeds).
+        tokens = 1000.0 * (now * 10 + 1)
         pool.record_scrape(address, PodMetrics(waiting=rng.randint(0, 8), running=rng.randint(0, 64),
-                                               kv_usage=rng.random() * 0.9), now)
+                                               kv_usage=rng.random() * 0.9,
+                                               token_gap_sum=tokens * 0.01 * (1 + i % 4),
+                                               token_gap_count=tokens), now)
 
 
 class _Clock:
@@ -60,6 +66,7 @@ class _Clock:
 def run(picks: int, rounds: int, pods: int) -> tuple[list[float], Counter[str]]:
     rng = random.Random(15)
     prompts = _prompts(rng, picks)
+    works = [Work(len(prompt) // 4, rng.randint(32, 256)) for prompt in prompts]
     per_pick: list[float] = []
     reasons: Counter[str] = Counter()
     for _ in range(rounds):
@@ -67,12 +74,12 @@ def run(picks: int, rounds: int, pods: int) -> tuple[list[float], Counter[str]]:
         picker = EndpointPicker(_config(pods), clock=clock, rng=random.Random(1))
         _scrape(picker, rng, clock.now)
         elapsed = 0.0
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, work) in enumerate(zip(prompts, works, strict=True)):
             if i % 100 == 0:
                 clock.now += 0.1
                 _scrape(picker, rng, clock.now)
             start = time.process_time()
-            pick = picker.pick("pool", prompt, "medium")
+            pick = picker.pick("pool", prompt, "medium", work=work)
             assert pick is not None and pick.endpoint is not None
             picker.done("pool", pick.endpoint)
             elapsed += time.process_time() - start

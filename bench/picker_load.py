@@ -30,9 +30,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -69,7 +70,19 @@ class Pool:
     speeds: tuple[float, ...] = (2.0, 1.0, 1.0, 0.5)
     prefill_ms_per_token: float = 0.5
     decode_ms_per_token: float = 10.0
-    kv_cache_tokens: int = 8192
+    kv_cache_tokens: int | None = 8192
+    """None: the simulator's own default (8 x the model length)."""
+    max_num_seqs: int | None = None
+    """None: the simulator's own default (vLLM's 256)."""
+
+    def sim_flags(self) -> list[str]:
+        flags = ["--prefill-ms-per-token", str(self.prefill_ms_per_token),
+                 "--decode-ms-per-token", str(self.decode_ms_per_token)]
+        if self.kv_cache_tokens is not None:
+            flags += ["--kv-cache-tokens", str(self.kv_cache_tokens)]
+        if self.max_num_seqs is not None:
+            flags += ["--max-num-seqs", str(self.max_num_seqs)]
+        return flags
 
 
 @dataclass
@@ -101,10 +114,8 @@ def running_pods(pool: Pool, workdir: str) -> Iterator[list[Pod]]:
             name = f"pod{i}"
             child = start(f"sim {name}", sidecar_command(
                 "sim", "--host", "127.0.0.1", "--port", str(port), "--name", name,
-                "--max-model-len", str(MAX_CONTEXT), "--speed", str(speed),
-                "--prefill-ms-per-token", str(pool.prefill_ms_per_token),
-                "--decode-ms-per-token", str(pool.decode_ms_per_token),
-                "--kv-cache-tokens", str(pool.kv_cache_tokens), "--no-dcgm"),
+                "--max-model-len", str(MAX_CONTEXT), "--speed", str(speed), *pool.sim_flags(),
+                "--no-dcgm"),
                 log_path=os.path.join(workdir, f"sim-{name}.log"))
             pods.append(Pod(name, speed, f"http://127.0.0.1:{port}", child))
         for pod in pods:
@@ -184,7 +195,7 @@ class _Load:
     window_s: float
 
 
-async def drive(url: str, workload: Workload, clients: int, duration_s: float,
+async def drive(url: str, *, workload: Workload, clients: int, duration_s: float,
                 per_client: int | None) -> _Load:
     """Every client sends its script back to back until ``duration_s`` has passed (or it sent
     ``per_client`` requests); the requests running then are finished."""
@@ -235,13 +246,16 @@ async def _sample(pods: list[Pod], load: list[float],
                 await asyncio.wait_for(stop.wait(), 1.0)
 
 
-async def _measured(url: str, pods: list[Pod], workload: Workload, clients: int,
-                    duration_s: float, per_client: int | None, load: list[float],
+Driver = Callable[[str], Coroutine[Any, Any, "_Load"]]
+"""Sends a mode's requests to the chat URL it is given and returns what came back."""
+
+
+async def _measured(url: str, pods: list[Pod], driver: Driver, load: list[float],
                     states: dict[str, list[tuple[int, int, float]]]) -> _Load:
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample(pods, load, states, stop))
     try:
-        return await drive(url, workload, clients, duration_s, per_client)
+        return await driver(url)
     finally:
         stop.set()
         await sampler
@@ -257,8 +271,9 @@ def pick_reasons(gw: Gateway) -> dict[str, float]:
     return reasons
 
 
-def run_mode(mode: str, picker: dict[str, Any] | None, pool: Pool, workload: Workload, clients: int,
-             duration_s: float, per_client: int | None) -> tuple[ModeReport, dict[str, float]]:
+def run_mode(mode: str, picker: dict[str, Any] | None, pool: Pool,
+             driver: Driver) -> tuple[ModeReport, dict[str, float]]:
+    """One mode: fresh pods and gateway, ``driver``'s load through it, what each part did."""
     with ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"picker-load-{mode}-"))
         pods = stack.enter_context(running_pods(pool, work))
@@ -273,8 +288,8 @@ def run_mode(mode: str, picker: dict[str, Any] | None, pool: Pool, workload: Wor
         cpu0 = cpu_seconds(extproc)
         load: list[float] = []
         states: dict[str, list[tuple[int, int, float]]] = {pod.name: [] for pod in pods}
-        done = asyncio.run(_measured(f"{gw.openai_base}/chat/completions", pods, workload,
-                                     clients, duration_s, per_client, load, states))
+        done = asyncio.run(_measured(f"{gw.openai_base}/chat/completions", pods, driver, load,
+                                     states))
         cpu = cpu_seconds(extproc) - cpu0
         after = [pod.counters() for pod in pods]
         deltas = [PodDelta(pod.name, pod.speed, a[0] - b[0], a[1] - b[1], a[2] - b[2],
@@ -318,8 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in order:
         label, picker = modes[key]
         began = time.monotonic()
-        reports[key], reasons = run_mode(label, picker, pool, workload, args.clients, duration,
-                                         args.requests)
+        reports[key], reasons = run_mode(
+            label, picker, pool,
+            partial(drive, workload=workload, clients=args.clients, duration_s=duration,
+                    per_client=args.requests))
         extra = ("; picks by reason: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(reasons.items()))
                  if reasons else "")
         print(f"{label}: {len(reports[key].results)} requests in {time.monotonic() - began:.0f} s"

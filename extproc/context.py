@@ -9,6 +9,7 @@ from typing import Protocol
 from extproc.canary.policy import OPEN_CANARIES, CanaryPolicy
 from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
+from extproc.picker.scoring import NO_WORK, Work
 from extproc.quick_init import quick_init
 from extproc.sampling import ReadFloor
 from routing.compiled import Snapshot
@@ -24,7 +25,7 @@ class EndpointPicking(Protocol):
     """The endpoint picker as a request sees it (:class:`extproc.picker.runtime.PickerRuntime`)."""
 
     def pick(self, cluster: str, prompt: bytes, priority: Priority,
-             salt: str | None = None) -> Pick | None: ...
+             salt: str | None = None, work: Work = NO_WORK) -> Pick | None: ...
     def done(self, cluster: str, address: str) -> None: ...
     def answered(self, cluster: str, address: str, status: int) -> bool: ...
 

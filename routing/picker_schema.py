@@ -23,22 +23,26 @@ def _interval(value: str) -> str:
 class PickerWeights(_Strict):
     """How much each scorer counts; every scorer gives a pod 0 (worst) to 1 (best)."""
 
-    queue: float = Field(default=1.0, ge=0, le=100)
+    latency: float = Field(default=1.0, ge=0, le=100)
+    """The default scorer: when this request would be served on the pod against the pool's
+    best. It estimates the wait for a free sequence slot (the pod's running and waiting
+    requests plus what this replica sent since the last scrape, against the sequences it was
+    seen running at saturation), the prefill its prefix cache would not save, and the request's
+    own tokens at the pod's pace (its inter-token histogram): a slow pod gets the requests it
+    can serve soonest, and a cached prefix counts for what it saves, never more than a queue."""
+    queue: float = Field(default=0.0, ge=0, le=100)
     """Requests waiting on the pod (``vllm:num_requests_waiting``) plus what this replica sent
-    it since the last scrape: fewer is better."""
-    kv_cache: float = Field(default=1.0, ge=0, le=100)
+    it since the last scrape, against ``saturation.queue_depth``: fewer is better."""
+    kv_cache: float = Field(default=0.0, ge=0, le=100)
     """KV-cache use (``vllm:kv_cache_usage_perc``): emptier is better."""
-    in_flight: float = Field(default=0.5, ge=0, le=100)
+    in_flight: float = Field(default=0.0, ge=0, le=100)
     """Requests this extproc replica has open on the pod: fewer is better."""
     speed: float = Field(default=0.0, ge=0, le=100)
-    """How soon a new request would be served on the pod against the pool's best: its time per
-    output token (vLLM's inter-token histogram) times the requests waiting there, relative to
-    the pool's lowest. Above 0 it also scales down the prefix score on a pod over twice the
-    best, so conversations leave a slow or backed-up pod. 0 (the default): the picker ignores
-    speed; 1 measured better tail latency and throughput but a slower median chat TTFT
-    (bench/README.md)."""
-    prefix: float = Field(default=2.0, ge=0, le=100)
-    """Share of the prompt's leading blocks the pod recently served (its prefix cache)."""
+    """The pod's time per output token times the requests waiting there, relative to the pool's
+    lowest. Above 0 it also scales down the `prefix` score on a pod over twice the best."""
+    prefix: float = Field(default=0.0, ge=0, le=100)
+    """Share of the prompt's leading blocks the pod recently served (its prefix cache), times
+    its `queue` score. `latency` already counts what a cached prefix saves."""
     thermal: float = Field(default=1.0, ge=0, le=100)
     """GPU clock throttling (DCGM): a throttled pod scores 0, when a DCGM URL is set."""
 

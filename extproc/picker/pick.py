@@ -18,18 +18,25 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from extproc.picker.prefix import PrefixIndex, block_hashes
-from extproc.picker.scoring import PoolContext, Row, saturated, score_rows
-from extproc.picker.state import Candidate, PoolState
+from extproc.picker.scoring import NO_WORK, PoolContext, Row, Work, saturated, score_rows
+from extproc.picker.state import UNREACHABLE_AFTER, Candidate, PoolState
 from routing.picker_schema import EndpointPickerSpec, PickerWeights, SaturationSpec
 from routing.schema import RoutingConfig
 from routing.units import parse_hostport
 
 Priority = Literal["high", "medium", "low"]
-Reason = Literal["scored", "prefix", "unknown", "no_endpoints", "saturated"]
+Reason = Literal["scored", "prefix", "share", "unknown", "no_endpoints", "saturated"]
 
 FALLBACKS = 2
 """Runners-up named for Envoy's retries: a pod that refuses the connection is retried on the next
 best, never on itself."""
+
+TIE_BAND = 0.05
+"""Totals this close to the best are a tie, broken by fewer requests open from this replica,
+then chance. Between two scrapes every replica (and worker) sees the same metrics: without a
+band they would all send to the one pod that scores best by a hair, and equal pods would be
+taken in turn by whoever sorts first. Within 5% of a scorer's range, the estimates are not
+better than that anyway."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,8 @@ class Pick:
     ``saturated``: shed, answer 503 ``server_overloaded``).
 
     ``reason``: ``scored`` (the scorers' best), ``prefix`` (the winner holds part of the prompt
-    and would not have won without the prefix scorer), ``unknown`` (no pod has fresh metrics:
+    and would not have won without the prefix scorer), ``share`` (a pod with room that had less
+    than its share of the pool's requests: :data:`SHARE_FLOOR`), ``unknown`` (no pod has fresh metrics:
     picked by what this replica sent and has open), ``no_endpoints``, ``saturated``."""
 
     endpoint: str | None
@@ -51,8 +59,47 @@ NO_ENDPOINTS = Pick(None, (), "no_endpoints", False)
 SHED = Pick(None, (), "saturated", True)
 
 
+SHARE_FLOOR = 0.75
+"""While the pool is at least :data:`BUSY_FROM` full, a pod with a free sequence slot whose share
+of this replica's recent picks is below this much of its share of the pool's capacity takes the
+next request shorter than the pool's typical one (its output budget at most the mean, and
+little of its prompt left to prefill there: :data:`SHORT_PROMPT`). Ranking by
+:func:`~extproc.picker.scoring.eta` alone leaves a slow pod idle while the fast ones have a slot
+or two: best for the request at hand, but the pool then queues at a load it has the capacity
+for, and a pod paid for sits idle. Short requests go, because on a slow pod they are the ones
+whose answer is still soon."""
+
+BUSY_FROM = 0.5
+"""The pool's sequences in use, over its capacity, from which :data:`SHARE_FLOOR` applies."""
+
+SHORT_PROMPT = 1.0
+"""A request goes to a pod owed its share only when the prompt tokens that pod would have to
+prefill (what its prefix cache does not hold) are at most this share of the pool's mean prompt:
+on a slow pod a long prefill is a late first token."""
+
+MIN_PICKS_FOR_SHARE = 50
+"""Picks before shares mean anything."""
+
+
+def below_share(loads: Sequence[float], capacities: Sequence[float], paces: Sequence[float],
+                shares: Sequence[float], room: Sequence[bool]) -> list[bool] | None:
+    """Which pods are owed requests (:data:`SHARE_FLOOR`): ``loads[i]`` sequences on pod ``i``
+    (running, waiting and sent since its scrape), ``capacities[i]`` its sequence slots,
+    ``paces[i]`` its seconds per output token, ``shares[i]`` its share of the recent picks,
+    ``room[i]`` whether it can start one more now. None while the pool is less busy than
+    :data:`BUSY_FROM`."""
+    slots = sum(capacities)
+    if slots <= 0.0 or sum(loads) < BUSY_FROM * slots:
+        return None
+    rates = [c / p for c, p in zip(capacities, paces, strict=True)]
+    total = sum(rates)
+    return [free and share < SHARE_FLOOR * rate / total
+            for free, share, rate in zip(room, shares, rates, strict=True)]
+
+
 def choose(candidates: Sequence[Candidate], weights: PickerWeights, saturation: SaturationSpec | None,
-           priority: Priority, rng: random.Random) -> Pick:
+           priority: Priority, rng: random.Random, work: Work = NO_WORK,
+           backlog_tokens: float = 0.0) -> Pick:
     """The best candidate by total score; ties go to fewer ``in_flight``, then chance.
 
     Sheds (``saturated``) only a ``low`` request, only when ``saturation`` is set and every
@@ -62,14 +109,16 @@ def choose(candidates: Sequence[Candidate], weights: PickerWeights, saturation: 
     """
     return choose_reachable([c.address for c in candidates],
                             [(c.metrics, c.sent_since_scrape, c.in_flight, c.prefix_match,
-                              c.tpot_s) for c in candidates],
+                              c.tpot_s, c.capacity, c.load) for c in candidates],
                             [c.unreachable for c in candidates],
-                            weights, saturation, priority, rng)
+                            weights, saturation, priority, rng, work, backlog_tokens)
 
 
 def choose_reachable(addresses: Sequence[str], rows: Sequence[Row], unreachable: Sequence[bool],
                      weights: PickerWeights, saturation: SaturationSpec | None,
-                     priority: Priority, rng: random.Random) -> Pick:
+                     priority: Priority, rng: random.Random, work: Work = NO_WORK,
+                     backlog_tokens: float = 0.0, owed: Sequence[bool] | None = None,
+                     pace: float | None = None) -> Pick:
     """:func:`choose_rows` among the pods not ``unreachable[i]`` (unreachable, or ejected for
     failing their answers: :meth:`PodState.avoided`); those only fill
     the fallbacks the reachable ones leave free (best first), so Envoy tries them last. Envoy
@@ -80,39 +129,51 @@ def choose_reachable(addresses: Sequence[str], rows: Sequence[Row], unreachable:
     the one cut off, and Envoy's own fallback still balances by health.
     """
     if not any(unreachable) or all(unreachable):
-        return choose_rows(addresses, rows, weights, saturation, priority, rng)
+        return choose_rows(addresses, rows, weights, saturation, priority, rng, work,
+                           backlog_tokens, owed, pace)
     up = [i for i, down in enumerate(unreachable) if not down]
     result = choose_rows([addresses[i] for i in up], [rows[i] for i in up], weights, saturation,
-                         priority, rng)
+                         priority, rng, work, backlog_tokens, None, pace)
     if result.endpoint is None or len(result.fallbacks) >= FALLBACKS:
         return result
     down = [i for i, dead in enumerate(unreachable) if dead]
     last = choose_rows([addresses[i] for i in down], [rows[i] for i in down], weights, None,
-                       "high", rng)
+                       "high", rng, work, backlog_tokens, None, pace)
     extra = tuple(a for a in (last.endpoint, *last.fallbacks) if a is not None)
     return replace(result, fallbacks=result.fallbacks + extra[:FALLBACKS - len(result.fallbacks)])
 
 
 def choose_rows(addresses: Sequence[str], rows: Sequence[Row], weights: PickerWeights,
-                saturation: SaturationSpec | None, priority: Priority, rng: random.Random) -> Pick:
+                saturation: SaturationSpec | None, priority: Priority, rng: random.Random,
+                work: Work = NO_WORK, backlog_tokens: float = 0.0,
+                owed: Sequence[bool] | None = None, pace: float | None = None) -> Pick:
     """:func:`choose` on candidates given as ``addresses[i]`` and ``rows[i]`` (see
     :data:`~extproc.picker.scoring.Row`): what :meth:`EndpointPicker.pick` calls, without a
     :class:`Candidate` per pod."""
     if not rows:
         return NO_ENDPOINTS
     # The pool's best cost only when speed counts: weighted 0, it leaves the headroom alone too.
-    ctx = PoolContext.of(saturation, rows if weights.speed > 0.0 else ())
+    ctx = PoolContext.of(saturation, rows, speed=weights.speed > 0.0,
+                         latency=weights.latency > 0.0, work=work, backlog_tokens=backlog_tokens,
+                         pace=pace)
     if (priority == "low" and saturation is not None
             and all(row[0] is not None and saturated(row[0], ctx) for row in rows)):
         return SHED
     # (total, -in_flight, chance, total without prefix, index): tuples compare in that order, so
-    # the best is the highest total, then the fewest open, then chance (exact ties are common:
-    # equal pods score exactly alike). The index is unique, so comparison never gets past it.
+    # the best is the highest total (those within TIE_BAND of the best count as it), then the
+    # fewest open, then chance. The index is unique, so comparison never gets past it.
     totals, bases = score_rows(rows, weights, ctx)
+    tie = max(totals) - TIE_BAND
     chance = rng.random
-    ranked = list(zip(totals, [-row[2] for row in rows], [chance() for _ in rows], bases,
-                      range(len(rows)), strict=True))
+    ranked = list(zip([t if t < tie else tie for t in totals], [-row[2] for row in rows],
+                      [chance() for _ in rows], bases, range(len(rows)), strict=True))
     top = heapq.nlargest(1 + FALLBACKS, ranked)
+    if owed is not None and any(owed):
+        # The best pod that is owed requests goes first; the best of the rest back it up.
+        first = max(entry for entry in ranked if owed[entry[4]])
+        rest = [entry for entry in top if entry is not first]
+        return Pick(addresses[first[4]],
+                    tuple(addresses[entry[4]] for entry in rest[:FALLBACKS]), "share")
     winner = top[0]
     endpoint = addresses[winner[4]]
     fallbacks = tuple(addresses[entry[4]] for entry in top[1:])
@@ -206,12 +267,13 @@ class EndpointPicker:
         return keep
 
     def pick(self, cluster: str, prompt: bytes, priority: Priority,
-             salt: str | None = None) -> Pick | None:
+             salt: str | None = None, work: Work = NO_WORK) -> Pick | None:
         """The pod for one request of ``cluster`` (None: the cluster has no picker). A named pod
         is counted as sent (and open until :meth:`done`) and remembered for the prompt's prefix.
         ``prompt`` is the text the model will see first to last (what vLLM's prefix cache keys
         on), not the JSON body, whose leading fields differ between identical prompts; ``salt``
-        its ``cache_salt`` (a prefix is matched only among prompts of the same salt)."""
+        its ``cache_salt`` (a prefix is matched only among prompts of the same salt); ``work``
+        its prompt and output tokens (what `latency` estimates with)."""
         pool = self.pools.get(cluster)
         if pool is None:
             return None
@@ -220,17 +282,73 @@ class EndpointPicker:
         blocks = block_hashes(prompt, salt=salt)
         matches = self.index.match(cluster, blocks) if blocks else {}
         addresses = list(pool.pods)
-        rows: list[Row] = [(pool.fresh(pod, now), pod.sent_since_scrape, pod.in_flight,
-                            matches.get(address, 0.0), pod.tpot_s)
-                           for address, pod in pool.pods.items()]
-        avoided = [pod.avoided(now) for pod in pool.pods.values()]
+        rows: list[Row] = []
+        avoided: list[bool] = []
+        # PoolState.fresh, PodState.load and PodState.avoided inlined: this runs over every pod.
+        stale = now - pool.stale_s
+        for address, pod in pool.pods.items():
+            scraped, metrics = pod.scraped_at, pod.metrics
+            load = None
+            if scraped is None or scraped < stale or metrics is None:
+                metrics = None
+            else:
+                others = metrics.running + metrics.waiting - pod.open_at_scrape
+                load = (others if others > 0.0 else 0.0) + pod.in_flight
+            rows.append((metrics, pod.sent_since_scrape, pod.in_flight, matches.get(address, 0.0),
+                         pod.tpot_s, pod.capacity_estimate, load))
+            avoided.append(pod.connect_failures >= UNREACHABLE_AFTER or now < pod.ejected_until)
+        if work.prompt_tokens <= 0:  # what extproc's estimate counts: 4 bytes a token
+            work = Work(len(prompt) // 4, work.output_tokens)
+        owed = None
+        if (spec.weights.latency > 0.0 and 0 < work.output_tokens <= pool.backlog_tokens
+                and pool.picks >= MIN_PICKS_FOR_SHARE and not any(avoided)):
+            owed = self._owed(pool, rows, spec.saturation)
+            if owed is not None:  # and only where its prompt is mostly cached, or short
+                light = SHORT_PROMPT * pool.prompt_mean
+                owed = [o and (1.0 - min(1.0, row[3])) * work.prompt_tokens <= light
+                        for o, row in zip(owed, rows, strict=True)]
+        if work.output_tokens > 0:
+            pool.note_output(work.output_tokens)
+        pool.note_prompt(work.prompt_tokens)
         result = choose_reachable(addresses, rows, avoided, spec.weights, spec.saturation,
-                                  priority, self._rng)
+                                  priority, self._rng, work, pool.backlog_tokens, owed,
+                                  pool.medians()[0] or 1.0)
         if result.endpoint is not None:
             if blocks:
                 self.index.record(cluster, blocks, result.endpoint)
             pool.sent(result.endpoint)
         return result
+
+    @staticmethod
+    def _owed(pool: PoolState, rows: Sequence[Row],
+              saturation: SaturationSpec | None) -> list[bool] | None:
+        """:func:`below_share` of the pool's pods; None unless every pod has fresh metrics and
+        some pod's pace and capacity were measured. A pod idle so far has neither: it is taken
+        to be like the pool's median pod, the pods of one pool being alike until seen not to
+        be."""
+        kv_full = (saturation or SaturationSpec()).kv_cache
+        pace, slots = pool.medians()
+        if pace is None or slots is None:
+            return None
+        loads: list[float] = []
+        capacities: list[float] = []
+        paces: list[float] = []
+        room: list[bool] = []
+        shares: list[float] = []
+        window = len(pool.window)
+        for (metrics, _, _, _, tpot, _, load), pod in zip(rows, pool.pods.values(), strict=True):
+            if metrics is None or load is None:
+                return None
+            capacity = pod.capacity
+            if capacity is None:
+                capacity = slots if slots > pod.max_running else pod.max_running
+            used = metrics.kv_usage
+            loads.append(load)
+            capacities.append(capacity)
+            paces.append(tpot if tpot is not None and tpot > 0.0 else pace)
+            room.append(load < capacity and (used is None or used < kv_full))
+            shares.append(pod.recent / window)
+        return below_share(loads, capacities, paces, shares, room)
 
     def done(self, cluster: str, address: str) -> None:
         """A request :meth:`pick` sent to ``address`` ended (answered, failed or aborted)."""

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.picker.metrics import EndpointMetrics
 from extproc.picker.pick import EndpointPicker, Pick, Priority
+from extproc.picker.scoring import NO_WORK, Work
 from extproc.picker.scrape import Scraper
 from routing.schema import RoutingConfig
 from sidecar_runtime.process.logs import get_logger
@@ -29,8 +30,8 @@ class PickerRuntime:
         self.metrics = EndpointMetrics(registry, self.picker.pools, loop_time)
 
     def pick(self, cluster: str, prompt: bytes, priority: Priority,
-             salt: str | None = None) -> Pick | None:
-        pick = self.picker.pick(cluster, prompt, priority, salt)
+             salt: str | None = None, work: Work = NO_WORK) -> Pick | None:
+        pick = self.picker.pick(cluster, prompt, priority, salt, work)
         if pick is not None:
             if pick.endpoint is not None:
                 self.metrics.picked(cluster, pick.endpoint, pick.reason)

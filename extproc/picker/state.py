@@ -19,6 +19,7 @@ it the most traffic. At most :data:`MAX_EJECTED_SHARE` of a pool's pods are out 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 TPOT_ALPHA = 0.2
@@ -41,6 +42,15 @@ EJECT_MAX_S = 300.0
 MAX_EJECTED_SHARE = 0.5
 """Most of a pool's pods ejected at once (at least one): requests that make every pod fail
 (a bad model, or a client that found a prompt vLLM answers 500) cannot empty the pool."""
+
+CAPACITY_GUESS = 16.0
+"""Sequences a pod never seen with requests waiting is taken to run at once (or what it was seen
+running, if more). vLLM's own default is 256, but until a pod has been seen full nothing says
+its KV cache holds that many; underestimating costs a request sent to a pod as good, while
+overestimating sends a burst to one pod."""
+
+SHARE_WINDOW = 200
+"""The last picks of a pool each pod's share of them is counted over."""
 
 UNREACHABLE_AFTER = 2
 """Connection failures in a row that make a pod unreachable: one can be a blip (a pod
@@ -96,6 +106,11 @@ class Candidate:
     """The scraper could not connect to it lately (:attr:`PodState.unreachable`)."""
     tpot_s: float | None = None
     """The pod's smoothed seconds per output token (:attr:`PodState.tpot_s`); None: unknown."""
+    capacity: float | None = None
+    """Sequences the pod runs at once (:attr:`PodState.capacity`); None: never seen full."""
+    load: float | None = None
+    """Sequences on the pod now (:meth:`PodState.load`); None: its metrics plus what this
+    replica sent since."""
 
 
 @dataclass
@@ -119,6 +134,18 @@ class PodState:
     """Seconds per output token, an EWMA (:data:`TPOT_ALPHA`) of the mean between good scrapes
     that saw new tokens; None until one has. Kept while the pod idles (its speed is still
     its speed) and across failed scrapes."""
+    capacity: float | None = None
+    """Sequences the pod runs at once when it has more to run: ``running`` at a scrape that saw
+    requests waiting (vLLM's ``max_num_seqs``, or fewer when its KV cache binds first). A later
+    such scrape that sees fewer running lowers it by one at most, so a scrape between one
+    sequence ending and the next starting does not halve it; one that sees more raises it at
+    once. None until the pod was seen with requests waiting: it has had room so far."""
+    max_running: float = 0.0
+    """The most sequences any scrape saw the pod run."""
+    open_at_scrape: int = 0
+    """:attr:`in_flight` when the last good scrape was recorded."""
+    recent: int = 0
+    """How many of the pool's last :data:`SHARE_WINDOW` picks went to the pod."""
     failed_answers: int = 0
     """Picked requests in a row the pod answered with a 5xx."""
     ejections: int = 0
@@ -127,6 +154,24 @@ class PodState:
     ejections_total: int = 0
     ejected_until: float = 0.0
     """Clock time the pod's ejection ends (0: never ejected)."""
+
+    @property
+    def capacity_estimate(self) -> float:
+        """:attr:`capacity` once seen; before that what it was seen running, and at least
+        :data:`CAPACITY_GUESS`: a pod never seen full is taken to have room for a few more
+        than it ran, so that a burst between two scrapes spreads instead of piling onto the
+        pod that looked best."""
+        if self.capacity is not None:
+            return self.capacity
+        return self.max_running if self.max_running > CAPACITY_GUESS else CAPACITY_GUESS
+
+    def load(self, metrics: PodMetrics) -> float:
+        """Sequences on the pod now, as best this replica knows: what the other replicas had
+        running or waiting there at the scrape (``metrics``), plus what this one has open now.
+        Between scrapes it follows this replica's own requests both ways: one sent counts at
+        once, and so does one that ended."""
+        others = metrics.running + metrics.waiting - self.open_at_scrape
+        return (others if others > 0.0 else 0.0) + self.in_flight
 
     @property
     def unreachable(self) -> bool:
@@ -138,6 +183,10 @@ class PodState:
         return self.unreachable or now < self.ejected_until
 
 
+BACKLOG_ALPHA = 0.02
+"""Weight of each new request's output budget in a pool's mean (about the last 50 requests)."""
+
+
 @dataclass
 class PoolState:
     """The pods of one pool, by address, in the order DNS or the YAML gave them."""
@@ -145,6 +194,45 @@ class PoolState:
     cluster: str
     stale_s: float
     pods: dict[str, PodState] = field(default_factory=dict)
+    backlog_tokens: float = 0.0
+    """The mean output budget of the requests picked for this pool (0 before the first): what
+    a request queued ahead of a new one will generate, roughly."""
+    picks: int = 0
+    """Requests this replica sent to the pool's pods."""
+    window: deque[PodState] = field(default_factory=lambda: deque(maxlen=SHARE_WINDOW))
+    """The pods of the last :data:`SHARE_WINDOW` picks, oldest first."""
+    scrapes: int = 0
+    """Good scrapes recorded: what :meth:`medians` is cached by."""
+    _medians: tuple[int, float | None, float | None] = (-1, None, None)
+
+    def medians(self) -> tuple[float | None, float | None]:
+        """The median measured pace (seconds per output token) and the median capacity
+        (sequences) of the pool's pods; None where no pod's is known. Cached until the next
+        scrape: every pick reads them."""
+        at, pace, slots = self._medians
+        if at != self.scrapes:
+            paces = sorted([p.tpot_s for p in self.pods.values() if p.tpot_s is not None])
+            seen = sorted([p.capacity for p in self.pods.values() if p.capacity is not None])
+            pace = paces[len(paces) // 2] if paces else None
+            slots = seen[len(seen) // 2] if seen else None
+            self._medians = (self.scrapes, pace, slots)
+        return pace, slots
+    prompt_mean: float = 0.0
+    """The mean prompt tokens of the requests picked for (0 before the first)."""
+
+    def note_prompt(self, tokens: int) -> None:
+        """A request of ``tokens`` prompt tokens is being picked for."""
+        if self.prompt_mean == 0.0:
+            self.prompt_mean = float(tokens)
+        else:
+            self.prompt_mean += BACKLOG_ALPHA * (tokens - self.prompt_mean)
+
+    def note_output(self, tokens: int) -> None:
+        """A request asking for ``tokens`` of output is being picked for."""
+        if self.backlog_tokens == 0.0:
+            self.backlog_tokens = float(tokens)
+        else:
+            self.backlog_tokens += BACKLOG_ALPHA * (tokens - self.backlog_tokens)
 
     def set_addresses(self, addresses: list[str]) -> None:
         """The pool's pods are now ``addresses``; known pods keep their state."""
@@ -167,7 +255,16 @@ class PoolState:
                 gap = max(seconds / tokens, MIN_TPOT_S)
                 pod.tpot_s = gap if pod.tpot_s is None else (
                     pod.tpot_s + TPOT_ALPHA * (gap - pod.tpot_s))
+        running = metrics.running
+        if running > pod.max_running:
+            pod.max_running = running
+        if metrics.waiting > 0 and running > 0:
+            pod.capacity = running if pod.capacity is None else max(running, pod.capacity - 1.0)
+        elif pod.capacity is not None and running > pod.capacity:
+            pod.capacity = running
         pod.metrics, pod.scraped_at, pod.failures, pod.sent_since_scrape = metrics, now, 0, 0
+        pod.open_at_scrape = pod.in_flight
+        self.scrapes += 1
         pod.connect_failures = 0
 
     def record_failure(self, address: str, *, connect: bool = False) -> None:
@@ -216,6 +313,12 @@ class PoolState:
         if pod is not None:
             pod.sent_since_scrape += 1
             pod.in_flight += 1
+            window = self.window
+            if len(window) == SHARE_WINDOW:
+                window[0].recent -= 1
+            window.append(pod)
+            pod.recent += 1
+            self.picks += 1
 
     def done(self, address: str) -> None:
         """A request this replica sent the pod ended (answered, failed or aborted)."""

@@ -18,6 +18,7 @@ from extproc.decide import Decision, Demand, output_per_sequence
 from extproc.errors import server_overloaded
 from extproc.output_budget import upstream_max_tokens
 from extproc.picker.pick import Priority
+from extproc.picker.scoring import Work
 from extproc.processors.base import (
     BaseProcessor,
     body_refused,
@@ -325,7 +326,8 @@ class GenerationProcessor(BaseProcessor):
         if picker is None or spec is None:
             return ()  # before joining the prompt: most pools have no picker
         prompt = "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts else b""
-        pick = picker.pick(decision.cluster, prompt, cast(Priority, decision.priority), salt)
+        work = Work(decision.prompt_tokens, decision.output_tokens)
+        pick = picker.pick(decision.cluster, prompt, cast(Priority, decision.priority), salt, work)
         if pick is None or pick.endpoint is None:
             if pick is not None and pick.shed and spec.saturation:
                 raise server_overloaded(decision.cluster, spec.saturation.retry_after_s)

@@ -320,7 +320,9 @@ def test_every_pod_unreachable_still_picks() -> None:
 
 def test_measured_speed_steers_picks_when_weighted() -> None:
     p, clock = picker({"pool": {"endpoints": PODS, "max_context": 32768,
-                                "endpoint_picker": {"weights": {"speed": 1}}}})
+                                "endpoint_picker": {"weights": {
+                                    "latency": 0, "queue": 1, "kv_cache": 1, "in_flight": 0.5,
+                                    "prefix": 2, "speed": 1}}}})
     # Two scrapes of token counters: .1 takes 10 ms a token, the others 40 ms.
     for i in (1, 2):
         clock.now += 0.1

@@ -6,19 +6,22 @@ from collections.abc import Callable
 import pytest
 
 from extproc.picker import scoring
-from extproc.picker.scoring import NEUTRAL, PoolContext, score_rows
+from extproc.picker.scoring import NEUTRAL, PoolContext, Work, score_rows
 from extproc.picker.state import Candidate, PodMetrics
 from routing.picker_schema import PickerWeights, SaturationSpec
 
 CTX = PoolContext.of(SaturationSpec())  # depth 32, KV full at 0.98
 W = PickerWeights()
+LEGACY = PickerWeights(latency=0, queue=1, kv_cache=1, in_flight=0.5, prefix=2)
+"""The weights before `latency` (issue 36): the scorers they weigh are still there to choose."""
 
 
 def pod(waiting: float = 0, kv: float | None = 0.0, sent: int = 0, open_: int = 0, prefix: float = 0.0,
-        throttled: bool | None = None, running: float = 0, tpot: float | None = None) -> Candidate:
+        throttled: bool | None = None, running: float = 0, tpot: float | None = None,
+        capacity: float | None = None) -> Candidate:
     return Candidate("10.0.0.1:8000", PodMetrics(waiting=waiting, running=running, kv_usage=kv,
                                                  throttled=throttled),
-                     sent, open_, prefix, tpot_s=tpot)
+                     sent, open_, prefix, tpot_s=tpot, capacity=capacity)
 
 
 def unknown(sent: int = 0, open_: int = 0, prefix: float = 0.0, tpot: float | None = None) -> Candidate:
@@ -112,11 +115,11 @@ def test_without_a_pool_best_speed_is_neutral_and_leaves_prefix_alone(candidate:
 
 def test_the_pool_best_is_the_lowest_known_cost() -> None:
     rows: list[scoring.Row] = [
-        (PodMetrics(waiting=3), 0, 0, 0.0, 0.01),  # 0.04
-        (PodMetrics(), 1, 0, 0.0, 0.02),           # 0.04
-        (PodMetrics(waiting=1), 0, 0, 0.0, 0.015),  # 0.03
-        (PodMetrics(), 0, 0, 0.0, None),           # speed unknown
-        (None, 0, 0, 0.0, 0.001),                  # metrics unknown
+        (PodMetrics(waiting=3), 0, 0, 0.0, 0.01, None, None),  # 0.04
+        (PodMetrics(), 1, 0, 0.0, 0.02, None, None),           # 0.04
+        (PodMetrics(waiting=1), 0, 0, 0.0, 0.015, None, None),  # 0.03
+        (PodMetrics(), 0, 0, 0.0, None, None, None),           # speed unknown
+        (None, 0, 0, 0.0, 0.001, None, None),                  # metrics unknown
     ]
     assert PoolContext.of(None, rows).best_cost == pytest.approx(0.03)
     assert PoolContext.of(None, rows[3:]).best_cost is None
@@ -143,11 +146,11 @@ def test_saturated(metrics: PodMetrics, saturated: bool) -> None:
 
 def test_total_is_the_weighted_sum() -> None:
     c = pod(waiting=8, kv=0.5, open_=4, prefix=0.5, throttled=False)
-    w = PickerWeights(queue=1, kv_cache=2, in_flight=3, prefix=4, thermal=5)
+    w = PickerWeights(queue=1, kv_cache=2, in_flight=3, prefix=4, thermal=5, latency=0)
     expected = 1 * 0.75 + 2 * 0.5 + 3 * 0.875 + 4 * 0.5 * 0.75 + 5 * 1.0  # speed: 0 by default
     assert scoring.total(c, w, CTX) == pytest.approx(expected)
     fast = pod(waiting=8, kv=0.5, open_=4, prefix=0.5, throttled=False, tpot=0.01)
-    w = PickerWeights(queue=1, kv_cache=2, in_flight=3, prefix=4, thermal=5, speed=6)
+    w = PickerWeights(queue=1, kv_cache=2, in_flight=3, prefix=4, thermal=5, speed=6, latency=0)
     # cost 0.01 x 9 against the best 0.01: speed 1/9, pace (2/9)^2 in the prefix headroom
     expected = 1 * 0.75 + 2 * 0.5 + 3 * 0.875 + 4 * 0.5 * 0.75 * (2 / 9) ** 2 + 5 * 1.0 + 6 / 9
     assert scoring.total(fast, w, POOL) == pytest.approx(expected)
@@ -159,23 +162,28 @@ def _random_candidate(rng: random.Random) -> Candidate:
         kv_usage=rng.choice([None, 0.0, 0.3, 0.97, 0.98, 1.0]), throttled=rng.choice([None, True, False]))
     return Candidate("10.0.0.1:8000", metrics, rng.randint(0, 40), rng.randint(0, 40),
                      rng.choice([0.0, 0.25, 1.0]),
-                     tpot_s=rng.choice([None, 0.0, 0.005, 0.01, 0.02]))
+                     tpot_s=rng.choice([None, 0.0, 0.005, 0.01, 0.02]),
+                     capacity=rng.choice([None, 1.0, 6.0, 256.0]),
+                     load=rng.choice([None, 0.0, 3.0, 7.0]))
 
 
 def test_the_fused_loop_the_pick_runs_equals_the_scorers() -> None:
     rng = random.Random(15)
-    weights = [W, PickerWeights(speed=1),
-               PickerWeights(queue=0, kv_cache=3, in_flight=0.1, prefix=7, thermal=2, speed=4)]
+    weights = [W, PickerWeights(speed=1), LEGACY,
+               PickerWeights(queue=0, kv_cache=3, in_flight=0.1, prefix=7, thermal=2, speed=4,
+                             latency=2)]
     for w in weights:
         for saturation in (SaturationSpec(), SaturationSpec(queue_depth=8, kv_cache=0.5)):
             candidates = [_random_candidate(rng) for _ in range(500)]
             rows: list[scoring.Row] = [(c.metrics, c.sent_since_scrape, c.in_flight, c.prefix_match,
-                                        c.tpot_s) for c in candidates]
-            # with the pool's best cost (a tenth of the rows, so that it varies) and without
-            pool = PoolContext.of(saturation, rows[:50])
-            assert pool.best_cost is not None
+                                        c.tpot_s, c.capacity, c.load) for c in candidates]
+            # with the pool's best cost and eta and without
+            pool = PoolContext.of(saturation, rows, latency=True, work=Work(900, 64),
+                                  backlog_tokens=rng.choice([0.0, 100.0]))
+            assert pool.best_cost is not None and pool.best_eta is not None
             for ctx in (pool, PoolContext.of(saturation)):
                 totals, bases = score_rows(rows, w, ctx)
                 for c, got_total, got_base in zip(candidates, totals, bases, strict=True):
                     base, pre = scoring.parts(c, w, ctx)
-                    assert (got_total, got_base) == (base + pre, base), c
+                    assert got_base == pytest.approx(base, abs=1e-12), c
+                    assert got_total == pytest.approx(base + pre, abs=1e-12), c
