@@ -243,6 +243,13 @@ def prefix(c: Candidate, ctx: PoolContext) -> float:
     return _clip(c.prefix_match) * queue(c, ctx) * factor
 
 
+TIE_TOKENS = 2.0
+"""Estimates within this many tokens' time (at the pool's median pace) of the best count as the
+best: for a short request on idle pods, a 256-byte block of shared preamble in one pod's prefix
+cache, or a pace measured a little lower, is a large share of a small estimate but a few
+milliseconds, and must not send every such request to the one pod (the pick's tie band then
+spreads them)."""
+
 UNKNOWN_FACTOR = 2.0
 """A pod without fresh metrics is estimated as a pod with room at the pool's pace, this many
 times over (and more for what this replica sent it since): it wins against pods with a wait
@@ -291,6 +298,8 @@ def latency(c: Candidate, ctx: PoolContext) -> float:
         return NEUTRAL
     mine = eta(c.metrics, c.sent_since_scrape, c.prefix_match if c.metrics else 0.0, c.tpot_s,
                c.capacity, ctx, c.load)
+    if mine <= ctx.best_eta + TIE_TOKENS * ctx.pace:
+        return 1.0
     return _clip(ctx.best_eta / mine)
 
 
@@ -316,6 +325,7 @@ def score_rows(rows: Iterable[Row], weights: PickerWeights,
     depth, kv_full, best = ctx.depth, ctx.kv_full, ctx.best_cost
     best_eta, pace, etas = ctx.best_eta, ctx.pace, ctx.etas
     prompt_cost = ctx.work.prompt_tokens * PREFILL_SHARE
+    near = best_eta + TIE_TOKENS * pace if best_eta is not None else 0.0
     totals: list[float] = []
     bases: list[float] = []
     for i, (metrics, sent, open_, match, tpot, _, _) in enumerate(rows):
@@ -326,7 +336,8 @@ def score_rows(rows: Iterable[Row], weights: PickerWeights,
             kv = th = sp = NEUTRAL
             full = False
             if best_eta is not None:
-                lat = lat_base = best_eta / etas[i]
+                mine = etas[i]
+                lat = lat_base = 1.0 if mine <= near else best_eta / mine
         else:
             waiting, used = metrics.waiting, metrics.kv_usage
             q = 1.0 - (waiting + sent) / depth
@@ -345,10 +356,11 @@ def score_rows(rows: Iterable[Row], weights: PickerWeights,
                     pf *= pf
             if best_eta is not None:
                 mine = etas[i]
-                lat = best_eta / mine
+                lat = 1.0 if mine <= near else best_eta / mine
                 if match > 0.0:  # what the pod's prefix cache saves: the score without it
                     tau = tpot if tpot is not None and tpot > 0.0 else pace
-                    lat_base = best_eta / (mine + tau * prompt_cost * (1.0 if match > 1.0 else match))
+                    mine += tau * prompt_cost * (1.0 if match > 1.0 else match)
+                    lat_base = 1.0 if mine <= near else best_eta / mine
                 else:
                     lat_base = lat
         q = 0.0 if q < 0.0 else 1.0 if q > 1.0 else q

@@ -230,3 +230,15 @@ def test_replicas_that_see_the_same_scrape_do_not_herd_onto_one_pod(replicas: in
             got[result.endpoint] += 1
     total = 6 * replicas
     assert set(got) == {FAST, FAST2, SLOW} and max(got.values()) <= total / 2, got
+
+
+def test_a_few_milliseconds_of_cached_preamble_do_not_draw_every_request() -> None:
+    # A short request whose first block sits in one idle pod's cache: a few tokens' time saved
+    # (TIE_TOKENS), so the pods tie and share; a 1,000-token prompt cached is not a tie.
+    tiny = Work(prompt_tokens=80, output_tokens=16)
+    ctx = PoolContext(32.0, 0.98, work=tiny, backlog_tokens=64.0, pace=0.015)
+    near = [pod(FAST, prefix=0.8), pod(FAST2)]
+    assert 0.0 < one_eta(near[1], ctx) - one_eta(near[0], ctx) < 2 * 0.015
+    got = Counter(pick(*near, work=tiny, seed=seed).endpoint for seed in range(200))
+    assert min(got.values()) > 60, got
+    assert pick(pod(FAST, prefix=1.0), pod(FAST2), work=CHAT).endpoint == FAST
