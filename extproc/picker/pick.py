@@ -70,7 +70,10 @@ for, and a pod paid for sits idle. Short requests go, because on a slow pod they
 whose answer is still soon."""
 
 BUSY_FROM = 0.5
-"""The pool's sequences in use, over its capacity, from which :data:`SHARE_FLOOR` applies."""
+"""The share of the pool's throughput in use from which :data:`SHARE_FLOOR` applies: each pod's
+sequences in use (up to its slots) over its pace, against its slots over its pace. Counting
+slots alone would call a pool half idle whose fast pods are full, since the slow pods it
+starves hold half its slots."""
 
 SHORT_PROMPT = 1.0
 """A request goes to a pod owed its share only when the prompt tokens that pod would have to
@@ -88,11 +91,13 @@ def below_share(loads: Sequence[float], capacities: Sequence[float], paces: Sequ
     ``paces[i]`` its seconds per output token, ``shares[i]`` its share of the recent picks,
     ``room[i]`` whether it can start one more now. None while the pool is less busy than
     :data:`BUSY_FROM`."""
-    slots = sum(capacities)
-    if slots <= 0.0 or sum(loads) < BUSY_FROM * slots:
-        return None
     rates = [c / p for c, p in zip(capacities, paces, strict=True)]
     total = sum(rates)
+    # How much of the pool's throughput is in use: a slot of a fast pod counts for more.
+    used = sum((load if load < c else c) / p
+               for load, c, p in zip(loads, capacities, paces, strict=True))
+    if total <= 0.0 or used < BUSY_FROM * total:
+        return None
     return [free and share < SHARE_FLOOR * rate / total
             for free, share, rate in zip(room, shares, rates, strict=True)]
 

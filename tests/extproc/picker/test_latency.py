@@ -126,6 +126,8 @@ def test_an_unknown_pod_beats_a_long_line_not_a_free_pod() -> None:
 
 @pytest.mark.parametrize(("loads", "shares", "room", "owed"), [
     ((1, 1, 1, 0), (0.5, 0.5, 0.0, 0.0), (True,) * 4, None),          # under half busy
+    # The fast pods 5/6 full, the slow ones idle: 10 of 24 slots, but 56% of the throughput.
+    ((5, 5, 0, 0), (0.5, 0.5, 0.0, 0.0), (True,) * 4, [False, False, True, True]),
     ((6, 6, 4, 0), (0.45, 0.45, 0.1, 0.0), (False, False, True, True),
      [False, False, True, True]),                                      # 1.5x and 3x pods owed
     ((6, 6, 4, 0), (0.35, 0.35, 0.2, 0.1), (False, False, True, True),
