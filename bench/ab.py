@@ -2,7 +2,7 @@
 same gateway with its front bootstrap patched (B), both up at once, in alternating saturation
 points (A then B, then B then A, ...), so the machine's drift between moments falls on both.
 
-A one-off change to Envoy's side is measured here before it is built; bench/README
+A one-off change to Envoy's side is measured here before it is built; bench/JOURNAL.md
 ("Saturation in alternating pairs") says why alternation is needed on this machine. Each round's
 B / A throughput ratio is reported, then their median and each side's median CPU per request.
 """

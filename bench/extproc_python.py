@@ -126,7 +126,7 @@ def _servicer(current: Snapshot, encoder: _Encoder) -> tuple[ExternalProcessor, 
     guards = CanaryGuards()
     telemetry = GuardedTelemetry(LoggedTelemetry(metrics), guards, lambda: current,
                                  metrics.canary_tripped)
-    # min_batch 1: at saturation every settlement joins a batch (bench/README.md).
+    # min_batch 1: at saturation every settlement joins a batch (docs/decisions/0005-settlement-batches.md).
     batcher = SettlementBatcher(encoder, 0.005, settlements_counter(registry), 1)
     settings = Settings(dev_mode=True)
     servicer = ExternalProcessor(lambda: current, settings, telemetry, guards,

@@ -20,7 +20,7 @@ it in the chain (before it, on the response path).
 
 Each run prints the outcomes (``ok``; ``cut``: no ``[DONE]``; ``usage``: the usage chunk reached
 a client that did not ask for it; exception names) and what the responses were framed with.
-Findings: bench/README.md, "Usage read by Envoy (issue 16)".
+Findings: docs/decisions/0006-lua-usage-strip.md.
 """
 
 from __future__ import annotations

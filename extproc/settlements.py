@@ -2,7 +2,8 @@
 
 Envoy settles a reservation with a second rate-limit call per request (``apply_on_stream_done``,
 :mod:`routing.ratelimits`): one gRPC round trip, and about half the ratelimit service's CPU per
-non-streamed request (bench/README.md, issue 16). When extproc read the response to its end and
+non-streamed request (docs/decisions/0005-settlement-batches.md).
+When extproc read the response to its end and
 knows its usage (every non-streamed answer, embeddings too, a sampled stream, an upstream
 error), it builds the very token descriptors Envoy's stream-done call would carry
 (:func:`settlement_for`, read off the same route rate limits, so the two cannot drift) and
@@ -125,7 +126,8 @@ class SettlementBatcher:
         """Queue ``settlement``; False when Envoy must settle it instead (see the class).
 
         A batch costs extproc a gRPC call of its own, which for one settlement is dearer than
-        Envoy's stream-done call (bench/README.md): a new batch is started only when the last
+        Envoy's stream-done call (docs/decisions/0005-settlement-batches.md): a new batch
+        is started only when the last
         interval saw ``min_batch`` settlements offered; joining a batch under way is free."""
         size = len(settlement.descriptors)
         now = self._clock()

@@ -139,7 +139,7 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
                                 "--log-level", "warn", "--disable-hot-restart",
                                 # sse_to_metadata's API is marked work in progress: Envoy
                                 # warns so at every start, 7 lines before the URL (why we use
-                                # it: bench/README.md, section "Usage read by Envoy").
+                                # it: docs/decisions/0006-lua-usage-strip.md).
                                 "--component-log-level", "misc:error"],
                       env=child_env, log_path=log_path("envoy"))
         children.append(envoy)

@@ -40,7 +40,7 @@ Code = Literal["ok", "over_limit"]
 
 # What one call carries from the wire to the store and back (requests, plans, outcomes) are
 # NamedTuples, not frozen dataclasses: as immutable, built in a third of the time, and a call
-# makes several per descriptor (bench/README.md, "The rate-limit decision's Python").
+# makes several per descriptor (bench/JOURNAL.md, "The rate-limit decision's Python").
 
 
 class Override(NamedTuple):
@@ -144,7 +144,7 @@ _MAX_REMEMBERED_TEXT = 512
 class Matches:
     """Remembers :func:`match` per domain and entries: a request's descriptors repeat (the same
     key, tenant and model), and matching one costs a config walk and a SHA-256 for its bucket
-    key (bench/README.md, "The rate-limit decision's Python"). A reload brings new domain
+    key (bench/JOURNAL.md, "The rate-limit decision's Python"). A reload brings new domain
     objects: meeting one starts afresh."""
 
     def __init__(self, limit: int = MAX_MATCHES) -> None:

@@ -5,8 +5,8 @@ One gRPC channel per process, to ``services.ratelimit`` (TLS from ``services.tls
 the first call and replaced when a reload names another address or other TLS files; the old one
 closes once the calls in flight on it are past their deadline. The channel is our own HTTP/2
 client (:mod:`sidecar_runtime.h2grpc.client`): grpc.aio's cost extproc about 1 ms of CPU per
-call and kept grpcio's poller threads alive (bench/README.md, "Settlements batched by
-extproc"). A check never raises and never waits past the check's deadline
+call and kept grpcio's poller threads alive
+(docs/decisions/0001-own-http2-server.md). A check never raises and never waits past the check's deadline
 (``services.ratelimit_timeout_s``): a refused connection, an error or a missed deadline is an
 ``unavailable`` verdict, and the caller applies the failure policy Envoy's filter has.
 """

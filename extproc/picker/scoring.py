@@ -46,7 +46,8 @@ reason to leave a conversation's cache), then falls with the square: a pod with 
 pool's best cost (a 0.5x pod beside a 2x one, or one with 3 requests waiting beside an idle one
 as fast) keeps a quarter of it. A `speed` weight of 0, the default, leaves the pace out too
 (no ``best_cost``): the picker as it was before speed, because with `speed` 1 the
-bench (bench/README.md) measured better tails and throughput but a slower median chat TTFT.
+bench (bench/JOURNAL.md, "Speed-aware picking (issue 15)")
+measured better tails and throughput but a slower median chat TTFT.
 
 The default weights are `latency` 1 and `thermal` 1, the rest 0 (issue 36). Before, the
 defaults were queue 1, kv 1, in_flight 0.5, speed 0, prefix 2: near capacity on pods of uneven

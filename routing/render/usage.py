@@ -17,7 +17,7 @@ sets the response's ``content-length`` to the length of the chunk it rewrote (En
 the headers for extproc's answer (a short stream under load) they left with that length (``0``
 for an emptied last chunk) instead of chunked framing: the client read that many bytes, the rest
 broke the next response on the keep-alive connection (``ClientResponseError``), and HTTP/2
-clients refused the stream (bench/README.md, "Usage read by Envoy"; ``bench.lua_strip_repro``).
+clients refused the stream (docs/decisions/0006-lua-usage-strip.md; ``bench.lua_strip_repro``).
 It reads events, not bytes (issue 35): an event whose data is a JSON object with an empty
 top-level ``choices`` and an object ``usage`` is dropped, in whatever key order and spacing the
 engine wrote it (llama.cpp's server puts ``choices`` first and ``created`` after it, so a byte

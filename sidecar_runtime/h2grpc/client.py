@@ -3,7 +3,7 @@ Unix socket; one connection multiplexing every call (:mod:`.client_connection`).
 
 grpc.aio's client costs about 1 ms of CPU per call on this machine (its completion-queue
 poller and event-engine threads, callbacks into the loop); this one parses frames on the event
-loop's reads, as the server does (bench/README.md, "Settlements batched by extproc").
+loop's reads, as the server does (docs/decisions/0001-own-http2-server.md).
 
 The connection opens on the first call and again after it is lost or the server sent GOAWAY.
 A call waits at most until its deadline for everything (the connection, a free stream, the

@@ -3,7 +3,7 @@
 grpc.aio spends about 100 µs of CPU per message in its own machinery (its completion-queue
 poller thread, callbacks into the event loop), 4 to 5 times what extproc's own work on a message
 costs; this server parses HTTP/2 frames straight off the event loop's reads and runs each call
-as one task, about 20 µs per message (bench/README.md, "A gRPC server of our own"). It speaks
+as one task, about 20 µs per message (docs/decisions/0001-own-http2-server.md). It speaks
 what Envoy's gRPC clients (and grpcio's) send: h2c or TLS with ALPN ``h2``, on TCP or a Unix
 socket, identity encoding only, ``grpc-timeout``, flow control both ways.
 

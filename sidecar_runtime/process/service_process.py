@@ -284,7 +284,7 @@ def run_service(command: ServiceCommand, args: argparse.Namespace, settings: Set
             return _supervise(command, args, settings, workers, host, port)
     listen = Listen(host, port, args.metrics_port, args.worker_ops_socket)
     # uvloop: about 7 % less CPU per ext_proc stream and 5 % per rate-limit call than asyncio's
-    # own loop (bench/README.md).
+    # own loop (docs/decisions/0001-own-http2-server.md).
     return uvloop.run(_serve(command, args.config, listen, settings))
 
 

@@ -5,7 +5,7 @@ write, at most :data:`MAX_IN_FLIGHT` commands in flight.
 Under load many decisions are in flight at once. redis-py sent each through its pool (one
 connection per command, with a pool get and release, a ``getpid`` check and its encoder and
 parser layers each time); even pipelined per loop iteration, that machinery was ~100 µs of
-ratelimit's CPU per request (bench/README.md, "A lean Redis connection"). Here a command is
+ratelimit's CPU per request (docs/decisions/0003-own-redis-connection.md). Here a command is
 packed by hiredis's C encoder, appended to the iteration's write, and its reply parsed by
 hiredis and handed to the oldest waiting command.
 

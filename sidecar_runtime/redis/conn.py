@@ -3,7 +3,8 @@
 
 It replaces redis-py's per-command machinery on the rate limiter's hot path (pool get and
 release, ``getpid`` checks, the encoder, ``Pipeline.execute``, the re-auth listener: ~15 % of
-ratelimit's samples at 600 req/s, bench/README.md). What a caller sees stays redis-py's: the
+ratelimit's samples at 600 req/s, docs/decisions/0003-own-redis-connection.md).
+What a caller sees stays redis-py's: the
 same URL semantics (read from the redis-py client that :func:`~sidecar_runtime.redis.client.
 make_client` made, so from redis-py's own ``parse_url``), the same argument encoding, and the
 same exceptions (a reply error through redis-py's ``parse_error``: ``NOSCRIPT`` is

@@ -3,7 +3,7 @@ simulators) mixing plain chat, SSE streams, cached and new embeddings, and rate-
 while the RSS and open file descriptors of every service are sampled. After warm-up neither may
 grow by more than 10 %.
 
-Full size (documented in bench/README.md)::
+Full size (documented in bench/JOURNAL.md, "Soak")::
 
     .venv/bin/python -m tests.chaos.soak --requests 200000
 

@@ -2,7 +2,7 @@
 real Envoy 1.40: it reaches the client whole, and extproc, which reads it chunk by chunk, records
 it and settles it to its usage.
 
-The guard for a tempting saving (bench/README, "One message for a JSON answer"): asked for such
+The guard for a tempting saving (docs/decisions/0002-hand-written-protobuf.md): asked for such
 an answer ``BUFFERED_PARTIAL`` (one message instead of headers + body), Envoy 1.40 sent extproc
 all of it as a partial and never ended the client's response.
 """
