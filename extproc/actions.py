@@ -57,7 +57,7 @@ class Settlement:
     ``descriptors`` are exactly the token descriptors that call would carry (level entries,
     lease, used tokens, done). The answer carrying this also carries Envoy's ``llm_done``: the
     service removes it when its batcher takes the settlement over, so exactly one of the two
-    settles (README: Rate limits)."""
+    settles (docs: Rate limits)."""
 
     descriptors: tuple[Descriptor, ...]
 

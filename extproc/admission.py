@@ -1,4 +1,4 @@
-"""What extproc hands the rate limiter when a request is routed (README: Rate limits).
+"""What extproc hands the rate limiter when a request is routed (docs: Rate limits).
 
 The reservation is charged to every token bucket at admission; the lease names this request's
 reservation and concurrency slots in the ratelimit store, so the stream-done call can settle

@@ -1,5 +1,5 @@
-"""Routing decisions (README: Identity, canaries and priority): context length, pool, canary
-variant, priority tier, and the token reservation the rate limiter charges at admission (README: Rate limits).
+"""Routing decisions (docs: Identity, canaries and priority): context length, pool, canary
+variant, priority tier, and the token reservation the rate limiter charges at admission (docs: Rate limits).
 
 Pure functions on frozen values; no I/O, no protobuf.
 """
@@ -49,7 +49,7 @@ class Decision:
 
     @property
     def reservation(self) -> int:
-        """Tokens charged at admission (README: Rate limits): every prompt plus all requested output."""
+        """Tokens charged at admission (docs: Rate limits): every prompt plus all requested output."""
         return self.prompt_tokens + self.output_tokens
 
 

@@ -1,4 +1,4 @@
-"""The errors extproc answers clients with, OpenAI-shaped (README: Errors), mapped in one place."""
+"""The errors extproc answers clients with, OpenAI-shaped (docs: Errors), mapped in one place."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def method_not_allowed(method: str, path: str) -> ClientError:
 
 
 def server_overloaded(cluster: str, retry_after_s: int) -> ClientError:
-    """503 for a low-priority request to a pool whose every pod is saturated (README: Errors)."""
+    """503 for a low-priority request to a pool whose every pod is saturated (docs: Errors)."""
     return ClientError(503, "server_overloaded",
                        f"Every server of the pool `{cluster}` is saturated; low-priority requests "
                        "are shed until it drains. Retry later, or send a smaller request.",

@@ -183,7 +183,7 @@ def answer(verdict: Verdict, admitted: Reply, deny_on_failure: bool) -> Reply:
     if verdict.result == "ok":
         return Reply(admitted.status, admitted.body,
                      admitted.headers + _merge(verdict.headers, limits), admitted.details)
-    # A denial because the store is down is not the client's rate limit: 503 (README: Errors).
+    # A denial because the store is down is not the client's rate limit: 503 (docs: Errors).
     status = 503 if any(name == RATELIMIT_BACKEND_HEADER for name, _ in verdict.headers) else 429
     return Reply(status, verdict.body, _merge(verdict.headers, limits),
                  details="request_rate_limited")

@@ -1,4 +1,4 @@
-"""Who is calling: API key → key id and tenant (README: Identity, canaries and priority; Headers).
+"""Who is calling: API key → key id and tenant (docs: Identity, canaries and priority; Headers).
 
 The raw key never leaves this module: listed keys are matched by sha256, unlisted ones become a
 keyed hash (HMAC) so ids are stable across replicas but not reversible.

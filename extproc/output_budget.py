@@ -1,4 +1,4 @@
-"""The output budget written into a generation request that sets none (README: Rate limits).
+"""The output budget written into a generation request that sets none (docs: Rate limits).
 
 A request's token reservation assumes ``default_max_tokens`` of output when it sets no
 ``max_tokens``, but vLLM gives such a chat request the rest of its context window. When the

@@ -20,7 +20,7 @@ concurrency-slot release is unchanged; a request without a concurrency cap then 
 stream-done call at all).
 
 A batch the service does not answer (down, deadline missed) is not retried: its reservations
-stand, the safe side (README: Rate limits), as when Envoy's own stream-done call fails. Counted in
+stand, the safe side (docs: Rate limits), as when Envoy's own stream-done call fails. Counted in
 ``llm_sidecar_extproc_settlements_total{result}`` and logged once per run of failures.
 """
 

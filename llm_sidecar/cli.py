@@ -1,4 +1,4 @@
-"""The ``llm-sidecar`` command line (README: Commands)."""
+"""The ``llm-sidecar`` command line (docs: Commands)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ tokens per second. A request is a list of :class:`Hit` s and is decided all or n
   one slot under its lease until the lease is released or expires (the stores keep the leases;
   here the level is all the math needs).
 
-Token reservations (README: Rate limits): a token bucket is a normal bucket charged the request's
+Token reservations (docs: Rate limits): a token bucket is a normal bucket charged the request's
 reservation at admission; :func:`settled_level` applies the difference once the real usage is
 known (a refund up to ``capacity``, or an overage that may put the bucket into debt).
 

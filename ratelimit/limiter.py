@@ -263,7 +263,7 @@ def resolve(planned: Plan, stored: StoreResult) -> LimitOutcome:
               if s.code == "over_limit"]
     never = [(s, hit) for s, hit in denied if s.retry_after_s is None]
     if never:
-        # A reservation above a bucket's capacity: no wait admits it (README: Rate limits).
+        # A reservation above a bucket's capacity: no wait admits it (docs: Rate limits).
         never_cause, hit = never[0]
         return LimitOutcome(False, tuple(statuses), 0, never_cause, never=True,
                             needed=hit.hits if hit is not None else 0)

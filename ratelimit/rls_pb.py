@@ -146,7 +146,7 @@ def response_to_proto(outcome: LimitOutcome) -> rls_pb2.RateLimitResponse:
         add(key="content-type", value="application/json")
         if outcome.backend_failed:
             # Envoy's local-reply mapper turns a denial carrying this header into a 503: the
-            # store being down is not the client's rate limit (README: Errors).
+            # store being down is not the client's rate limit (docs: Errors).
             add(key=RATELIMIT_BACKEND_HEADER, value="unavailable")
         response.raw_body = error_body(outcome)
     return response

@@ -91,7 +91,7 @@ class Snapshot:
     inject_priority: bool
     listed_tenants: frozenset[str]
     """The tenants of listed keys (a key without ``tenant`` is its own, by name): a tenant header
-    naming one of these is not believed (README: Identity, canaries and priority)."""
+    naming one of these is not believed (docs: Identity, canaries and priority)."""
     known_tenants: frozenset[str]
     """The tenant values metric labels use (others become ``other``): ``default`` and the listed
     tenants. Both come from the config, so the label stays bounded whatever tenant headers

@@ -2,7 +2,7 @@
 
 One descriptor tree per kind (``kind=requests``, ``kind=tokens``, ``kind=concurrent``), one
 branch per level (``api_key``, ``tenant``, ``model``) keyed by the ``x-llm-*`` header extproc
-sets (README: Rate limits):
+sets (docs: Rate limits):
 
 * admission (when the request starts, after extproc): every requests bucket is charged 1, every
   token bucket the request's reservation (``hits_addend`` from extproc's dynamic metadata

@@ -35,7 +35,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def is_tenant(value: str) -> bool:
-    """Whether ``value`` may name a tenant (README: Identity, canaries and priority). Tenants go
+    """Whether ``value`` may name a tenant (docs: Identity, canaries and priority). Tenants go
     into headers, Redis keys, descriptor values and logs, so the alphabet is small and nothing
     is truncated to fit: a cut-down value could collide with a real tenant."""
     return _TENANT.fullmatch(value) is not None

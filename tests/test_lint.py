@@ -25,7 +25,7 @@ def test_mypy_strict_is_clean() -> None:
     assert result.returncode == 0, result.stdout[-4000:]
 
 
-CITATION = re.compile(r"\b(?:README|docs): ([A-Z][^).\n]*)")
+CITATION = re.compile(r"\bdocs: ([A-Z][^).\n]*)")
 """A citation: ``docs`` + colon + a heading of a page under ``docs/`` (or of README.md), several
 joined by ``;``. Headings start with a capital letter, which keeps annotations like
 ``docs: list[...]`` out."""

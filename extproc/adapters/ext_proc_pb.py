@@ -115,7 +115,7 @@ def _mode(mode: ModeOverride) -> processing_mode_pb2.ProcessingMode:
 
 def _endpoints(action: Continue) -> str:
     """The protocol's value, each pod once in order: Envoy retries down the list without
-    skipping pods already tried (docs/endpoint-picker.md), so a repeat would cost a retry."""
+    skipping pods already tried (docs/concepts/picker.md), so a repeat would cost a retry."""
     return ",".join(dict.fromkeys(action.lb_endpoints))
 
 

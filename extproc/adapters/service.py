@@ -82,7 +82,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self._limits = limits if limits is not None else RateLimitClient(CollectorRegistry())
         self._read_floor = ReadFloor()
         """``telemetry.sample_min_per_s`` of this process: each ``--workers`` process reads up
-        to that many a second per model (see the README's Telemetry sampling)."""
+        to that many a second per model (docs: Telemetry sampling)."""
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Context

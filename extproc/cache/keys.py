@@ -1,4 +1,4 @@
-"""Embedding-cache keys (README: Embedding cache): which namespace a request reads, and one key per input.
+"""Embedding-cache keys (docs: Embedding cache): which namespace a request reads, and one key per input.
 
 Pure functions on plain values. A key is ``llm-sidecar:emb:v1:<namespace>:<sha256 hex>`` where
 the hash covers the request's output-shaping options (``dimensions``, ``encoding_format`` and any

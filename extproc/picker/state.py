@@ -9,7 +9,7 @@ A pod whose metrics are missing, failing or older than ``stale_s`` is *unknown*:
 candidate, scored neutrally. A pod the scraper could not even connect to on
 :data:`UNREACHABLE_AFTER` scrapes in a row is *unreachable*: still a candidate, but the picker
 names it first only when no pod is reachable, because Envoy tries a picked pod whatever its
-health checks say (docs/endpoint-picker.md), so a dead first pick costs a failed connect.
+health checks say (docs/concepts/picker.md), so a dead first pick costs a failed connect.
 
 A pod that answers :data:`EJECT_AFTER` picked requests in a row with a 5xx is *ejected* for a
 while (``record_answer``), and ranked as an unreachable one meanwhile: a pod whose engine

@@ -66,7 +66,7 @@ class BaseProcessor:
 
 
 def route_headers(ctx: RequestContext, model: ModelRoute, decision: Decision) -> Headers:
-    """The ``x-llm-*`` headers Envoy routes and rate-limits on (README: Headers)."""
+    """The ``x-llm-*`` headers Envoy routes and rate-limits on (docs: Headers)."""
     return (
         (CLUSTER_HEADER, decision.cluster),
         (MODEL_HEADER, model.name),

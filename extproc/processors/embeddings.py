@@ -19,7 +19,7 @@ The response body is STREAMED through extproc, never BUFFERED by Envoy: Envoy an
 :data:`MAX_RESPONSE_BYTES`), and Envoy drops ``content-length`` itself (chunked to HTTP/1.1
 clients), so a merged body of another length needs no header fix-up.
 
-Every embeddings response that reaches vLLM is read to charge its ``usage`` tokens (README: Rate limits);
+Every embeddings response that reaches vLLM is read to charge its ``usage`` tokens (docs: Rate limits);
 the request-body answer that sends it upstream carries its reservation (the counted tokens of
 the inputs that go upstream) as dynamic metadata. Every request that got past the body step is
 recorded once (:class:`extproc.records.RequestRecord`), as aborted when its stream ends first.

@@ -307,7 +307,7 @@ class GenerationProcessor(BaseProcessor):
         if new_body is not None:
             headers += (("content-length", str(len(new_body))),)
         # The reservation and the lease ride on the request-body answer so the rate-limit
-        # filter, which runs after ext_proc, can charge it at admission (README: Rate limits).
+        # filter, which runs after ext_proc, can charge it at admission (docs: Rate limits).
         metadata = admission_metadata(snapshot.config, route, decision.reservation, lease)
         if inject and envoy_reads:  # Envoy's Lua filter takes the chunk out
             metadata = {**metadata, STRIP_USAGE_METADATA_KEY: "1"}

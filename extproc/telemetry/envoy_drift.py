@@ -1,5 +1,5 @@
 """Envoy running a bootstrap the routing YAML no longer renders
-(README: Checking, editor support and live reload).
+(docs: Checking, editor support and live reload).
 
 Envoy reads its bootstrap once; extproc and ratelimit reload the YAML live. An edit that only
 ``render`` and an Envoy restart can apply (a new cluster or endpoint list, a service address,

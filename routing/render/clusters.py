@@ -92,7 +92,7 @@ def override_host_policy() -> dict[str, Any]:
     (``ip:port,ip:port``): the first listed pod of the cluster, the next one on each retry,
     then least request once the list is used up; without the metadata, least request. It reads
     the metadata only, never a header: only a filter (extproc) can set dynamic metadata, while
-    a header could come from the client. It does not look at health (docs/endpoint-picker.md):
+    a header could come from the client. It does not look at health (docs/concepts/picker.md):
     the picker must leave out pods it knows are down. ``selected_host_key`` records the pod
     used, as the protocol's ``x-gateway-destination-endpoint-served`` (access log, extproc).
     """

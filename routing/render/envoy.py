@@ -168,7 +168,7 @@ def access_log() -> list[dict[str, Any]]:
         "upstream_host": "%UPSTREAM_HOST%", "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
         "model": "%REQ(X-LLM-MODEL)%", "variant": "%REQ(X-LLM-VARIANT)%",
         "tenant": "%REQ(X-LLM-TENANT)%", "key_id": "%REQ(X-LLM-KEY-ID)%",
-        # The tokens extproc reserved for the request (prompt + requested output, README: Rate limits).
+        # The tokens extproc reserved for the request (prompt + requested output, docs: Rate limits).
         "reservation": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:{RESERVATION_METADATA_KEY})%",
         # The pods extproc picked (endpoint_picker pools), best first; upstream_host: the one used.
         "picked": f"%DYNAMIC_METADATA({LB_METADATA_NAMESPACE}:{DESTINATION_ENDPOINT})%",

@@ -12,7 +12,7 @@ Istio builds the listeners; the EnvoyFilter patches them, for one context (``ist
 The route ``rate_limits`` travel inside the ratelimit filter's own config: Envoy applies
 filter-level ``rate_limits`` to every route, and honours ``hits_addend`` (token charging) only
 there, so no route of Istio's needs patching. Pools are reached the Istio way (a VirtualService
-routing on ``x-llm-cluster``, DestinationRules, ServiceEntries: see the README).
+routing on ``x-llm-cluster``, DestinationRules, ServiceEntries: see docs/operations/istio.md).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ budgets are kept in.
 
 Every limit is per connection unless it says otherwise. Past a flood budget the connection ends
 with GOAWAY ``ENHANCE_YOUR_CALM``; past a memory bound the stream is refused or the sender is
-held back by flow control; a timeout ends the connection with GOAWAY ``NO_ERROR``. The README's
-security section and docs/threat-model.md list them; ``tests/sidecar_runtime/h2grpc/
+held back by flow control; a timeout ends the connection with GOAWAY ``NO_ERROR``. The docs'
+security page and docs/security/threat-model.md list them; ``tests/sidecar_runtime/h2grpc/
 test_attacks.py`` tries to get around each one through a real socket.
 """
 

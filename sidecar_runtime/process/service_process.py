@@ -275,7 +275,7 @@ def run_service(command: ServiceCommand, args: argparse.Namespace, settings: Set
         bind_worker(args.worker_index)
         # The supervisor's own folder: every worker keeps the last config that loaded there
         # (one restarted while the file is refused starts from it), and extproc's the canary
-        # guards' verdicts (README: Workers: one process per core).
+        # guards' verdicts (docs: Workers: one process per core).
         settings = settings.model_copy(
             update={"worker_dir": os.path.dirname(args.worker_ops_socket)})
     else:

@@ -70,7 +70,7 @@ class Settings(BaseSettings):
 
     workers: int = 1
     """Processes of ``extproc``/``ratelimit`` serving their gRPC port together (the
-    ``--workers`` flag wins): one core each. See README, "Workers"."""
+    ``--workers`` flag wins): one core each (docs: Workers: one process per core)."""
 
     log_level: str = "info"
     dev_mode: bool = False

@@ -20,7 +20,7 @@ CLUSTER_METADATA_KEY = "cluster"
 TOKENS_METADATA_KEY = "llm_tokens"
 """The tokens a response used, set at its end only when known (absent: the reservation stands)."""
 RESERVATION_METADATA_KEY = "llm_reservation"
-"""The tokens a request reserves at admission (README: Rate limits)."""
+"""The tokens a request reserves at admission (docs: Rate limits)."""
 DONE_METADATA_KEY = "llm_done"
 """``"1"`` once the response reached its end (set with ``llm_tokens``, by extproc or by Envoy's
 sse_to_metadata at end of stream): a stream cut after its usage chunk but before its end has
@@ -69,7 +69,7 @@ CONTEXT_LENGTH_HEADER = "x-llm-context-length"
 PRIORITY_HEADER = "x-llm-priority"
 VARIANT_HEADER = "x-llm-variant"
 """Set by extproc on a request it routes, for Envoy's rate-limit actions, logs and the pool
-(README: Headers); ``x-llm-cluster`` names the pool the route's metadata match already chose."""
+(docs: Headers); ``x-llm-cluster`` names the pool the route's metadata match already chose."""
 CACHE_HEADER = "x-llm-cache"
 """To the client, on embeddings: ``hit``, ``partial``, ``miss`` or ``bypass``."""
 RATELIMIT_BACKEND_HEADER = "x-llm-ratelimit-backend"

@@ -29,7 +29,7 @@ before any fault was injected; the bound being tested is the configured deadline
 RECOVERY_BOUND_S = 3.0
 """The recovery the chaos tests assert once Redis is back. The services guarantee less: they
 try Redis again one breaker cooldown (1 s) after it failed, and a down Cluster master every
-0.1 s; the README gives the measured spread. The rest is margin for a 2-core machine running
+0.1 s; docs/operations/reliability.md gives the spread. The rest is margin for a 2-core machine running
 other suites, where a probe now and then misses its 200 ms deadline and waits another cooldown.
 Every test prints what it measured: a bound close to the measured figure failed landings at
 random."""

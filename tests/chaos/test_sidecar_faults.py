@@ -83,7 +83,7 @@ HUNG_WAIT_S = {"extproc": 3.0, "ratelimit": 2.0}
 
 # Wall-clock bounds, each the behaviour's guarantee plus a margin a 2-core machine running
 # other suites always meets (tighter ones, close to the measured figures, failed landings at
-# random); every test prints what it measured, and the README gives the measured figures.
+# random); every test prints what it measured, and docs/operations/reliability.md gives them.
 FAST_FAIL_S = 2.0
 """A refused connection is answered at once (measured 30-65 ms); a request that waited on
 the dead service instead would take at least ``HUNG_WAIT_S``, which this stays below."""

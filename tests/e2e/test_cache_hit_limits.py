@@ -1,4 +1,4 @@
-"""Cache hits are requests (README: Rate limits): through real Envoy and the real rate-limit service, on
+"""Cache hits are requests (docs: Rate limits): through real Envoy and the real rate-limit service, on
 its memory backend and on real Redis, an embeddings request answered wholly from the cache costs
 1 from its request buckets and gets the same 429 a miss gets; a dead rate limiter gets the
 failure policy Envoy's filter has, and no hit waits for it."""

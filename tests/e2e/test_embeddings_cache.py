@@ -1,4 +1,4 @@
-"""The embedding cache through real Envoy with real Redis (README: Embedding cache; Headers).
+"""The embedding cache through real Envoy with real Redis (docs: Embedding cache; Headers).
 
 The simulator's journal shows what reached "vLLM"; an uncached model on the same pool gives the
 answer every cached one must equal. Stores happen after the answer, so tests wait for them.

@@ -1,4 +1,4 @@
-"""What real Envoy does with a pick on an ``endpoint_picker`` pool (docs/endpoint-picker.md).
+"""What real Envoy does with a pick on an ``endpoint_picker`` pool (docs/concepts/picker.md).
 
 Envoy is the rendered bootstrap with a Lua stand-in for extproc's pick (tests/harness/
 picker_envoy.py). Pods: three simulators (A, B, C), a closed port (D) listed in the pool and

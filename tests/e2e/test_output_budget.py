@@ -1,4 +1,4 @@
-"""A request that sets no output budget, through real Envoy (README: Rate limits): it gets the
+"""A request that sets no output budget, through real Envoy (docs: Rate limits): it gets the
 budget its reservation assumed.
 
 The short pool's simulated model answers 1,500 tokens when nothing stops it (vLLM gives a chat

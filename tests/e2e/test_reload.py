@@ -232,7 +232,7 @@ def test_a_configmap_symlink_swap_applies(gw: Gateway) -> None:
     publish(2, swapped)
     wait_applied(gw, "ok", before)
     assert "swapped-in" in models(gw)
-    # README's "within 2 s" is at the default 0.5 s poll; at this rig's 0.2 s it takes ~0.5 s.
+    # The docs' "within 2 s" is at the default 0.5 s poll; at this rig's 0.2 s it takes ~0.5 s.
     # The typical reload is asserted as a median above; one reload only gets a margin that a
     # loaded machine always meets.
     took = time.monotonic() - started

@@ -1,5 +1,5 @@
 """Token reservations, abort-safe charging, concurrency caps and shadow limits through real
-Envoy, on the memory backend and on a real Redis (README: Rate limits).
+Envoy, on the memory backend and on a real Redis (docs: Rate limits).
 
 Each test uses its own tenant (or key), so the module's gateways are shared. A request's
 reservation is read off OpenAI's ``x-ratelimit-remaining-tokens`` header of a first request on
@@ -36,7 +36,7 @@ MESSAGES = user("hi")
 def doc() -> dict[str, Any]:
     d = default_doc()
     # Slow enough that a stream is still running when the test acts on it.
-    # natural_stop: a request without max_tokens is sent on with the 256 it reserved (README:
+    # natural_stop: a request without max_tokens is sent on with the 256 it reserved (docs:
     # Rate limits), and the model still ends its answer at 16, as a real one would.
     d["clusters"]["vllm-short"]["simulate"] = {"decode_ms_per_token": 20, "natural_stop": True}
     # A slow prefill (~4 s for a short prompt): requests sent together are all in flight

@@ -1,4 +1,4 @@
-"""Who a caller is, and how it could try to be someone else (README: Identity, canaries and priority)."""
+"""Who a caller is, and how it could try to be someone else (docs: Identity, canaries and priority)."""
 
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ async def test_keys_of_one_request_span_cluster_slots(store: BucketStore) -> Non
         assert await level(store, n, 3) == pytest.approx(2, abs=1e-3)
 
 
-# Reservations, settlement and concurrency slots (README: Rate limits): the same on every store.
+# Reservations, settlement and concurrency slots (docs: Rate limits): the same on every store.
 
 def reserve(name: str, capacity: float, tokens: int, lease: str) -> Hit:
     return Hit(key(name), BucketSpec(capacity, SLOW), tokens, lease)

@@ -212,7 +212,7 @@ def fingerprint_of(doc: dict[str, Any]) -> str:
 def test_every_request_tells_extproc_which_bootstrap_its_envoy_runs() -> None:
     """The fingerprint moves with what only render and a restart apply, and not with what
     reloads live: extproc compares it with its own config's
-    (README: Checking, editor support and live reload)."""
+    (docs: Checking, editor support and live reload)."""
     from routing.loader import validate
     from routing.render.envoy import bootstrap
     from routing.yamlsrc import Located
