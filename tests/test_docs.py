@@ -30,6 +30,7 @@ from llm_sidecar.docs_gen.commands import HELP_COLUMNS, subcommands
 from llm_sidecar.docs_gen.config import config_keys, examples
 from llm_sidecar.docs_gen.metrics import service_registries
 from routing.jsonschema import json_schema
+from sidecar_runtime.compat.prometheus_internals import collectors, label_names
 
 REPO = pathlib.Path(ROOT)
 SERVICE_PACKAGES = ("extproc", "ratelimit", "sidecar_runtime", "llm_sidecar")
@@ -122,12 +123,14 @@ def test_every_registered_metric_is_on_the_metrics_page() -> None:
 
 def test_prometheus_client_still_has_what_the_generator_reads() -> None:
     """The two private attributes the metrics page is read through (a registry's collectors,
-    a metric's label names): a prometheus_client that renames them fails here, by name."""
+    a metric's label names, sidecar_runtime.compat.prometheus_internals): a prometheus_client
+    that renames them fails here, by name."""
     registry = CollectorRegistry()
     counter = Counter("docs_probe", "probe", ["a", "b"], registry=registry)
-    assert list(registry._collector_to_names) == [counter]
-    assert tuple(counter._labelnames) == ("a", "b")
-    assert GaugeMetricFamily("docs_probe", "probe", labels=["c"])._labelnames == ("c",)
+    assert collectors(registry) == [counter]
+    assert label_names(counter) == ("a", "b")
+    assert label_names(GaugeMetricFamily("docs_probe", "probe", labels=["c"])) == ("c",)
+    assert label_names(Counter("docs_bare", "probe", registry=CollectorRegistry())) == ()
 
 
 METRIC_CALL = re.compile(

@@ -17,6 +17,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+from sidecar_runtime.compat.prometheus_internals import collectors, label_names
+
 
 @dataclass(frozen=True)
 class MetricDoc:
@@ -40,15 +42,14 @@ def _registered(registry: CollectorRegistry) -> Iterator[tuple[str, str, str, tu
     """(name, type, help, label names) of each metric of ``registry``, childless ones too.
 
     prometheus_client keeps no public list of a registry's collectors, nor of a labelled
-    metric's label names: ``_collector_to_names`` and ``_labelnames`` are read here only, and
-    tests/test_docs.py fails on a version that drops them."""
-    for collector in list(registry._collector_to_names):
+    metric's label names: :mod:`sidecar_runtime.compat.prometheus_internals` reads them."""
+    for collector in collectors(registry):
         if isinstance(collector, MetricWrapperBase):
             family = next(iter(collector.describe()))
-            yield family.name, family.type, family.documentation, tuple(collector._labelnames)
+            yield family.name, family.type, family.documentation, label_names(collector)
             continue
         for family in collector.collect():  # a custom collector (the picker's per-pod gauges)
-            names = tuple(getattr(family, "_labelnames", ()))
+            names = label_names(family)
             names = names or tuple(sorted({k for s in family.samples for k in s.labels}))
             yield family.name, family.type, family.documentation, names
 
