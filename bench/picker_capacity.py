@@ -148,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = {"least": None, "picker": args.picker}
     verdicts: list[bool] = []
     print("\n| load | req/s | mode | TTFT P50 ms | TTFT P99 ms | e2e P99 ms | req/s done | failed | "
-          "shares (capacity share " + "/".join(f"{c:.0%}" for c in cap_share) + ") |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "shares (capacity share " + "/".join(f"{c:.0%}" for c in cap_share) + ") | "
+          "extproc CPU ms/request | load average |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     summary: list[str] = []
     for load in (float(x) for x in args.loads.split(",")):
         rate = load * cap
@@ -166,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                 figures[key].append(f)
                 print(f"| {load:.0%} | {rate:.1f} | {key} #{repeat + 1} | {_ms(f.ttft_p50)} | "
                       f"{_ms(f.ttft_p99)} | {_ms(f.e2e_p99)} | {f.throughput:.2f} | {f.failed} | "
-                      + "/".join(f"{s:.0%}" for s in f.shares) + " |", flush=True)
+                      + "/".join(f"{s:.0%}" for s in f.shares) + f" | "
+                      f"{report.extproc_cpu_s * 1000 / max(1, report.attempts):.2f} | "
+                      f"{sum(report.load) / max(1, len(report.load)):.2f} |", flush=True)
         ratios = {name: statistics.median(getattr(p, name) / getattr(b, name)
                                           for p, b in zip(figures["picker"], figures["least"],
                                                           strict=True))

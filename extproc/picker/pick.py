@@ -291,6 +291,7 @@ class EndpointPicker:
         avoided: list[bool] = []
         # PoolState.fresh, PodState.load and PodState.avoided inlined: this runs over every pod.
         stale = now - pool.stale_s
+        pace, slots = pool.medians()
         for address, pod in pool.pods.items():
             scraped, metrics = pod.scraped_at, pod.metrics
             load = None
@@ -300,7 +301,7 @@ class EndpointPicker:
                 others = metrics.running + metrics.waiting - pod.open_at_scrape
                 load = (others if others > 0.0 else 0.0) + pod.in_flight
             rows.append((metrics, pod.sent_since_scrape, pod.in_flight, matches.get(address, 0.0),
-                         pod.tpot_s, pod.capacity_estimate, load))
+                         pod.tpot_s, pod.capacity_estimate(slots), load))
             avoided.append(pod.connect_failures >= UNREACHABLE_AFTER or now < pod.ejected_until)
         if work.prompt_tokens <= 0:  # what extproc's estimate counts: 4 bytes a token
             work = Work(len(prompt) // 4, work.output_tokens)
@@ -317,7 +318,7 @@ class EndpointPicker:
         pool.note_prompt(work.prompt_tokens)
         result = choose_reachable(addresses, rows, avoided, spec.weights, spec.saturation,
                                   priority, self._rng, work, pool.backlog_tokens, owed,
-                                  pool.medians()[0] or 1.0)
+                                  pace or 1.0)
         if result.endpoint is not None:
             if blocks:
                 self.index.record(cluster, blocks, result.endpoint)

@@ -155,15 +155,16 @@ class PodState:
     ejected_until: float = 0.0
     """Clock time the pod's ejection ends (0: never ejected)."""
 
-    @property
-    def capacity_estimate(self) -> float:
-        """:attr:`capacity` once seen; before that what it was seen running, and at least
-        :data:`CAPACITY_GUESS`: a pod never seen full is taken to have room for a few more
-        than it ran, so that a burst between two scrapes spreads instead of piling onto the
-        pod that looked best."""
+    def capacity_estimate(self, pool_slots: float | None = None) -> float:
+        """:attr:`capacity` once seen; before that the pool's median seen capacity
+        (``pool_slots``: the pods of one pool run alike until seen not to), or
+        :data:`CAPACITY_GUESS` when no pod of the pool was seen full; at least what it was seen
+        running. So a burst between two scrapes spreads instead of piling onto the pod that
+        looked best."""
         if self.capacity is not None:
             return self.capacity
-        return self.max_running if self.max_running > CAPACITY_GUESS else CAPACITY_GUESS
+        guess = pool_slots if pool_slots is not None else CAPACITY_GUESS
+        return self.max_running if self.max_running > guess else guess
 
     def load(self, metrics: PodMetrics) -> float:
         """Sequences on the pod now, as best this replica knows: what the other replicas had

@@ -194,9 +194,11 @@ def test_capacity_is_learned_from_scrapes_that_saw_requests_waiting() -> None:
     pool = PoolState("pool", 2.0)
     pool.set_addresses([FAST])
     state = pool.pods[FAST]
-    assert state.capacity is None and state.capacity_estimate == CAPACITY_GUESS
+    assert state.capacity is None and state.capacity_estimate() == CAPACITY_GUESS
+    assert state.capacity_estimate(6.0) == 6.0  # the pool's other pods were seen full at 6
     pool.record_scrape(FAST, PodMetrics(running=20), 1.0)
-    assert state.capacity is None and state.capacity_estimate == 20  # ran 20: at least that
+    assert state.capacity is None and state.capacity_estimate() == 20  # ran 20: at least that
+    assert state.capacity_estimate(6.0) == 20
     pool.record_scrape(FAST, PodMetrics(running=6, waiting=3), 1.1)
     assert state.capacity == 6
     pool.record_scrape(FAST, PodMetrics(running=4, waiting=3), 1.2)  # between two sequences
