@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from llm_sidecar.docs_gen.commands import commands_page
 from llm_sidecar.docs_gen.config import config_page
 from llm_sidecar.docs_gen.metrics import metrics_page
-from routing.render import write_text
+from sidecar_runtime.process.files import generate, stale_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMAND = "python -m llm_sidecar.docs_gen"
@@ -51,32 +51,9 @@ def pages() -> dict[str, str]:
 
 
 def stale(root: str = ROOT) -> list[str]:
-    """Pages whose content differs from what :func:`pages` makes (missing ones included)."""
-    out = []
-    for path, text in pages().items():
-        try:
-            with open(os.path.join(root, path), encoding="utf-8") as handle:
-                current: str | None = handle.read()
-        except FileNotFoundError:
-            current = None
-        if current != text:
-            out.append(path)
-    return out
+    """Paths whose content differs from what :func:`pages` makes (missing ones included)."""
+    return stale_files(pages(), root)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args == ["--check"]:
-        paths = stale()
-        for path in paths:
-            print(f"{path}: stale; run `{COMMAND}`", file=sys.stderr)
-        return 1 if paths else 0
-    if args:
-        print(f"usage: {COMMAND} [--check]", file=sys.stderr)
-        return 2
-    for path, text in pages().items():
-        full = os.path.join(ROOT, path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        write_text(full, text)
-        print(path)
-    return 0
+    return generate(sys.argv[1:] if argv is None else argv, pages, ROOT, COMMAND)

@@ -21,8 +21,9 @@ import yaml
 
 from routing.jsonschema import SCHEMA_FILE, schema_text
 from routing.loader import load_config
-from routing.render import dump, render_all, write_text
+from routing.render import dump, render_all
 from routing.render.deploy import compose, container_doc, kubernetes
+from sidecar_runtime.process.files import generate, stale_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = "llm_sidecar/example.yaml"
@@ -65,34 +66,11 @@ def artifacts() -> dict[str, str]:
 
 def stale(root: str = ROOT) -> list[str]:
     """Paths whose content differs from what :func:`artifacts` makes (missing ones included)."""
-    out = []
-    for path, text in artifacts().items():
-        try:
-            with open(os.path.join(root, path), encoding="utf-8") as handle:
-                current = handle.read()
-        except FileNotFoundError:
-            current = None
-        if current != text:
-            out.append(path)
-    return out
+    return stale_files(artifacts(), root)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args == ["--check"]:
-        paths = stale()
-        for path in paths:
-            print(f"{path}: stale; run `{COMMAND}`", file=sys.stderr)
-        return 1 if paths else 0
-    if args:
-        print(f"usage: {COMMAND} [--check]", file=sys.stderr)
-        return 2
-    for path, text in artifacts().items():
-        full = os.path.join(ROOT, path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        write_text(full, text)
-        print(path)
-    return 0
+    return generate(sys.argv[1:] if argv is None else argv, artifacts, ROOT, COMMAND)
 
 
 if __name__ == "__main__":
