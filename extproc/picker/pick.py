@@ -342,12 +342,9 @@ class EndpointPicker:
         room: list[bool] = []
         shares: list[float] = []
         window = len(pool.window)
-        for (metrics, _, _, _, tpot, _, load), pod in zip(rows, pool.pods.values(), strict=True):
-            if metrics is None or load is None:
+        for (metrics, _, _, _, tpot, capacity, load), pod in zip(rows, pool.pods.values(), strict=True):
+            if metrics is None or load is None or capacity is None:
                 return None
-            capacity = pod.capacity
-            if capacity is None:
-                capacity = slots if slots > pod.max_running else pod.max_running
             used = metrics.kv_usage
             loads.append(load)
             capacities.append(capacity)

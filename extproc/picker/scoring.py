@@ -329,6 +329,24 @@ def score_rows(rows: Iterable[Row], weights: PickerWeights,
     near = best_eta + TIE_TOKENS * pace if best_eta is not None else 0.0
     totals: list[float] = []
     bases: list[float] = []
+    if best_eta is not None and wq == wk == wi == wp == ws == 0.0:
+        # The default weights (`latency` and `thermal`): the other scorers are not computed.
+        for i, (metrics, _, _, match, tpot, _, _) in enumerate(rows):
+            mine = etas[i]
+            lat = 1.0 if mine <= near else best_eta / mine
+            lat_base = lat
+            th = NEUTRAL
+            if metrics is not None:
+                if metrics.throttled is not None:
+                    th = 0.0 if metrics.throttled else 1.0
+                if match > 0.0:
+                    tau = tpot if tpot is not None and tpot > 0.0 else pace
+                    mine += tau * prompt_cost * (1.0 if match > 1.0 else match)
+                    lat_base = 1.0 if mine <= near else best_eta / mine
+            base = wt * th + wl * lat_base
+            bases.append(base)
+            totals.append(base + wl * (lat - lat_base))
+        return totals, bases
     for i, (metrics, sent, open_, match, tpot, _, _) in enumerate(rows):
         pf = 1.0  # the pace: the speed factor of the prefix headroom: 1 when the speed is unknown
         lat = lat_base = NEUTRAL
