@@ -295,13 +295,17 @@ class EndpointPicker:
         for address, pod in pool.pods.items():
             scraped, metrics = pod.scraped_at, pod.metrics
             load = None
+            capacity = pod.capacity_estimate(slots)
             if scraped is None or scraped < stale or metrics is None:
                 metrics = None
             else:
                 others = metrics.running + metrics.waiting - pod.open_at_scrape
                 load = (others if others > 0.0 else 0.0) + pod.in_flight
+                if pod.capacity is None and metrics.waiting > 0.0:
+                    # Requests wait with nothing (or little) running: full now, whatever a guess says.
+                    capacity = metrics.running if metrics.running > 1.0 else 1.0
             rows.append((metrics, pod.sent_since_scrape, pod.in_flight, matches.get(address, 0.0),
-                         pod.tpot_s, pod.capacity_estimate(slots), load))
+                         pod.tpot_s, capacity, load))
             avoided.append(pod.connect_failures >= UNREACHABLE_AFTER or now < pod.ejected_until)
         if work.prompt_tokens <= 0:  # what extproc's estimate counts: 4 bytes a token
             work = Work(len(prompt) // 4, work.output_tokens)

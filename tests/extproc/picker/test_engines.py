@@ -286,8 +286,12 @@ def busy_and_idle(engine: str) -> tuple[str, str]:
     if engine == "llamacpp":
         return LLAMACPP, LLAMACPP.replace("processing 4", "processing 0").replace(
             "deferred 2", "deferred 0")
+    # Idle: nothing waiting in Triton's queues either (a request pending with nothing active is a
+    # pod full now, to the picker).
     return TRTLLM, TRTLLM.replace('"waiting",version="1"} 6', '"waiting",version="1"} 0').replace(
-        '"active",version="1"} 7', '"active",version="1"} 0').replace("0.4875", "0.01")
+        '"active",version="1"} 7', '"active",version="1"} 0').replace("0.4875", "0.01").replace(
+        'nv_inference_pending_request_count{model="preprocessing",version="1"} 1',
+        'nv_inference_pending_request_count{model="preprocessing",version="1"} 0')
 
 
 @pytest.mark.parametrize("engine", ["sglang", "tgi", "llamacpp", "trtllm"])

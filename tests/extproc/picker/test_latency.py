@@ -246,3 +246,17 @@ def test_a_few_milliseconds_of_cached_preamble_do_not_draw_every_request() -> No
     got = Counter(pick(*near, work=tiny, seed=seed).endpoint for seed in range(200))
     assert min(got.values()) > 60, got
     assert pick(pod(FAST, prefix=1.0), pod(FAST2), work=CHAT).endpoint == FAST
+
+
+def test_a_pod_with_requests_waiting_and_none_running_is_full_whatever_the_guess() -> None:
+    # Never seen full, so no capacity learned; 20 waiting with nothing running is no room, even
+    # for a 4-token answer whose estimates would otherwise sit within the tie band.
+    picker = EndpointPicker(config(), clock=lambda: 5.0, rng=random.Random(2))
+    pool = picker.pools["pool"]
+    pool.record_scrape(FAST, PodMetrics(waiting=20), 5.0)
+    pool.record_scrape(FAST2, PodMetrics(), 5.0)
+    pool.record_scrape(SLOW, PodMetrics(waiting=40), 5.0)
+    for _ in range(10):
+        got = picker.pick("pool", b"hello", "high", work=Work(5, 4))
+        assert got is not None and got.endpoint == FAST2
+        picker.done("pool", FAST2)
