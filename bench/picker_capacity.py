@@ -45,7 +45,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.picker_load import Pool, _Load, _send, drive, run_mode
+from bench.picker_load import Load, Pool, drive, run_mode, send
 from bench.picker_workload import Corpus, ModeReport, Request, Workload, percentile, script
 
 WORKLOAD = Workload(groups=16, system_tokens=1000, turns=(1, 1), long_share=0.3,
@@ -54,7 +54,7 @@ WORKLOAD = Workload(groups=16, system_tokens=1000, turns=(1, 1), long_share=0.3,
 
 
 async def open_loop(url: str, *, requests: Sequence[Request], rate: float, duration_s: float,
-                    seed: int) -> _Load:
+                    seed: int) -> Load:
     """Send ``requests`` in order at Poisson arrivals of ``rate`` per second for ``duration_s``;
     wait for every one to finish."""
     rng = random.Random(seed)
@@ -71,11 +71,11 @@ async def open_loop(url: str, *, requests: Sequence[Request], rate: float, durat
             delay = t0 + at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_send(session, url, req, t0)))
+            tasks.append(asyncio.create_task(send(session, url, req, t0)))
             at += rng.expovariate(rate)
         results = list(await asyncio.gather(*tasks))
     attempts = len(results) + sum(r.shed for r in results)
-    return _Load(results, attempts, duration_s)
+    return Load(results, attempts, duration_s)
 
 
 @dataclass(frozen=True)

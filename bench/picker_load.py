@@ -145,7 +145,7 @@ def gateway_doc(pods: list[Pod], picker: dict[str, Any] | None) -> dict[str, Any
     }
 
 
-async def _send(session: aiohttp.ClientSession, url: str, req: Request, t0: float) -> Result:
+async def send(session: aiohttp.ClientSession, url: str, req: Request, t0: float) -> Result:
     loop = asyncio.get_running_loop()
     body = orjson.dumps(req.body(MODEL))
     started = loop.time()
@@ -189,14 +189,14 @@ async def _send(session: aiohttp.ClientSession, url: str, req: Request, t0: floa
 
 
 @dataclass
-class _Load:
+class Load:
     results: list[Result]
     attempts: int
     window_s: float
 
 
 async def drive(url: str, *, workload: Workload, clients: int, duration_s: float,
-                per_client: int | None) -> _Load:
+                per_client: int | None) -> Load:
     """Every client sends its script back to back until ``duration_s`` has passed (or it sent
     ``per_client`` requests); the requests running then are finished."""
     corpus = Corpus.of(workload)
@@ -213,14 +213,14 @@ async def drive(url: str, *, workload: Workload, clients: int, duration_s: float
         for req in requests:
             if loop.time() >= deadline:
                 return
-            results.append(await _send(session, url, req, t0))
+            results.append(await send(session, url, req, t0))
 
     connector = aiohttp.TCPConnector(limit=clients * 2)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await asyncio.gather(*(client(session, i) for i in range(clients)))
     attempts = len(results) + sum(r.shed for r in results)
     last = max((r.ended for r in results), default=duration_s)
-    return _Load(results, attempts, min(duration_s, last))
+    return Load(results, attempts, min(duration_s, last))
 
 
 def _get(url: str) -> str:
@@ -246,12 +246,12 @@ async def _sample(pods: list[Pod], load: list[float],
                 await asyncio.wait_for(stop.wait(), 1.0)
 
 
-Driver = Callable[[str], Coroutine[Any, Any, "_Load"]]
+Driver = Callable[[str], Coroutine[Any, Any, "Load"]]
 """Sends a mode's requests to the chat URL it is given and returns what came back."""
 
 
 async def _measured(url: str, pods: list[Pod], driver: Driver, load: list[float],
-                    states: dict[str, list[tuple[int, int, float]]]) -> _Load:
+                    states: dict[str, list[tuple[int, int, float]]]) -> Load:
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample(pods, load, states, stop))
     try:

@@ -81,7 +81,8 @@ prefill (what its prefix cache does not hold) are at most this share of the pool
 on a slow pod a long prefill is a late first token."""
 
 MIN_PICKS_FOR_SHARE = 50
-"""Picks before shares mean anything."""
+"""Picks before shares mean anything (the window holds :data:`~extproc.picker.state.SHARE_WINDOW`,
+more than this)."""
 
 
 def below_share(loads: Sequence[float], capacities: Sequence[float], paces: Sequence[float],
@@ -289,37 +290,32 @@ class EndpointPicker:
         addresses = list(pool.pods)
         rows: list[Row] = []
         avoided: list[bool] = []
-        # PoolState.fresh, PodState.load and PodState.avoided inlined: this runs over every pod.
+        # PoolState.fresh and PodState.avoided inlined: this runs over every pod. The load is
+        # Candidate.load: the other replicas' at the scrape plus this one's open requests now.
         stale = now - pool.stale_s
         pace, slots = pool.medians()
         for address, pod in pool.pods.items():
             scraped, metrics = pod.scraped_at, pod.metrics
             load = None
-            capacity = pod.capacity_estimate(slots)
             if scraped is None or scraped < stale or metrics is None:
                 metrics = None
             else:
                 others = metrics.running + metrics.waiting - pod.open_at_scrape
                 load = (others if others > 0.0 else 0.0) + pod.in_flight
-                if pod.capacity is None and metrics.waiting > 0.0:
-                    # Requests wait with nothing (or little) running: full now, whatever a guess says.
-                    capacity = metrics.running if metrics.running > 1.0 else 1.0
             rows.append((metrics, pod.sent_since_scrape, pod.in_flight, matches.get(address, 0.0),
-                         pod.tpot_s, capacity, load))
+                         pod.tpot_s, pod.capacity_estimate(slots, metrics), load))
             avoided.append(pod.connect_failures >= UNREACHABLE_AFTER or now < pod.ejected_until)
         if work.prompt_tokens <= 0:  # what extproc's estimate counts: 4 bytes a token
             work = Work(len(prompt) // 4, work.output_tokens)
         owed = None
         if (spec.weights.latency > 0.0 and 0 < work.output_tokens <= pool.backlog_tokens
-                and pool.picks >= MIN_PICKS_FOR_SHARE and not any(avoided)):
+                and len(pool.window) >= MIN_PICKS_FOR_SHARE and not any(avoided)):
             owed = self._owed(pool, rows, spec.saturation)
             if owed is not None:  # and only where its prompt is mostly cached, or short
                 light = SHORT_PROMPT * pool.prompt_mean
                 owed = [o and (1.0 - min(1.0, row[3])) * work.prompt_tokens <= light
                         for o, row in zip(owed, rows, strict=True)]
-        if work.output_tokens > 0:
-            pool.note_output(work.output_tokens)
-        pool.note_prompt(work.prompt_tokens)
+        pool.note(work.prompt_tokens, work.output_tokens)
         result = choose_reachable(addresses, rows, avoided, spec.weights, spec.saturation,
                                   priority, self._rng, work, pool.backlog_tokens, owed,
                                   pace or 1.0)

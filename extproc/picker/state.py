@@ -109,7 +109,9 @@ class Candidate:
     capacity: float | None = None
     """Sequences the pod runs at once (:attr:`PodState.capacity`); None: never seen full."""
     load: float | None = None
-    """Sequences on the pod now (:meth:`PodState.load`); None: its metrics plus what this
+    """Sequences on the pod now, as best this replica knows: what the other replicas had running
+    or waiting there at the scrape, plus what this one has open now (the pick counts it so, and
+    so follows its own requests both ways between scrapes); None: its metrics plus what this
     replica sent since."""
 
 
@@ -155,24 +157,20 @@ class PodState:
     ejected_until: float = 0.0
     """Clock time the pod's ejection ends (0: never ejected)."""
 
-    def capacity_estimate(self, pool_slots: float | None = None) -> float:
+    def capacity_estimate(self, pool_slots: float | None = None,
+                          metrics: PodMetrics | None = None) -> float:
         """:attr:`capacity` once seen; before that the pool's median seen capacity
         (``pool_slots``: the pods of one pool run alike until seen not to), or
         :data:`CAPACITY_GUESS` when no pod of the pool was seen full; at least what it was seen
         running. So a burst between two scrapes spreads instead of piling onto the pod that
-        looked best."""
+        looked best. A pod never seen full whose fresh ``metrics`` show requests waiting is full
+        now, at what it runs (at least 1), whatever a guess says."""
         if self.capacity is not None:
             return self.capacity
+        if metrics is not None and metrics.waiting > 0.0:
+            return metrics.running if metrics.running > 1.0 else 1.0
         guess = pool_slots if pool_slots is not None else CAPACITY_GUESS
         return self.max_running if self.max_running > guess else guess
-
-    def load(self, metrics: PodMetrics) -> float:
-        """Sequences on the pod now, as best this replica knows: what the other replicas had
-        running or waiting there at the scrape (``metrics``), plus what this one has open now.
-        Between scrapes it follows this replica's own requests both ways: one sent counts at
-        once, and so does one that ended."""
-        others = metrics.running + metrics.waiting - self.open_at_scrape
-        return (others if others > 0.0 else 0.0) + self.in_flight
 
     @property
     def unreachable(self) -> bool:
@@ -188,6 +186,12 @@ BACKLOG_ALPHA = 0.02
 """Weight of each new request's output budget in a pool's mean (about the last 50 requests)."""
 
 
+def _mean(mean: float, value: int) -> float:
+    """``mean`` moved towards ``value`` by :data:`BACKLOG_ALPHA` (``value`` itself when
+    ``mean`` is 0: nothing seen yet)."""
+    return float(value) if mean == 0.0 else mean + BACKLOG_ALPHA * (value - mean)
+
+
 @dataclass
 class PoolState:
     """The pods of one pool, by address, in the order DNS or the YAML gave them."""
@@ -198,8 +202,8 @@ class PoolState:
     backlog_tokens: float = 0.0
     """The mean output budget of the requests picked for this pool (0 before the first): what
     a request queued ahead of a new one will generate, roughly."""
-    picks: int = 0
-    """Requests this replica sent to the pool's pods."""
+    prompt_mean: float = 0.0
+    """The mean prompt tokens of the requests picked for this pool (0 before the first)."""
     window: deque[PodState] = field(default_factory=lambda: deque(maxlen=SHARE_WINDOW))
     """The pods of the last :data:`SHARE_WINDOW` picks, oldest first."""
     scrapes: int = 0
@@ -218,22 +222,13 @@ class PoolState:
             slots = seen[len(seen) // 2] if seen else None
             self._medians = (self.scrapes, pace, slots)
         return pace, slots
-    prompt_mean: float = 0.0
-    """The mean prompt tokens of the requests picked for (0 before the first)."""
 
-    def note_prompt(self, tokens: int) -> None:
-        """A request of ``tokens`` prompt tokens is being picked for."""
-        if self.prompt_mean == 0.0:
-            self.prompt_mean = float(tokens)
-        else:
-            self.prompt_mean += BACKLOG_ALPHA * (tokens - self.prompt_mean)
-
-    def note_output(self, tokens: int) -> None:
-        """A request asking for ``tokens`` of output is being picked for."""
-        if self.backlog_tokens == 0.0:
-            self.backlog_tokens = float(tokens)
-        else:
-            self.backlog_tokens += BACKLOG_ALPHA * (tokens - self.backlog_tokens)
+    def note(self, prompt_tokens: int, output_tokens: int) -> None:
+        """A request of ``prompt_tokens`` asking for ``output_tokens`` (0: not said) is being
+        picked for: both enter the pool's means."""
+        self.prompt_mean = _mean(self.prompt_mean, prompt_tokens)
+        if output_tokens > 0:
+            self.backlog_tokens = _mean(self.backlog_tokens, output_tokens)
 
     def set_addresses(self, addresses: list[str]) -> None:
         """The pool's pods are now ``addresses``; known pods keep their state."""
@@ -319,7 +314,6 @@ class PoolState:
                 window[0].recent -= 1
             window.append(pod)
             pod.recent += 1
-            self.picks += 1
 
     def done(self, address: str) -> None:
         """A request this replica sent the pod ended (answered, failed or aborted)."""

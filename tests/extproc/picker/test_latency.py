@@ -209,11 +209,14 @@ def test_capacity_is_learned_from_scrapes_that_saw_requests_waiting() -> None:
 
 def test_the_pools_typical_output_follows_the_budgets() -> None:
     pool = PoolState("pool", 2.0)
-    pool.note_output(100)
+    pool.note(300, 100)
+    assert (pool.prompt_mean, pool.backlog_tokens) == (300, 100)
+    pool.note(300, 0)  # no output budget said: the output mean keeps
     assert pool.backlog_tokens == 100
     for _ in range(500):
-        pool.note_output(20)
+        pool.note(40, 20)
     assert pool.backlog_tokens == pytest.approx(20, abs=0.1)
+    assert pool.prompt_mean == pytest.approx(40, abs=0.1)
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
