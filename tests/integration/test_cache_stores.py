@@ -20,7 +20,7 @@ from extproc.cache.store import MemoryVectorStore, VectorStore
 from sidecar_runtime.redis.breaker import BreakerState
 from sidecar_runtime.redis.client import make_client
 from simulator.embeddings import embed
-from tests.extproc.cache.test_guard import breaker_of
+from tests.extproc.cache.test_shielded import breaker_of
 from tests.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
