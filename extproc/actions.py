@@ -194,8 +194,43 @@ class RateCheck:
     """How Envoy reaches the services (``services.tls``); extproc reaches ratelimit the same way."""
 
 
-Step = Action | Lookup | RateCheck
-"""What a stream returns for a message: an answer, or I/O to do before answering (the only
-I/O a stream asks for: a cache lookup, a rate-limit check)."""
+@quick_init
+@dataclass(frozen=True)
+class Waited:
+    """How a flow-controlled wait ended: released to ``pods`` (best first; empty: Envoy
+    balances), or refused (``pods`` None) for ``reason`` (``max_wait``, ``max_queue``), after
+    ``waited_s`` seconds."""
+
+    pods: tuple[str, ...] | None
+    waited_s: float
+    reason: str = ""
+
+
+@quick_init
+@dataclass(frozen=True)
+class Hold:
+    """Not an answer yet: every pod of ``cluster`` is busy, and the request waits in extproc
+    (docs: Flow control) in the band of its ``priority`` among its ``tenant``'s, its body of
+    ``size`` bytes held meanwhile.
+
+    The service queues it (:mod:`extproc.flow.control`); when a pod has room it calls ``pick``
+    then and there (late binding: the pod the picker chooses at release) and hands the
+    :class:`Waited` to :meth:`extproc.stream.StreamState.held`, which calls ``resume``."""
+
+    cluster: str
+    priority: str
+    tenant: str
+    size: int
+    max_wait_s: float
+    max_queue: int
+    max_bytes: int
+    fairness: Literal["tenant", "none"]
+    pick: Callable[[], tuple[str, ...]]
+    resume: Callable[[Waited], Step]
+
+
+Step = Action | Lookup | RateCheck | Hold
+"""What a stream returns for a message: an answer, or something to do before answering (a
+cache lookup, a rate-limit check, a wait for a pod with room)."""
 
 PASS = Continue()

@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from extproc.actions import Hold, Waited
 from extproc.canary.policy import OPEN_CANARIES, CanaryPolicy
 from extproc.identity import Identity
 from extproc.picker.pick import Pick, Priority
@@ -25,9 +26,12 @@ class EndpointPicking(Protocol):
     """The endpoint picker as a request sees it (:class:`extproc.picker.runtime.PickerRuntime`)."""
 
     def pick(self, cluster: str, prompt: bytes, priority: Priority,
-             salt: str | None = None, work: Work = NO_WORK) -> Pick | None: ...
+             salt: str | None = None, work: Work = NO_WORK,
+             room_only: bool = False) -> Pick | None: ...
     def done(self, cluster: str, address: str) -> None: ...
     def answered(self, cluster: str, address: str, status: int) -> bool: ...
+    def must_wait(self, cluster: str) -> bool: ...
+    async def wait(self, hold: Hold) -> Waited: ...
 
 
 @quick_init

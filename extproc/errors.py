@@ -9,6 +9,7 @@ import orjson
 # cache's breaker.
 from sidecar_runtime.redis.shield import BackendError as BackendError
 from sidecar_runtime.redis.shield import NodeDown as NodeDown
+from sidecar_runtime.wire.names import QUEUED_HEADER
 
 
 class ClientError(Exception):
@@ -109,6 +110,21 @@ def method_not_allowed(method: str, path: str) -> ClientError:
     return ClientError(405, "method_not_allowed", f"{method} is not allowed on {path}.")
 
 
+
+
+def flow_refused(cluster: str, reason: str, retry_after_s: int, waited_s: float) -> ClientError:
+    """503 for a request that waited for a pod with room and got none (docs: Flow control):
+    ``max_wait`` passed, or the queue was full (``max_queue``) and this was the newest of its
+    lowest band."""
+    if reason == "max_queue":
+        why = (f"Every server of the pool `{cluster}` is busy and its waiting line is full; "
+               "this request was the newest of the lowest priority waiting.")
+    else:
+        why = (f"Every server of the pool `{cluster}` stayed busy for as long as a request may "
+               "wait.")
+    return ClientError(503, "server_overloaded", f"{why} Retry later.", type="server_error",
+                       headers=(("retry-after", str(retry_after_s)),
+                                (QUEUED_HEADER, str(round(waited_s * 1000)))))
 
 
 def server_overloaded(cluster: str, retry_after_s: int) -> ClientError:

@@ -56,6 +56,9 @@ class RequestRecord:
     sampled: bool = True
     """extproc read the response. False: recorded at the response headers (``telemetry.sample``),
     so ``duration_s`` is time to headers and there are no TTFT, TPOT or token counts."""
+    queued_s: float | None = None
+    """Seconds it waited in extproc for a pod with room (flow control); None: it did not wait.
+    ``duration_s`` includes the wait, ``ttft_s`` does not (it counts from the send)."""
     by_floor: bool = False
     """Read only because the model had reads left under ``telemetry.sample_min_per_s`` this
     second: in the metrics, not in the canary guard's windows. The floor takes the first

@@ -19,12 +19,14 @@ from extproc.actions import (
     Action,
     Continue,
     Found,
+    Hold,
     Lookup,
     Phase,
     RateCheck,
     Reply,
     Step,
     Verdict,
+    Waited,
     evolve,
 )
 from extproc.canary.policy import OPEN_CANARIES, PolicySource
@@ -119,6 +121,13 @@ class StreamState:
         """The next step of the message that asked for ``lookup``, given what it found."""
         try:
             return routed(lookup.resume(found))
+        except Exception as exc:
+            return self._failed(exc, "request_body")
+
+    def held(self, hold: Hold, waited: Waited) -> Step:
+        """The next step of the request that waited (``hold``), given how its wait ended."""
+        try:
+            return routed(hold.resume(waited))
         except Exception as exc:
             return self._failed(exc, "request_body")
 

@@ -6,6 +6,8 @@ Absent, Envoy balances the pool by least request as before; ``{}`` takes every d
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from routing.units import INTERVAL_PATTERN, parse_interval
@@ -76,6 +78,49 @@ class LoadMetricNames(_Strict):
     """A gauge of its KV-cache use from 0 to 1 (unset: the `kv_cache` scorer is neutral)."""
 
 
+MAX_WAIT_LIMIT_S = 120.0
+"""The longest ``max_wait`` accepted: a client holding a connection open that long without a
+byte is already past most clients' own timeouts."""
+
+DEFAULT_MAX_WAIT = "2s"
+"""A waiting request's limit when neither the pool nor its model's SLA sets one."""
+
+
+class FlowControlSpec(_Strict):
+    """Waiting instead of failing when every pod of the pool is busy (docs: Flow control): a
+    request that finds no pod with a free sequence slot waits in extproc, in its priority band,
+    and goes to the pod the picker chooses as soon as one has room. Each extproc process (each
+    ``--workers`` process) keeps its own queue; these bounds hold per process and pool."""
+
+    max_wait: str | None = Field(default=None, pattern=INTERVAL_PATTERN, examples=["2s"])
+    """The longest a request waits before it is answered 503 ``server_overloaded`` with
+    ``retry-after`` (unset: 2s). The rendered Envoy gives extproc longer than this to answer."""
+    max_queue: int = Field(default=1000, ge=1, le=1_000_000)
+    """Requests waiting at most; one more refuses the newest of the lowest band waiting."""
+    max_queue_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, le=2**34)
+    """Request bodies waiting at most, in bytes (extproc holds each body while it waits); more
+    refuses the newest of the lowest band as ``max_queue`` does."""
+    fairness: Literal["tenant", "none"] = "tenant"
+    """Within a band: ``tenant`` takes the tenants waiting in turn, one request each (a tenant
+    with 100 waiting delays another's first request by one); ``none`` is first come, first
+    served."""
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+    """The ``retry-after`` of the 503 that ends a wait."""
+
+    @field_validator("max_wait")
+    @classmethod
+    def _wait(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not 0.0 < parse_interval(value) <= MAX_WAIT_LIMIT_S:
+            raise ValueError(f"max_wait must be above 0 and at most {MAX_WAIT_LIMIT_S:g}s")
+        return value
+
+    @property
+    def max_wait_s(self) -> float:
+        return parse_interval(self.max_wait or DEFAULT_MAX_WAIT)
+
+
 class EndpointPickerSpec(_Strict):
     metrics_interval: str = Field(default="100ms", pattern=INTERVAL_PATTERN)
     """How often each pod's ``/metrics`` is scraped (``100ms``, ``1s``)."""
@@ -96,7 +141,11 @@ class EndpointPickerSpec(_Strict):
     clock-throttle reasons."""
     weights: PickerWeights = Field(default_factory=PickerWeights)
     saturation: SaturationSpec | None = Field(default_factory=SaturationSpec)
-    """Shedding of low-priority requests when the whole pool is saturated; ``null`` never sheds."""
+    """Shedding of low-priority requests when the whole pool is saturated; ``null`` never sheds.
+    Its ``kv_cache`` is also the KV use at which flow control counts a pod full."""
+    flow_control: FlowControlSpec | None = None
+    """Requests wait in priority bands while every pod is busy, instead of low ones being shed
+    and the others piled onto full pods (``{}``: the defaults; absent: no waiting)."""
 
     @field_validator("metrics_interval", "resolve_interval", "stale_after")
     @classmethod

@@ -169,6 +169,9 @@ class SimulateSpec(Strict):
     kv_cache_tokens: int | None = Field(default=None, ge=1, le=1_000_000_000)
     """KV cache of each simulated pod in tokens: a request waits while the running requests'
     prompts and output budgets leave no room for its own; default 8 x ``max_context``."""
+    max_num_seqs: int | None = Field(default=None, ge=1, le=65_536)
+    """Sequences each simulated pod runs at once (vLLM's ``--max-num-seqs``; the rest wait);
+    default 256."""
     engine: Literal["vllm", "sglang", "tgi", "llamacpp", "trtllm"] = "vllm"
     """Which engine the simulated pods pass for: its metric names and ``/metrics`` text, and the
     JSON shape of its stream chunks (``llm-sidecar sim --engine``)."""
@@ -183,6 +186,8 @@ class SimulateSpec(Strict):
                  "--speed", str(self.speed), "--engine", self.engine]
         if self.kv_cache_tokens is not None:
             flags += ["--kv-cache-tokens", str(self.kv_cache_tokens)]
+        if self.max_num_seqs is not None:
+            flags += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.natural_stop:
             flags.append("--natural-stop")
         if self.stream_interval != 1:

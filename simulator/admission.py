@@ -53,6 +53,8 @@ class Admission:
         self.kv_capacity = kv_capacity
         self.running = 0
         self.waiting = 0
+        self.peak_waiting = 0
+        """The most sequences ever waiting at once (how far a gateway overfilled the pod)."""
         self.kv_used = 0
         self._on_change = on_change
         self._queue: list[tuple[int, int, Need, asyncio.Future[None]]] = []
@@ -78,6 +80,8 @@ class Admission:
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._queue, (priority, next(self._arrivals), need, granted))
         self.waiting += need.sequences
+        if self.waiting > self.peak_waiting:
+            self.peak_waiting = self.waiting
         self._on_change()
         try:
             await granted

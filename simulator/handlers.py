@@ -183,6 +183,7 @@ def _state_view(state: SimState) -> dict[str, Any]:
         "real": {
             "running": running,
             "waiting": waiting,
+            "peak_waiting": state.engine.admission.peak_waiting,
             "kv_usage": kv_usage,
             "kv_used_tokens": state.engine.admission.kv_used,
             "prefix_cached_blocks": len(state.engine.prefix_cache),
@@ -205,8 +206,12 @@ async def list_requests(request: web.Request) -> web.Response:
 
 
 async def clear_requests(request: web.Request) -> web.Response:
-    """``DELETE /sim/requests`` (simulator only): empty the journal."""
-    return json_response({"deleted": request.app[STATE].journal.clear()})
+    """``DELETE /sim/requests`` (simulator only): empty the journal, and start the
+    ``peak_waiting`` of ``/sim/state`` over from what waits now."""
+    state = request.app[STATE]
+    admission = state.engine.admission
+    admission.peak_waiting = admission.waiting
+    return json_response({"deleted": state.journal.clear()})
 
 
 def _body(request: web.Request) -> object:

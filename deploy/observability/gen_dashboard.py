@@ -46,6 +46,14 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              "{{endpoint}} {{reason}}")]),
         ("Low-priority requests shed (pool saturated)", "reqps", [
             (f"sum by (cluster) (rate(llm_sidecar_shed_total{RATE}))", "{{cluster}}")]),
+        ("Flow control: requests waiting for a pod with room, by band", "short", [
+            ("sum by (cluster, priority) (llm_sidecar_flow_queue_depth)",
+             "{{cluster}} {{priority}}")]),
+        ("Flow control: P99 wait by band, and 503s after waiting", "s", [
+            (f"histogram_quantile(0.99, sum by (le, cluster, priority) "
+             f"(rate(llm_sidecar_flow_wait_seconds_bucket{RATE})))", "p99 {{cluster}} {{priority}}"),
+            (f"sum by (cluster, reason) (rate(llm_sidecar_flow_rejected_total{RATE}))",
+             "503/s {{cluster}} {{reason}}")]),
         ("Metrics scrape age and failures by pod", "s", [
             ("max by (cluster, endpoint) (llm_sidecar_endpoint_scrape_age_seconds)",
              "age {{endpoint}}"),

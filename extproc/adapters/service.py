@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
-from extproc.actions import NO_METADATA, Continue, Lookup, Phase, Reply, Step, evolve
+from extproc.actions import NO_METADATA, Continue, Hold, Lookup, Phase, Reply, Step, evolve
 from extproc.adapters import ext_proc_pb
 from extproc.adapters.rls_client import RateLimitClient
 from extproc.cache.metrics import CacheMetrics
@@ -103,6 +103,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 while not isinstance(step, _ANSWERS):
                     if isinstance(step, Lookup):
                         step = state.resume(step, await self._cache.lookup(step.keys))
+                    elif isinstance(step, Hold):
+                        # Only a picker pool is flow-controlled: the picker holds its queue.
+                        picker = self._picker
+                        assert picker is not None
+                        step = state.held(step, await picker.wait(step))
+                        started = clock()  # the phase's time is extproc's, not the wait
                     else:
                         step = state.admit(step, await self._limits.check(step))
                 try:  # free when nothing raises (3.11's zero-cost try)

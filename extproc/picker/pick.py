@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from extproc.picker.prefix import PrefixIndex, block_hashes
+from extproc.picker.room import has_room
 from extproc.picker.scoring import NO_WORK, PoolContext, Row, Work, saturated, score_rows
 from extproc.picker.state import UNREACHABLE_AFTER, Candidate, PoolState
 from routing.picker_schema import EndpointPickerSpec, PickerWeights, SaturationSpec
@@ -272,14 +273,47 @@ class EndpointPicker:
             keep += [a for a in pool.pods if a not in gone and a not in keep]
         return keep
 
+    def rooms(self, cluster: str) -> list[bool] | None:
+        """Which pods of ``cluster`` can start one more request now
+        (:func:`~extproc.picker.room.has_room`), in pool order; a pod that is unreachable or
+        ejected has none, unless every pod is (the scraper may be the one cut off). None: the
+        cluster has no picker."""
+        pool = self.pools.get(cluster)
+        if pool is None:
+            return None
+        spec = self._specs[cluster]
+        kv_full = (spec.saturation or SaturationSpec()).kv_cache
+        now = self._clock()
+        stale = now - pool.stale_s
+        _, slots = pool.medians()
+        rooms: list[bool] = []
+        down: list[bool] = []
+        for pod in pool.pods.values():
+            scraped = pod.scraped_at
+            metrics = pod.metrics if scraped is not None and scraped >= stale else None
+            rooms.append(has_room(pod, metrics, slots, kv_full))
+            down.append(pod.avoided(now))
+        if any(down) and not all(down):
+            rooms = [room and not dead for room, dead in zip(rooms, down, strict=True)]
+        return rooms
+
+    def has_room(self, cluster: str) -> bool:
+        """Can some pod of ``cluster`` start one more request now? True for a pool without a
+        picker or without pods: nothing to wait for there, Envoy balances it."""
+        rooms = self.rooms(cluster)
+        return not rooms or any(rooms)
+
     def pick(self, cluster: str, prompt: bytes, priority: Priority,
-             salt: str | None = None, work: Work = NO_WORK) -> Pick | None:
+             salt: str | None = None, work: Work = NO_WORK,
+             room_only: bool = False) -> Pick | None:
         """The pod for one request of ``cluster`` (None: the cluster has no picker). A named pod
         is counted as sent (and open until :meth:`done`) and remembered for the prompt's prefix.
         ``prompt`` is the text the model will see first to last (what vLLM's prefix cache keys
         on), not the JSON body, whose leading fields differ between identical prompts; ``salt``
         its ``cache_salt`` (a prefix is matched only among prompts of the same salt); ``work``
-        its prompt and output tokens (what `latency` estimates with)."""
+        its prompt and output tokens (what `latency` estimates with). ``room_only`` (flow
+        control): only a pod with room (:meth:`rooms`) is named first, the others back it up,
+        and nothing is shed."""
         pool = self.pools.get(cluster)
         if pool is None:
             return None
@@ -305,6 +339,11 @@ class EndpointPicker:
             rows.append((metrics, pod.sent_since_scrape, pod.in_flight, matches.get(address, 0.0),
                          pod.tpot_s, pod.capacity_estimate(slots, metrics), load))
             avoided.append(pod.connect_failures >= UNREACHABLE_AFTER or now < pod.ejected_until)
+        if room_only:
+            rooms = self.rooms(cluster)
+            if rooms and any(rooms):
+                avoided = [not room for room in rooms]
+            priority = "high"  # a flow-controlled pool waits instead of shedding
         if work.prompt_tokens <= 0:  # what extproc's estimate counts: 4 bytes a token
             work = Work(len(prompt) // 4, work.output_tokens)
         owed = None

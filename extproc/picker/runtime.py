@@ -11,6 +11,9 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
+from extproc.actions import Hold, Waited
+from extproc.flow.control import FlowControl
+from extproc.flow.metrics import FlowMetrics
 from extproc.picker.metrics import EndpointMetrics
 from extproc.picker.pick import EndpointPicker, Pick, Priority
 from extproc.picker.scoring import NO_WORK, Work
@@ -26,12 +29,15 @@ class PickerRuntime:
         self._config = config
         loop_time = self._clock = asyncio.get_running_loop().time
         self.picker = EndpointPicker(self._config, clock=loop_time)
-        self.scraper = Scraper(self.picker.pools, self._config, clock=loop_time)
+        self.flow = FlowControl(self.picker.has_room, FlowMetrics(registry), loop_time)
+        self.scraper = Scraper(self.picker.pools, self._config, clock=loop_time,
+                               on_scrape=self.flow.kick)
         self.metrics = EndpointMetrics(registry, self.picker.pools, loop_time)
 
     def pick(self, cluster: str, prompt: bytes, priority: Priority,
-             salt: str | None = None, work: Work = NO_WORK) -> Pick | None:
-        pick = self.picker.pick(cluster, prompt, priority, salt, work)
+             salt: str | None = None, work: Work = NO_WORK,
+             room_only: bool = False) -> Pick | None:
+        pick = self.picker.pick(cluster, prompt, priority, salt, work, room_only)
         if pick is not None:
             if pick.endpoint is not None:
                 self.metrics.picked(cluster, pick.endpoint, pick.reason)
@@ -41,6 +47,13 @@ class PickerRuntime:
 
     def done(self, cluster: str, address: str) -> None:
         self.picker.done(cluster, address)
+        self.flow.kick(cluster)  # its slot may be the room a waiting request needs
+
+    def must_wait(self, cluster: str) -> bool:
+        return self.flow.must_wait(cluster)
+
+    async def wait(self, hold: Hold) -> Waited:
+        return await self.flow.wait(hold)
 
     def answered(self, cluster: str, address: str, status: int) -> bool:
         """The picked pod's answer began with ``status``; True (and a warning) when that

@@ -152,8 +152,12 @@ class Scraper:
     """
 
     def __init__(self, pools: dict[str, PoolState], config: RoutingConfig, *,
-                 clock: Callable[[], float] | None = None, resolve: Resolve | None = None) -> None:
+                 clock: Callable[[], float] | None = None, resolve: Resolve | None = None,
+                 on_scrape: Callable[[str], None] | None = None) -> None:
         self._pools = pools
+        self._on_scrape = on_scrape
+        """Told the cluster after each good scrape of one of its pods (flow control releases
+        waiting requests into the room it shows)."""
         self._clock = clock
         self._resolve = resolve or resolve_system
         self._plans: dict[str, PoolPlan] = {}
@@ -362,6 +366,12 @@ class Scraper:
                                   gpu_mem_used_frac=gpu.mem_used_frac, throttled=gpu.throttled)
             if pool is not None:
                 pool.record_scrape(pod, metrics, self._now())
+                if self._on_scrape is not None:
+                    try:
+                        self._on_scrape(plan.cluster)
+                    except Exception:  # the scraping must go on whatever a listener does
+                        log.exception("extproc_internal_error", where="after scrape",
+                                      cluster=plan.cluster)
             if failures:
                 log.info("picker_scrape_recovered", cluster=plan.cluster, endpoint=pod,
                          failed=failures)

@@ -8,14 +8,14 @@ from typing import cast
 
 import orjson
 
-from extproc.actions import PASS, Action, Continue, ModeOverride, Settlement
+from extproc.actions import PASS, Action, Continue, Hold, ModeOverride, Settlement, Step, Waited, evolve
 from extproc.admission import admission_metadata, new_lease, usage_metadata
 from extproc.bodies import Api, GenerationBody, parse_generation
 from extproc.cache_salt import FIELD as CACHE_SALT
 from extproc.cache_salt import upstream_salt
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, output_per_sequence
-from extproc.errors import server_overloaded
+from extproc.errors import flow_refused, server_overloaded
 from extproc.output_budget import upstream_max_tokens
 from extproc.picker.pick import Priority
 from extproc.picker.scoring import Work
@@ -45,8 +45,11 @@ from extproc.sampling import sampled, stable_share, usage_plan
 from extproc.settlements import settlement_for
 from extproc.tokens import count_prompt, counter_for
 from extproc.usage import Usage, UsageMeter, UsageStripper, settled_tokens, tokens_to_charge
+from routing.compiled import ModelRoute
+from routing.picker_schema import FlowControlSpec
 from sidecar_runtime.wire.names import (
     ENVOY_USAGE_HEADER,
+    QUEUED_HEADER,
     RATELIMIT_BACKEND_HEADER,
     STRIP_USAGE_METADATA_KEY,
 )
@@ -84,6 +87,15 @@ class GenerationProcessor(BaseProcessor):
         return _READ_RESPONSE
 
     def on_response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
+        routed = self.phase
+        action = self._response_headers(headers, end_of_stream)
+        if isinstance(routed, Routed) and routed.queued_s is not None \
+                and isinstance(action, Continue):
+            waited = (QUEUED_HEADER, str(round(routed.queued_s * 1000)))
+            return evolve(action, set_headers=(*action.set_headers, waited))
+        return action
+
+    def _response_headers(self, headers: dict[str, str], end_of_stream: bool) -> Action:
         routed = self.phase
         if not isinstance(routed, Routed):
             if isinstance(routed, AwaitingBody):
@@ -155,6 +167,7 @@ class GenerationProcessor(BaseProcessor):
         Runs once per request (the phase is then :class:`Done`; later chunks pass through).
         """
         self.phase = advance(GENERATION, phase, event, DONE)
+        self._pod_done()
         decision = reading.routed.decision
         usage = reading.meter.finish()
         used = settled_tokens(usage, reading.status)
@@ -180,9 +193,7 @@ class GenerationProcessor(BaseProcessor):
         has one request less open from this replica. For a response extproc does not read,
         that is at its headers: the open count then covers requests the pod has not started
         answering, and the scraped queue covers the rest."""
-        if self.picked is not None and self.ctx.picker is not None:
-            self.ctx.picker.done(*self.picked)
-            self.picked = None
+        self._pod_done()
         phase = self.phase
         self.phase = advance(GENERATION, phase, "close", DONE)
         if isinstance(phase, Routed):
@@ -190,6 +201,12 @@ class GenerationProcessor(BaseProcessor):
         if isinstance(phase, Reading):
             return self._report(phase, phase.meter.finish(), None, aborted=True)
         return None
+
+    def _pod_done(self) -> None:
+        """Tell the picker the pod has one request less open from this replica (once)."""
+        if self.picked is not None and self.ctx.picker is not None:
+            self.ctx.picker.done(*self.picked)
+            self.picked = None
 
     def _report(self, reading: Reading, usage: Usage, charged: int | None,
                 aborted: bool = False, sampled: bool = True) -> RequestRecord:
@@ -228,10 +245,11 @@ class GenerationProcessor(BaseProcessor):
             limited=reading.limited,
             sampled=sampled,
             by_floor=reading.routed.by_floor,
+            queued_s=reading.routed.queued_s,
         )
         return record
 
-    def on_request_body(self, body: bytes) -> Action:
+    def on_request_body(self, body: bytes) -> Step:
         if not isinstance(self.phase, AwaitingBody):
             raise refuse(self.phase, "request_body")
         parsed = parse_generation(self.api, body)
@@ -242,7 +260,43 @@ class GenerationProcessor(BaseProcessor):
                        for prompt in parsed.prompts)
         demand = Demand(counts, parsed.max_output_tokens, parsed.choices, parsed.min_output_tokens)
         decision = decide_demand_for(self.ctx, model, demand)
-        pods = self._pick(decision, parsed, salt)
+        flow = self._flow_control(decision.cluster)
+        picker = self.ctx.picker
+        if flow is not None and picker is not None and picker.must_wait(decision.cluster):
+            # Every pod is busy (or others wait already): the request waits here, and is
+            # picked for when a pod has room (docs: Flow control).
+            return Hold(decision.cluster, decision.priority, self.ctx.identity.tenant,
+                        len(body), flow.max_wait_s, flow.max_queue, flow.max_queue_bytes,
+                        flow.fairness,
+                        pick=lambda: self._pick(decision, parsed, salt, room_only=True),
+                        resume=lambda waited: self._after_wait(waited, flow.retry_after_s,
+                                                               model, parsed, demand, decision,
+                                                               salt))
+        pods = self._pick(decision, parsed, salt, room_only=flow is not None)
+        return self._route(model, parsed, demand, decision, salt, pods, None,
+                           flow is not None)
+
+    def _flow_control(self, cluster: str) -> FlowControlSpec | None:
+        picker_spec = self.ctx.snapshot.config.clusters[cluster].endpoint_picker
+        return picker_spec.flow_control if picker_spec is not None else None
+
+    def _after_wait(self, waited: Waited, retry_after_s: int, model: ModelRoute,
+                    parsed: GenerationBody, demand: Demand, decision: Decision,
+                    salt: str | None) -> Continue:
+        """The request-body answer of a request that waited: a 503 when it was refused (it
+        reached no pod, reserved nothing), else routed to the pods picked at its release."""
+        if waited.pods is None:
+            raise flow_refused(decision.cluster, waited.reason, retry_after_s, waited.waited_s)
+        return self._route(model, parsed, demand, decision, salt, waited.pods, waited.waited_s,
+                           True)
+
+    def _route(self, model: ModelRoute, parsed: GenerationBody, demand: Demand,
+               decision: Decision, salt: str | None, pods: tuple[str, ...],
+               queued_s: float | None, flow: bool) -> Continue:
+        """The request-body answer that sends the request to its pool (``pods`` first, when
+        picked), with its reservation; ``queued_s``: how long it waited for them; ``flow``:
+        its pool is flow-controlled, so its response is read to the end (the picker then
+        knows the moment its slot is free)."""
         snapshot = self.ctx.snapshot
         canary = self.ctx.canaries.canary_for(model)
         plan = usage_plan(parsed)
@@ -258,7 +312,8 @@ class GenerationProcessor(BaseProcessor):
             plan = "extproc"  # this Envoy cannot read the usage (an Istio EnvoyFilter)
         telemetry = snapshot.config.telemetry
         reads_body = (
-            decision.variant == "canary"
+            flow
+            or decision.variant == "canary"
             or sampled(self.ctx.request_id, stable_share(
                 telemetry.sample, canary.percent if canary else None))
             # Without rate limits no usage is settled: only sampling decides.
@@ -277,7 +332,7 @@ class GenerationProcessor(BaseProcessor):
                                     headers, envoy_reads and parsed.stream
                                     and (parsed.include_usage or inject),
                                     strip_usage=inject and not envoy_reads,
-                                    sent_at=sent_at, by_floor=by_floor))
+                                    sent_at=sent_at, by_floor=by_floor, queued_s=queued_s))
         new_body = None
         # A client's own ``priority`` never reaches vLLM: with priority scheduling it would jump
         # the queue (lower is served first), so it is replaced by the tier, or dropped.
@@ -316,18 +371,20 @@ class GenerationProcessor(BaseProcessor):
                         route=RouteChosen(model.name, decision.cluster, decision.variant))
 
     def _pick(self, decision: Decision, parsed: GenerationBody,
-              salt: str | None) -> tuple[str, ...]:
+              salt: str | None, room_only: bool = False) -> tuple[str, ...]:
         """The pods to try, best first, when the pool has an endpoint picker (else none: Envoy
         balances it); a 503 ``server_overloaded`` for a low-priority request to a saturated
         pool. The prefix the picker keys on is the first prompt's text in order, within the
-        request's ``cache_salt`` as vLLM gets it (``salt``)."""
+        request's ``cache_salt`` as vLLM gets it (``salt``). ``room_only``: a flow-controlled
+        pool's pick (:meth:`~extproc.picker.pick.EndpointPicker.pick`)."""
         picker = self.ctx.picker
         spec = self.ctx.snapshot.config.clusters[decision.cluster].endpoint_picker
         if picker is None or spec is None:
             return ()  # before joining the prompt: most pools have no picker
         prompt = "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts else b""
         work = Work(decision.prompt_tokens, decision.output_tokens)
-        pick = picker.pick(decision.cluster, prompt, cast(Priority, decision.priority), salt, work)
+        pick = picker.pick(decision.cluster, prompt, cast(Priority, decision.priority), salt, work,
+                           room_only)
         if pick is None or pick.endpoint is None:
             if pick is not None and pick.shed and spec.saturation:
                 raise server_overloaded(decision.cluster, spec.saturation.retry_after_s)

@@ -104,6 +104,8 @@ class Routed:
     canary guard's p99)."""
     by_floor: bool = False
     """Read only for ``telemetry.sample_min_per_s`` (:class:`extproc.sampling.ReadFloor`)."""
+    queued_s: float | None = None
+    """Seconds it waited for a pod with room (flow control); None: it did not wait."""
 
 
 @quick_init  # built per request: no slots, so its __init__ can be the quick one

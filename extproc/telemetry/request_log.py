@@ -26,5 +26,6 @@ class LoggedTelemetry(ForwardingTelemetry):
             ttft_ms=None if record.ttft_s is None else round(record.ttft_s * 1000, 3),
             prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens,
             charged_tokens=record.charged_tokens, sampled=record.sampled,
+            queued_ms=None if record.queued_s is None else round(record.queued_s * 1000, 3),
         )
         self.inner.request_done(record)

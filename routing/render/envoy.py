@@ -202,6 +202,21 @@ def health_check_filter() -> dict[str, Any]:
     }
 
 
+WAIT_MARGIN_S = 1.0
+"""How much longer than the longest flow-control wait Envoy waits for extproc's answer: the
+503 that ends a wait must reach Envoy before Envoy gives up on extproc."""
+
+
+def extproc_message_timeout_s(config: RoutingConfig) -> float:
+    """ext_proc's ``message_timeout``: ``services.extproc_timeout_s``, or longer than the
+    longest ``flow_control.max_wait`` of a pool (a request holds its body answer that long),
+    so that Envoy never gives up on a request extproc is holding (docs: Flow control)."""
+    waits = [spec.endpoint_picker.flow_control.max_wait_s for spec in config.clusters.values()
+             if spec.endpoint_picker is not None and spec.endpoint_picker.flow_control is not None]
+    longest = max(waits, default=0.0)
+    return max(config.services.extproc_timeout_s, longest + WAIT_MARGIN_S if waits else 0.0)
+
+
 def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
     # extproc hands the LLM tokens a response used to the rate limiter in llm_sidecar, and
     # (endpoint_picker pools) the picked pods to the override_host balancer in envoy.lb.
@@ -216,7 +231,7 @@ def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
                              "retry_policy": EXTPROC_RETRY},
             "failure_mode_allow": config.services.failure_mode_allow,
             "status_on_error": {"code": 503},
-            "message_timeout": f"{config.services.extproc_timeout_s:g}s",
+            "message_timeout": f"{extproc_message_timeout_s(config):g}s",
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "request_body_mode": "BUFFERED",

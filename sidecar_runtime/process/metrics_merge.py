@@ -31,7 +31,8 @@ MIN_GAUGES = frozenset({
     "extproc_config_applied_timestamp_seconds",
 })
 """Gauges whose smallest worker value is the one to report."""
-SUMMED_GAUGES = frozenset({"llm_sidecar_endpoint_in_flight", "llm_sidecar_grpc_connections"})
+SUMMED_GAUGES = frozenset({"llm_sidecar_endpoint_in_flight", "llm_sidecar_grpc_connections",
+                           "llm_sidecar_flow_queue_depth"})
 """Gauges that count what each worker has (its requests open on a pod): the process's is the
 sum over the live workers."""
 

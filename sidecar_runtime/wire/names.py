@@ -72,6 +72,9 @@ VARIANT_HEADER = "x-llm-variant"
 (docs: Headers); ``x-llm-cluster`` names the pool the route's metadata match already chose."""
 CACHE_HEADER = "x-llm-cache"
 """To the client, on embeddings: ``hit``, ``partial``, ``miss`` or ``bypass``."""
+QUEUED_HEADER = "x-llm-queued-ms"
+"""To the client, on answers to requests that waited for a pod with room (flow control):
+milliseconds waited."""
 RATELIMIT_BACKEND_HEADER = "x-llm-ratelimit-backend"
 """``unavailable`` on the rate limiter's answer when it decided without its store
 (``on_backend_error: deny``): Envoy's local-reply mapper turns such a 429 into a 503, and so

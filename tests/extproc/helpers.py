@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from extproc.actions import Hold, Waited
+from extproc.picker.pick import EndpointPicker, Pick, Priority
+from extproc.picker.scoring import NO_WORK, Work
 from routing.compiled import Snapshot, compile_config
 from routing.loader import validate
 from routing.yamlsrc import Located
@@ -33,3 +36,27 @@ other media type, as vLLM does)."""
 def snapshot(**sections: Any) -> Snapshot:
     doc = {**BASE, **sections}
     return compile_config(validate(Located("test.yaml", doc, {})))
+
+
+class Unqueued:
+    """An :class:`EndpointPicker` as a request sees it, for tests whose pools have no flow
+    control (the runtime's queue needs an event loop; these tests call the stream directly)."""
+
+    def __init__(self, picker: EndpointPicker) -> None:
+        self.picker = picker
+
+    def pick(self, cluster: str, prompt: bytes, priority: Priority, salt: str | None = None,
+             work: Work = NO_WORK, room_only: bool = False) -> Pick | None:
+        return self.picker.pick(cluster, prompt, priority, salt, work, room_only)
+
+    def done(self, cluster: str, address: str) -> None:
+        self.picker.done(cluster, address)
+
+    def answered(self, cluster: str, address: str, status: int) -> bool:
+        return self.picker.answered(cluster, address, status)
+
+    def must_wait(self, cluster: str) -> bool:
+        return False
+
+    async def wait(self, hold: Hold) -> Waited:
+        raise AssertionError(f"{hold.cluster} is not flow-controlled in this test")

@@ -14,7 +14,7 @@ from extproc.actions import Continue, Reply
 from extproc.picker.pick import EndpointPicker
 from extproc.picker.state import EJECT_AFTER, PodMetrics
 from extproc.stream import StreamState
-from tests.extproc.helpers import BASE, JSON_POST, snapshot
+from tests.extproc.helpers import BASE, JSON_POST, Unqueued, snapshot
 
 SECRET = b"test-secret"
 PODS = ["10.0.0.21:8000", "10.0.0.22:8000", "10.0.0.23:8000"]
@@ -38,7 +38,7 @@ def picker_with(waiting: dict[str, float]) -> EndpointPicker:
 
 def send(picker: EndpointPicker, *, max_tokens: int = 4, extra: dict[str, str] | None = None
          ) -> tuple[StreamState, Continue | Reply]:
-    state = StreamState(picker_snapshot(), SECRET, picker=picker)
+    state = StreamState(picker_snapshot(), SECRET, picker=Unqueued(picker))
     headers = {":path": "/v1/chat/completions", **JSON_POST, "x-request-id": "r1",
                **(extra or {})}
     first = state.handle("request_headers", headers, b"", False)
@@ -84,7 +84,7 @@ def test_a_low_priority_request_to_a_saturated_pool_gets_503_with_retry_after() 
 
 def test_a_pool_without_a_picker_names_no_pod() -> None:
     picker = picker_with({})
-    state = StreamState(picker_snapshot(), SECRET, picker=picker)
+    state = StreamState(picker_snapshot(), SECRET, picker=Unqueued(picker))
     state.handle("request_headers", {":path": "/v1/chat/completions", **JSON_POST}, b"",
                  False)
     body = {"model": "llama-2-13b", "max_tokens": 4000,  # only vllm-long fits
@@ -98,7 +98,7 @@ def test_a_client_header_naming_a_pod_is_removed_and_steers_nothing() -> None:
     picker = picker_with({PODS[0]: 40})
     spoof = {"x-gateway-destination-endpoint": PODS[0],
              "x-gateway-destination-endpoint-subset": PODS[0]}
-    state = StreamState(picker_snapshot(), SECRET, picker=picker)
+    state = StreamState(picker_snapshot(), SECRET, picker=Unqueued(picker))
     first = state.handle("request_headers", {":path": "/v1/chat/completions",
                                              **JSON_POST, **spoof}, b"", False)
     assert isinstance(first, Continue)

@@ -13,7 +13,7 @@ import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.actions import Continue, Found, Lookup, Reply, Verdict
+from extproc.actions import Continue, Found, Hold, Lookup, Reply, Verdict, Waited
 from extproc.adapters import ext_proc_pb
 from extproc.stream import StreamState
 from routing.compiled import Snapshot
@@ -130,6 +130,8 @@ def run_stream(headers: Mapping[str, str], body: bytes | None,
                 step = state.resume(step, found if found is None else
                                     tuple(found[i % len(found)] if found else None
                                           for i in range(len(step.keys))))
+            elif isinstance(step, Hold):  # released at once, to what it picks then
+                step = state.held(step, Waited(step.pick(), 0.0))
             else:
                 step = state.admit(step, Verdict("ok"))
         answer = Answer(phase, ext_proc_pb.build(phase, step), time.perf_counter() - started)

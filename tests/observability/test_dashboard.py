@@ -11,6 +11,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from extproc.flow.metrics import FlowMetrics
 from extproc.picker.metrics import EndpointMetrics
 from extproc.telemetry.envoy_drift import EnvoyDrift
 from extproc.telemetry.metrics import ExtprocMetrics
@@ -34,6 +35,7 @@ def exported() -> set[str]:
     audit_redis(None, True, registry, "any")  # llm_sidecar_redis_unauthenticated, both services
     audit_key_id_secret(SecretStr("x"), True, registry)  # extproc
     EndpointMetrics(registry, {}, lambda: 0.0)  # extproc's endpoint picker
+    FlowMetrics(registry)  # extproc's flow control
     EnvoyDrift(registry)  # extproc: Envoy's bootstrap against the running file
     cache_metrics = importlib.util.find_spec("extproc.cache.metrics")
     if cache_metrics is not None:

@@ -109,7 +109,7 @@ def test_each_finished_request_is_one_line_with_every_field(stderr: io.StringIO)
         "variant": "stable", "tenant": "acme", "status": 200, "outcome": "ok", "streamed": False,
         "errored": False, "cache": None, "duration_ms": 12.5, "ttft_ms": None,
         "prompt_tokens": 24, "completion_tokens": 64, "charged_tokens": 88, "sampled": True,
-        "event": "request_done", "service": "llm-sidecar-extproc", "level": "info"}
+        "queued_ms": None, "event": "request_done", "service": "llm-sidecar-extproc", "level": "info"}
     assert list(line) == [*list(line)[:-3], "event", "service", "level"]  # the same order
 
 

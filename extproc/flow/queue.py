@@ -1,0 +1,159 @@
+"""The waiting line of one pool in one extproc process: three priority bands, tenants in turn
+within a band, bounded in requests and bytes (docs: Flow control). Pure data: no clock, no
+event loop; :mod:`extproc.flow.control` decides when to take the next one."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar
+
+Fairness = Literal["tenant", "none"]
+BANDS = ("high", "medium", "low")
+"""The bands, served in this order: one is served only while those before it are empty."""
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Ticket(Generic[T]):
+    """One waiting request: its band (an index of :data:`BANDS`), tenant, body size, arrival
+    order, and what the caller keeps with it (``item``)."""
+
+    band: int
+    tenant: str
+    size: int
+    item: T
+    seq: int = field(default=0)
+    key: str = field(default="")
+    """The line it waits in (its tenant, or one line for all): kept, so a reload that changes
+    ``fairness`` still finds it."""
+
+
+class _Band(Generic[T]):
+    """One band: a line per tenant (one line for every tenant without fairness), the lines
+    served in turn."""
+
+    def __init__(self) -> None:
+        self.lines: OrderedDict[str, deque[Ticket[T]]] = OrderedDict()
+        self.count = 0
+        self.bytes = 0
+
+    def push(self, ticket: Ticket[T], key: str) -> None:
+        ticket.key = key
+        line = self.lines.get(key)
+        if line is None:
+            line = self.lines[key] = deque()
+        line.append(ticket)
+        self.count += 1
+        self.bytes += ticket.size
+
+    def pop(self) -> Ticket[T]:
+        key, line = next(iter(self.lines.items()))
+        ticket = line.popleft()
+        if line:
+            self.lines.move_to_end(key)  # the next tenant's turn
+        else:
+            del self.lines[key]
+        self.count -= 1
+        self.bytes -= ticket.size
+        return ticket
+
+    def newest(self) -> Ticket[T]:
+        return max((line[-1] for line in self.lines.values()), key=lambda t: t.seq)
+
+    def remove(self, ticket: Ticket[T]) -> bool:
+        key = ticket.key
+        line = self.lines.get(key)
+        if line is None:
+            return False
+        try:
+            line.remove(ticket)
+        except ValueError:
+            return False
+        if not line:
+            del self.lines[key]
+        self.count -= 1
+        self.bytes -= ticket.size
+        return True
+
+
+class FlowQueue(Generic[T]):
+    """Requests waiting for a pod of one pool.
+
+    :meth:`add` takes a request, refusing the newest of the lowest band waiting (which may be
+    the new one; with tenant fairness, of its tenant with the most waiting) while over
+    ``max_queue`` requests or ``max_bytes`` of bodies; :meth:`pop` gives
+    the next to serve: the first band with any waiting, and in it the tenant whose turn it is
+    (``fairness: tenant``: round robin, one request per turn) or the oldest (``none``).
+    """
+
+    def __init__(self, max_queue: int, max_bytes: int, fairness: Fairness) -> None:
+        self.max_queue = max_queue
+        self.max_bytes = max_bytes
+        self.fairness: Fairness = fairness
+        self._bands: tuple[_Band[T], ...] = (_Band(), _Band(), _Band())
+        self._seq = 0
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return sum(band.count for band in self._bands)
+
+    def depth(self, band: int) -> int:
+        return self._bands[band].count
+
+    def _key(self, ticket: Ticket[T]) -> str:
+        return ticket.tenant if self.fairness == "tenant" else ""
+
+    def add(self, ticket: Ticket[T]) -> list[Ticket[T]]:
+        """Queue ``ticket``; returns the requests refused to make room (:meth:`_victim`; only
+        ``ticket`` itself when it is the one to refuse, or alone larger than ``max_bytes``):
+        they have left the queue."""
+        self._seq += 1
+        ticket.seq = self._seq
+        if ticket.size > self.max_bytes:
+            return [ticket]
+        self._bands[ticket.band].push(ticket, self._key(ticket))
+        self.bytes += ticket.size
+        refused: list[Ticket[T]] = []
+        while len(self) > self.max_queue or self.bytes > self.max_bytes:
+            victim = self._victim()
+            self._take(victim)
+            if victim is ticket:
+                # Refused itself: those it displaced come back (each was the newest of its
+                # line, so appending puts it back in its place); nobody goes for nothing.
+                for back in reversed(refused):
+                    self._bands[back.band].push(back, back.key)
+                    self.bytes += back.size
+                return [ticket]
+            refused.append(victim)
+        return refused
+
+    def _victim(self) -> Ticket[T]:
+        """The request a full queue refuses: the newest of the lowest band waiting; with
+        ``fairness: tenant`` the newest of that band's tenant with the most waiting, so a
+        tenant that floods the queue loses its own newest, not another tenant's first."""
+        band = next(b for b in reversed(self._bands) if b.count)
+        if self.fairness != "tenant":
+            return band.newest()
+        line = max(band.lines.values(), key=lambda line: (len(line), line[-1].seq))
+        return line[-1]
+
+    def pop(self) -> Ticket[T] | None:
+        """The next request to serve, taken out of the queue; None when none waits."""
+        for band in self._bands:
+            if band.count:
+                ticket = band.pop()
+                self.bytes -= ticket.size
+                return ticket
+        return None
+
+    def remove(self, ticket: Ticket[T]) -> bool:
+        """Take ``ticket`` out (its client left, or its wait ran out); False if not queued."""
+        return self._take(ticket)
+
+    def _take(self, ticket: Ticket[T]) -> bool:
+        if not self._bands[ticket.band].remove(ticket):
+            return False
+        self.bytes -= ticket.size
+        return True

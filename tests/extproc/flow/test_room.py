@@ -1,0 +1,68 @@
+"""When a pod can start one more request from this replica: flow control's test (see
+extproc/picker/room.py). Its own requests count exactly, the other replicas' as at the last
+scrape, and the room a scrape showed is shared."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.picker.room import flow_capacity, has_room
+from extproc.picker.state import CAPACITY_GUESS, PodMetrics, PodState
+
+KV_FULL = 0.98
+
+
+def pod(*, capacity: float | None = 6.0, in_flight: int = 0, at_scrape: int = 0,
+        max_running: float = 0.0) -> PodState:
+    state = PodState("10.0.0.1:8000", capacity=capacity, max_running=max_running)
+    state.in_flight, state.open_at_scrape = in_flight, at_scrape
+    return state
+
+
+@pytest.mark.parametrize(("state", "metrics", "room"), [
+    # One replica: full at the scrape, room as soon as one of its own requests ends.
+    (pod(in_flight=6, at_scrape=6), PodMetrics(running=6), False),
+    (pod(in_flight=5, at_scrape=6), PodMetrics(running=6), True),
+    # The pod had requests waiting: this replica's ending ones free the waiting ones' slots.
+    (pod(in_flight=5, at_scrape=6), PodMetrics(running=6, waiting=2), False),
+    (pod(in_flight=3, at_scrape=6), PodMetrics(running=6, waiting=2), True),
+    # Two replicas, three each on a full pod: only this replica's own ending frees its room.
+    (pod(in_flight=3, at_scrape=3), PodMetrics(running=6), False),
+    (pod(in_flight=2, at_scrape=3), PodMetrics(running=6), True),
+    # Two free slots seen by two replicas of equal load: this one takes its half (one).
+    (pod(capacity=8, in_flight=3, at_scrape=3), PodMetrics(running=6), True),
+    (pod(capacity=8, in_flight=4, at_scrape=3), PodMetrics(running=6), False),
+    # An idle pod is all this replica's to fill (nobody else's load was seen).
+    (pod(capacity=8, in_flight=7), PodMetrics(), True),
+    (pod(capacity=8, in_flight=8), PodMetrics(), False),
+    # A replica with nothing on a busy pod still gets one of its free slots.
+    (pod(capacity=8, in_flight=0), PodMetrics(running=6), True),
+    (pod(capacity=8, in_flight=1), PodMetrics(running=6), False),
+    # Sent but not on the pod yet at the scrape: counted as this replica's, not twice.
+    (pod(in_flight=5, at_scrape=5), PodMetrics(running=3), True),
+    (pod(in_flight=6, at_scrape=6), PodMetrics(running=3), False),
+    # A full KV cache is no room, whatever the sequences.
+    (pod(in_flight=0), PodMetrics(running=1, kv_usage=0.99), False),
+    # A pod whose engine has no KV gauge is judged by its sequences.
+    (pod(in_flight=0), PodMetrics(running=1, kv_usage=None), True),
+    # Unknown (no fresh metrics): this replica's own requests against the capacity.
+    (pod(in_flight=5), None, True),
+    (pod(in_flight=6), None, False),
+])
+def test_room(state: PodState, metrics: PodMetrics | None, room: bool) -> None:
+    assert has_room(state, metrics, None, KV_FULL) is room
+
+
+@pytest.mark.parametrize(("state", "slots", "metrics", "capacity"), [
+    (pod(capacity=6.0, max_running=9), None, None, 6.0),  # learned: as learned
+    (pod(capacity=None), None, PodMetrics(running=5, waiting=3), 5.0),  # full now
+    (pod(capacity=None), None, PodMetrics(running=0, waiting=3), 1.0),
+    (pod(capacity=None), None, None, CAPACITY_GUESS),  # never seen: the guess
+    (pod(capacity=None), 10.0, None, 10.0),  # or the pool's median
+    # Seen running at its estimate without a queue: twice that, so it can be seen full.
+    (pod(capacity=None, max_running=16), None, PodMetrics(running=16), 32.0),
+    (pod(capacity=None, max_running=64), 10.0, None, 128.0),
+])
+def test_capacity(state: PodState, slots: float | None, metrics: PodMetrics | None,
+                  capacity: float) -> None:
+    assert flow_capacity(state, slots, metrics) == capacity
