@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from extproc.quick_init import quick_init
 from extproc.records import Rejection, RequestRecord, RouteChosen
+from routing.compiled import Canary
 from routing.schema import ServicesTls
 
 Phase = Literal["request_headers", "request_body", "request_trailers", "response_headers",
@@ -46,6 +47,30 @@ class CacheWrite:
 
 Descriptor = tuple[tuple[str, str], ...]
 """One rate-limit descriptor: its (key, value) entries in order."""
+
+
+@quick_init
+@dataclass(frozen=True)
+class ShadowJob:
+    """A finished stable answer to replay on the canary (docs: Canary verdict), once the answer
+    carrying this is sent. The service hands it to the shadow runner, which never delays or
+    changes the client's answer."""
+
+    model: str
+    """The stable model's name (what the verdict is labelled with)."""
+    canary: Canary
+    path: str
+    """``/v1/chat/completions`` or ``/v1/completions``."""
+    body: bytes
+    """The request as stable's pool got it, for the canary's model, streamed with usage. No
+    header of the client's goes with it."""
+    prompt: bytes
+    """What the canary pool's picker keys on (the first prompt's text)."""
+    stable_text: str
+    stable_ttft_s: float | None
+    stable_tpot_s: float | None
+    stable_cost: float
+    """Stable's completion tokens, times its pool's ``cost_per_1k_tokens`` / 1000 when set."""
 
 
 @quick_init
@@ -85,6 +110,8 @@ class Continue:
     Envoy's override_host balancer follows in order (the next on a retry)."""
     route: RouteChosen | None = field(default=None, compare=False, repr=False)
     """The routing decision, when this answer sends the request to a pool."""
+    shadow: ShadowJob | None = field(default=None, compare=False, repr=False)
+    """A stable answer to replay on the canary, when this answer ends one chosen for it."""
     record: RequestRecord | None = field(default=None, compare=False, repr=False)
     """The request, when this answer ends it. What an answer reports (this, :attr:`route`) is
     handed to telemetry by the service (:func:`extproc.telemetry.events.emit`): neither the

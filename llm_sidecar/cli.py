@@ -60,7 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                                   "# yaml-language-server: $schema=FILE)")
 
     canary = sub.add_parser("canary", help="canary vs stable side by side, from extproc's "
-                                           "/metrics, with a verdict per measure")
+                                           "/metrics, with a verdict per measure, then each "
+                                           "model's canary verdict on its shadow pairs "
+                                           "(promote, hold, rollback, with every figure)")
     canary.add_argument("--metrics", required=True,
                         help="extproc metrics URL, e.g. http://127.0.0.1:9101/metrics")
     canary.add_argument("--model", default=None, help="one model (default: every model with "

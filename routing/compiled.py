@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from routing.schema import GuardSpec, RoutingConfig
+from routing.schema import CompareSpec, GuardSpec, RoutingConfig
 from routing.units import parse_duration
 
 PRIORITY_TIERS = ("high", "medium", "low")
@@ -33,6 +33,7 @@ class Canary:
     sticky: Literal["api_key", "tenant", "request"]
     max_context: int
     guard: GuardSpec | None = None
+    compare: CompareSpec | None = None
 
     @property
     def threshold(self) -> int:
@@ -121,7 +122,7 @@ def compile_config(config: RoutingConfig) -> Snapshot:
         if spec.canary is not None:
             c = spec.canary
             canary = Canary(c.model, c.cluster, c.percent, c.sticky,
-                            config.clusters[c.cluster].max_context, c.guard)
+                            config.clusters[c.cluster].max_context, c.guard, c.compare)
         cache = None
         if spec.cache is not None:
             cache = CachePolicy(spec.cache.namespace, parse_duration(spec.cache.ttl),

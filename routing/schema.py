@@ -169,6 +169,10 @@ class SimulateSpec(Strict):
     kv_cache_tokens: int | None = Field(default=None, ge=1, le=1_000_000_000)
     """KV cache of each simulated pod in tokens: a request waits while the running requests'
     prompts and output budgets leave no room for its own; default 8 x ``max_context``."""
+    drift: float = Field(default=0.0, ge=0, le=1)
+    """Share of each answer's words the simulated pods change (a canary that answers
+    differently, for the canary verdict); 0: the same prompt gets the same answer on every
+    pod."""
     max_num_seqs: int | None = Field(default=None, ge=1, le=65_536)
     """Sequences each simulated pod runs at once (vLLM's ``--max-num-seqs``; the rest wait);
     default 256."""
@@ -188,6 +192,8 @@ class SimulateSpec(Strict):
             flags += ["--kv-cache-tokens", str(self.kv_cache_tokens)]
         if self.max_num_seqs is not None:
             flags += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.drift:
+            flags += ["--drift", str(self.drift)]
         if self.natural_stop:
             flags.append("--natural-stop")
         if self.stream_interval != 1:
@@ -209,6 +215,9 @@ class ClusterSpec(Strict):
     endpoint_picker: EndpointPickerSpec | None = None
     """extproc picks the pod from each pod's live vLLM metrics (``{}``: defaults); absent:
     Envoy's least-request balancing."""
+    cost_per_1k_tokens: float | None = Field(default=None, ge=0, le=1_000_000)
+    """What 1,000 tokens this pool generates cost (any currency): the canary verdict compares
+    cost per request with it; unset, completion tokens are compared."""
 
     @field_validator("upstream_api_key_env")
     @classmethod
@@ -243,6 +252,35 @@ class GuardSpec(Strict):
     """Trip when canary p99 time-to-first-token > this x stable's."""
 
 
+class CompareSpec(Strict):
+    """Judge the canary on what it answers (docs: Canary verdict): a share of stable requests is
+    replayed on the canary model out of band, as a shadow, and each pair compared."""
+
+    shadow_percent: float = Field(default=2.0, gt=0, le=100)
+    """Share of finished stable chat and completions requests replayed on the canary."""
+    min_samples: int = Field(default=30, ge=2, le=1_000_000)
+    """Pairs compared before a verdict other than ``hold``."""
+    rouge_l_min: float = Field(default=0.5, ge=0, le=1)
+    """Rollback when the canary's mean ROUGE-L F1 against stable's answers is below this."""
+    ttft_p99_max_ratio: float = Field(default=1.2, gt=0)
+    """Rollback when the canary's P99 time to first token over stable's is above this."""
+    cost_max_ratio: float = Field(default=1.2, gt=0)
+    """Rollback when the canary's mean cost per request over stable's is above this (completion
+    tokens, times each pool's ``cost_per_1k_tokens`` when set)."""
+    action: Literal["report", "rollback"] = "report"
+    """``rollback``: a rollback verdict stops the canary as its guard does (every replica and
+    worker, kept across restarts); ``report``: the verdict is only shown."""
+    exclude_tenants: tuple[str, ...] = Field(default=(), max_length=10_000)
+    """Tenants whose requests are never replayed."""
+    max_shadows_per_s: float = Field(default=5.0, gt=0, le=10_000)
+    """The shadows' own budget, per extproc process: past it a pair is skipped. Shadows are
+    charged to no client's limits."""
+    max_in_flight: int = Field(default=4, ge=1, le=1024)
+    """Shadows open at once per extproc process; more are skipped."""
+    timeout_s: float = Field(default=60.0, gt=0, le=600)
+    """How long a shadow may take before it is dropped (no pair)."""
+
+
 class CanarySpec(Strict):
     model: str
     """The model name the canary serves; the request body's model is rewritten to it."""
@@ -253,6 +291,9 @@ class CanarySpec(Strict):
     sticky: Literal["api_key", "tenant", "request"] = "api_key"
     """What keeps a client on one variant: its API key, its tenant, or nothing (per request)."""
     guard: GuardSpec | None = None
+    compare: CompareSpec | None = None
+    """Shadow a share of stable requests on the canary and judge it on quality, latency and
+    cost (``{}``: the defaults)."""
 
     @field_validator("percent", mode="before")
     @classmethod

@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "reached)",
     )
     parser.add_argument(
+        "--drift",
+        type=float,
+        default=0.0,
+        help="share of each answer's words replaced by others, 0 to 1 (a canary that answers "
+        "differently; default 0: the same prompt gets the same answer on every pod)",
+    )
+    parser.add_argument(
         "--stream-interval",
         type=int,
         default=1,
@@ -100,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         decode_ms_per_token=args.decode_ms_per_token,
         default_output_tokens=args.default_output_tokens,
         natural_stop=args.natural_stop,
+        drift=args.drift,
         stream_interval=args.stream_interval,
         embedding_dim=args.embedding_dim,
         tokenizer=args.tokenizer,

@@ -45,6 +45,9 @@ class SimConfig:
     speed: float = 1.0
     dcgm: bool = True
     engine: str = "vllm"
+    drift: float = 0.0
+    """Share of each answer's words replaced by others (a canary that answers differently);
+    which words, and by what, follow from the prompt, so a drifting pod is deterministic too."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -70,6 +73,8 @@ class SimConfig:
             problems.append("prefix_block_size must be at least 1")
         if not self.speed > 0 or self.speed == float("inf"):
             problems.append("speed must be a positive number")
+        if not 0.0 <= self.drift <= 1.0:
+            problems.append("drift must be between 0 and 1")
         if self.engine not in ENGINES:
             problems.append(f"engine must be one of {', '.join(ENGINES)}")
         if problems:

@@ -99,9 +99,11 @@ def plan_output(
     natural_stop: bool = False,
     min_tokens: int = 0,
     choice: int = 0,
+    drift: float = 0.0,
 ) -> SequencePlan:
     """The output of one prompt (see module docstring); checks the context window first.
-    ``choice``: which of the prompt's ``n`` sequences (each samples other words)."""
+    ``choice``: which of the prompt's ``n`` sequences (each samples other words); ``drift``:
+    the share of its words replaced (:func:`drifted`)."""
     check_context(prompt_tokens, max_tokens, max_model_len)
     room = max_model_len - prompt_tokens
     natural = max(default_output_tokens, min_tokens)
@@ -114,7 +116,10 @@ def plan_output(
     else:
         count, finish = room, "length"
     seed = prompt_seed(prompt) + (b"\0choice %d" % choice if choice else b"")
-    return SequencePlan(prompt_tokens, output_pieces(seed, count), finish, prefix_blocks)
+    pieces = output_pieces(seed, count)
+    if drift > 0.0:
+        pieces = drifted(pieces, seed, drift)
+    return SequencePlan(prompt_tokens, pieces, finish, prefix_blocks)
 
 
 def prompt_seed(prompt: Prompt) -> bytes:
@@ -132,6 +137,24 @@ def _chat_bytes(prompt: ChatPrompt) -> bytes:
         parts.append(message.role.encode("utf-8"))
         parts.extend(text.encode("utf-8") for text in message.texts)
     return b"\0".join(parts)
+
+
+def drifted(pieces: tuple[str, ...], seed: bytes, share: float) -> tuple[str, ...]:
+    """``pieces`` with about ``share`` of its words replaced by others: word ``k`` is replaced
+    when the ``k``-th byte of a second stream of ``seed`` falls below ``share`` of 256, by the
+    word the third stream names (never itself). Deterministic, so a test can know the answer."""
+    count = len(pieces)
+    stream = hashlib.shake_256(b"drift\0" + seed).digest(2 * count)
+    limit = share * 256.0
+    out = list(pieces)
+    for k in range(count):
+        if stream[k] < limit:
+            word = pieces[k].lstrip(" ")
+            other = _WORDS[stream[count + k] % len(_WORDS)]
+            if other == word:
+                other = _WORDS[(stream[count + k] + 1) % len(_WORDS)]
+            out[k] = ("" if k == 0 else " ") + other
+    return tuple(out)
 
 
 def output_pieces(seed: bytes, count: int) -> tuple[str, ...]:

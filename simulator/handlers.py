@@ -252,6 +252,7 @@ async def _generate(request: web.Request, parsed: GenerationRequest, *, chat: bo
             config.natural_stop,
             parsed.min_tokens,
             choice,
+            config.drift,
         )
         for prompt in parsed.prompts
         for choice in range(parsed.n)

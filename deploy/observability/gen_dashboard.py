@@ -26,6 +26,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Routing decisions by cluster and variant", "reqps", [
             (f"sum by (cluster, variant) (rate(llm_sidecar_route_decisions_total{RATE}))",
              "{{cluster}} {{variant}}")]),
+        ("Canary verdict: mean ROUGE-L of the shadow pairs, and rollback", "short", [
+            ("max by (model) (llm_sidecar_canary_rouge_l)", "ROUGE-L {{model}}"),
+            ('max by (model) (llm_sidecar_canary_verdict{verdict="rollback"})',
+             "rollback {{model}}")]),
     ]),
     # Diagnosis order: the prefix (KV) cache hit rate first, because a pod that misses it
     # recomputes each prompt, which shows up as slow prefill and then as a queue and slow

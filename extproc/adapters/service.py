@@ -25,6 +25,8 @@ from extproc.cache.shielded import VectorCache, open_vector_cache
 from extproc.cache.store import MemoryVectorStore
 from extproc.canary.guard import CANARY_TRIPS, CanaryGuards, GuardedTelemetry
 from extproc.canary.report import MIN_SAMPLES, render_all
+from extproc.canary.shadow import ShadowRunner
+from extproc.canary.verdict import PairMetrics, verdicts_text
 from extproc.context import EndpointPicking
 from extproc.picker.runtime import PickerRuntime
 from extproc.sampling import ReadFloor
@@ -67,8 +69,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                  limits: RateLimitClient | None = None,
                  picker: EndpointPicking | None = None,
                  settlements: SettlementBatcher | None = None,
-                 drift: EnvoyDrift | None = None) -> None:
+                 drift: EnvoyDrift | None = None,
+                 shadows: ShadowRunner | None = None) -> None:
         self._snapshot = snapshot
+        self._shadows = shadows
         self._on_stale = drift.observe if drift is not None else None
         self._settlements = settlements
         self._picker = picker
@@ -120,10 +124,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     step = self._settled(step)
                 response = ext_proc_pb.build(phase, step)
                 telemetry.phase(phase, clock() - started)
-                if isinstance(step, Continue) and step.store is not None:
+                if isinstance(step, Continue):
                     # Scheduled before the yield: code after it does not run if the stream
                     # ends here.
-                    self._cache.store_later(step.store)
+                    if step.store is not None:
+                        self._cache.store_later(step.store)
+                    if step.shadow is not None and self._shadows is not None:
+                        self._shadows.submit(step.shadow)
                 yield response
                 if isinstance(step, Continue) and step.mode is not None:
                     responses_asked = (step.mode.response_headers
@@ -225,10 +232,15 @@ class ExtprocService:
             settings.settle_batch_ms / 1000, settlements_counter(self.registry),
             settings.settle_batch_min)
         self._picker = PickerRuntime(snapshot().config, self.registry)
+        self._shadows = ShadowRunner(snapshot, self._guards, PairMetrics(self.registry),
+                                     self._picker, self._stopped_by_verdict)
         self._drift = EnvoyDrift(self.registry)
         self.reloader.subscribe(lambda fresh: self._picker.follow(fresh.config))
         self.ops_pages: Mapping[str, Callable[[Mapping[str, str]], str]] = {
             "/canary": lambda query: canary_page(self.registry, query)}
+
+    def _stopped_by_verdict(self, model: str) -> None:
+        self._canary_tripped.labels(model).set(1)
 
     def _sync_canaries(self) -> None:
         for model in self._guards.sync(self.reloader.current()):
@@ -251,13 +263,14 @@ class ExtprocService:
                 self._sync_canaries_every(self._settings.reload_interval_s))
         servicer = ExternalProcessor(self.reloader.current, self._settings, self._telemetry,
                                      self._guards, self._cache, self._limits, self._picker,
-                                     self._settlements, self._drift)
+                                     self._settlements, self._drift, self._shadows)
         pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
 
     async def close(self) -> None:
         if self._syncing is not None:
             self._syncing.cancel()
             await asyncio.gather(self._syncing, return_exceptions=True)
+        await self._shadows.aclose()
         await self._settlements.aclose()  # the streams are done: send the last batch
         await self._cache.aclose()
         await self._limits.aclose()
@@ -273,8 +286,11 @@ def canary_page(registry: CollectorRegistry, query: Mapping[str, str]) -> str:
 
 
 def canary_text(query: Mapping[str, str], metrics_text: str) -> str:
-    """The ``/canary`` page from a metrics text (one process's, or its workers' merged)."""
+    """The ``/canary`` page from a metrics text (one process's, or its workers' merged): the
+    side-by-side comparison, then the shadow pairs' verdicts."""
     text = query.get("min_samples", str(MIN_SAMPLES))
     if not text.isdigit():
         raise ValueError("min_samples must be a whole number")
-    return render_all(metrics_text, int(text))
+    page = render_all(metrics_text, int(text))
+    verdicts = verdicts_text(metrics_text)
+    return f"{page}\n\n{verdicts}" if verdicts else page

@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 
 from extproc.canary.report import render, render_all, report
+from extproc.canary.verdict import verdicts_text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,4 +22,8 @@ def run(args: argparse.Namespace) -> int:
         print(render(report(text, args.model, args.min_samples), args.model))
     else:
         print(render_all(text, args.min_samples))
+    verdicts = verdicts_text(text)
+    if verdicts:
+        print()
+        print(verdicts)
     return 0

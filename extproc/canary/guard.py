@@ -134,28 +134,44 @@ class CanaryGuards:
         model = snapshot.models.get(record.model)
         if model is None or model.canary is None or model.canary.guard is None:
             return None
-        key = (model.name, model.canary)
-        guard = self._guards.get(key)
-        if guard is None:
-            # A changed canary config starts over; forget guards of configs no longer in use.
-            stale = [k for k in self._guards if k[0] == model.name]
-            for old in stale:
-                del self._guards[old]
-                self._unshare(*old)  # a config that comes back later starts afresh
-            guard = self._guards[key] = _Guard(model.canary)
-            if stale:
-                self._publish()
+        guard = self._guard(model.name, model.canary)
         if guard.tripped:
             return None
         (guard.candidate if record.variant == "canary" else guard.stable).add(record)
         reason = verdict(model.canary.guard, guard.stable, guard.candidate)
         if reason is not None:
-            guard.tripped = reason
-            self._publish()
-            log.warning("canary_guard_tripped", model=model.name, canary=model.canary.model,
-                        reason=reason)
-            self._share(model.name, model.canary, reason)
+            self._trip(model.name, guard, reason, "canary_guard_tripped")
         return reason
+
+    def stop(self, model: str, canary: Canary, reason: str) -> bool:
+        """Stop ``model``'s ``canary`` as a tripped guard does (the canary verdict's rollback):
+        here, in the other workers, and after a restart while its config stays. False when it
+        was stopped already."""
+        guard = self._guard(model, canary)
+        if guard.tripped:
+            return False
+        self._trip(model, guard, reason, "canary_rolled_back")
+        return True
+
+    def _guard(self, model: str, canary: Canary) -> _Guard:
+        key = (model, canary)
+        guard = self._guards.get(key)
+        if guard is None:
+            # A changed canary config starts over; forget guards of configs no longer in use.
+            stale = [k for k in self._guards if k[0] == model]
+            for old in stale:
+                del self._guards[old]
+                self._unshare(*old)  # a config that comes back later starts afresh
+            guard = self._guards[key] = _Guard(canary)
+            if stale:
+                self._publish()
+        return guard
+
+    def _trip(self, model: str, guard: _Guard, reason: str, event: str) -> None:
+        guard.tripped = reason
+        self._publish()
+        log.warning(event, model=model, canary=guard.canary.model, reason=reason)
+        self._share(model, guard.canary, reason)
 
     def _share(self, model: str, canary: Canary, reason: str) -> None:
         if self._shared is None:
@@ -180,7 +196,8 @@ class CanaryGuards:
         stopped: list[str] = []
         for model in snapshot.models.values():
             canary = model.canary
-            if canary is None or canary.guard is None:
+            if canary is None or (canary.guard is None and (
+                    canary.compare is None or canary.compare.action != "rollback")):
                 continue
             guard = self._guards.get((model.name, canary))
             if guard is not None and guard.tripped:

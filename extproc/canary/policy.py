@@ -15,15 +15,15 @@ from routing.compiled import Canary, ModelRoute
 
 @dataclass(frozen=True)
 class CanaryPolicy:
-    """Which guarded canaries this replica has stopped, keyed by (model, canary config): a
-    changed ``canary:`` config is a new key, so it starts again."""
+    """Which canaries this replica has stopped (its guard, or its verdict's rollback), keyed by
+    (model, canary config): a changed ``canary:`` config is a new key, so it starts again."""
 
     stopped: frozenset[tuple[str, Canary]] = frozenset()
 
     def canary_for(self, model: ModelRoute) -> Canary | None:
-        """The canary in force for ``model``: None when its guard has stopped it."""
+        """The canary in force for ``model``: None when it has been stopped."""
         canary = model.canary
-        if canary is None or canary.guard is None or not self.stopped:
+        if canary is None or not self.stopped:
             return canary
         return None if (model.name, canary) in self.stopped else canary
 

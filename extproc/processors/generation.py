@@ -4,15 +4,27 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import orjson
 
-from extproc.actions import PASS, Action, Continue, Hold, ModeOverride, Settlement, Step, Waited, evolve
+from extproc.actions import (
+    PASS,
+    Action,
+    Continue,
+    Hold,
+    ModeOverride,
+    Settlement,
+    ShadowJob,
+    Step,
+    Waited,
+    evolve,
+)
 from extproc.admission import admission_metadata, new_lease, usage_metadata
 from extproc.bodies import Api, GenerationBody, parse_generation
 from extproc.cache_salt import FIELD as CACHE_SALT
 from extproc.cache_salt import upstream_salt
+from extproc.canary.text import AnswerText
 from extproc.context import RequestContext
 from extproc.decide import Decision, Demand, output_per_sequence
 from extproc.errors import flow_refused, server_overloaded
@@ -62,6 +74,20 @@ _READ_RESPONSE = Continue(mode=ModeOverride(response_headers=True, response_body
 """The answer to every request's headers (values are frozen: one serves every request)."""
 
 
+SHADOW_ID = "shadow\0"
+"""Salts the request id for the shadow draw, so it is independent of the telemetry sample."""
+
+
+def shadow_body(doc: dict[str, Any], canary_model: str) -> bytes:
+    """The request as stable's pool got it (``doc``), for ``canary_model``: streamed with usage
+    (the pair's TTFT, time per output token and completion tokens come from it)."""
+    shadow = dict(doc)
+    shadow["model"] = canary_model
+    shadow["stream"] = True
+    shadow["stream_options"] = {"include_usage": True}
+    return orjson.dumps(shadow)
+
+
 class GenerationProcessor(BaseProcessor):
     """``/v1/chat/completions`` and ``/v1/completions``.
 
@@ -76,6 +102,8 @@ class GenerationProcessor(BaseProcessor):
         super().__init__(ctx)
         self.api = api
         self.phase: GenerationPhase = AWAITING_BODY
+        self._prompt = b""
+        """The first prompt's text, kept for a shadow (what the canary pool's picker keys on)."""
         self.picked: tuple[str, str] | None = None
         """The pool and pod the endpoint picker sent this request to (told at the stream's
         end, whatever the phase: the pod has one request less open from this replica)."""
@@ -109,7 +137,8 @@ class GenerationProcessor(BaseProcessor):
                           # down) mark themselves.
                           "x-envoy-ratelimited" in headers or RATELIMIT_BACKEND_HEADER in headers,
                           UsageMeter(streamed),
-                          stripper=UsageStripper() if streamed and routed.strip_usage else None)
+                          stripper=UsageStripper() if streamed and routed.strip_usage else None,
+                          answer=AnswerText(streamed) if routed.shadow is not None else None)
         if self.picked is not None and self.ctx.picker is not None \
                 and UPSTREAM_ANSWERED in headers:
             # The pod's own answer: a run of 5xx ejects it. Envoy's local replies (the rate
@@ -151,6 +180,8 @@ class GenerationProcessor(BaseProcessor):
             if times.first is None:
                 times.first = now
             times.last = now
+        if reading.answer is not None:
+            reading.answer.feed(chunk)
         sent = reading.stripper.feed(chunk) if reading.stripper is not None else None
         # Finish on ``[DONE]``, not only at end of stream: a client that hangs up right after
         # it (the openai SDK does) resets the stream before its end reaches extproc, and the
@@ -173,11 +204,29 @@ class GenerationProcessor(BaseProcessor):
         used = settled_tokens(usage, reading.status)
         record = self._report(reading, usage, used if used is not None else tokens_to_charge(
             usage, decision.prompt_tokens, decision.output_tokens))
+        shadow = self._shadow(reading, record)
         if used is None:
-            return Continue(record=record)
+            return Continue(record=record, shadow=shadow)
         settle = None if reading.routed.envoy_reads_usage and reading.streamed \
             else self._settlement(reading.routed, used)
-        return Continue(metadata=usage_metadata(used), settle=settle, record=record)
+        return Continue(metadata=usage_metadata(used), settle=settle, record=record,
+                        shadow=shadow)
+
+    def _shadow(self, reading: Reading, record: RequestRecord) -> ShadowJob | None:
+        """The replay on the canary of a complete, good stable answer chosen for one."""
+        body, answer = reading.routed.shadow, reading.answer
+        if body is None or answer is None or reading.status != 200 or record.errored:
+            return None
+        answer.finish()
+        canary = self.ctx.canaries.canary_for(self.ctx.snapshot.models[reading.routed.model])
+        if answer.broken or not answer.text or canary is None:
+            return None  # the canary may have been stopped meanwhile
+        clusters = self.ctx.snapshot.config.clusters
+        price = clusters[record.cluster].cost_per_1k_tokens
+        tokens = record.completion_tokens
+        return ShadowJob(record.model, canary, self.ctx.path, body, self._prompt,
+                         answer.text, record.ttft_s, record.tpot_s,
+                         tokens * price / 1000 if price is not None else float(tokens))
 
     def _settlement(self, routed: Routed, used: int) -> Settlement | None:
         """What extproc may settle itself (the service decides: see :mod:`extproc.settlements`);
@@ -311,8 +360,15 @@ class GenerationProcessor(BaseProcessor):
         if not envoy_reads:
             plan = "extproc"  # this Envoy cannot read the usage (an Istio EnvoyFilter)
         telemetry = snapshot.config.telemetry
+        compare = canary.compare if canary is not None and decision.variant == "stable" else None
+        # A share of stable answers is replayed on the canary and compared: those are read,
+        # for their text (docs: Canary verdict).
+        shadowed = compare is not None \
+            and self.ctx.identity.tenant not in compare.exclude_tenants \
+            and sampled(SHADOW_ID + self.ctx.request_id, compare.shadow_percent / 100)
         reads_body = (
             flow
+            or shadowed
             or decision.variant == "canary"
             or sampled(self.ctx.request_id, stable_share(
                 telemetry.sample, canary.percent if canary else None))
@@ -327,13 +383,8 @@ class GenerationProcessor(BaseProcessor):
         floor = self.ctx.read_floor
         by_floor = not reads_body and floor is not None \
             and floor.take(model.name, telemetry.sample_min_per_s, sent_at)
-        self.phase = advance(GENERATION, self.phase, "request_body",
-                             Routed(decision, model.name, reads_body or by_floor, lease,
-                                    headers, envoy_reads and parsed.stream
-                                    and (parsed.include_usage or inject),
-                                    strip_usage=inject and not envoy_reads,
-                                    sent_at=sent_at, by_floor=by_floor, queued_s=queued_s))
         new_body = None
+        doc = parsed.doc
         # A client's own ``priority`` never reaches vLLM: with priority scheduling it would jump
         # the queue (lower is served first), so it is replaced by the tier, or dropped.
         client_priority = "priority" in parsed.doc
@@ -359,6 +410,18 @@ class GenerationProcessor(BaseProcessor):
                 # client gets no per-chunk usage it did not get before.
                 doc["stream_options"] = {"include_usage": True}
             new_body = orjson.dumps(doc)
+        shadow = None
+        if shadowed and canary is not None:
+            shadow = shadow_body(doc, canary.model)
+            self._prompt = "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts \
+                else b""
+        self.phase = advance(GENERATION, self.phase, "request_body",
+                             Routed(decision, model.name, reads_body or by_floor, lease,
+                                    headers, envoy_reads and parsed.stream
+                                    and (parsed.include_usage or inject),
+                                    strip_usage=inject and not envoy_reads,
+                                    sent_at=sent_at, by_floor=by_floor, queued_s=queued_s,
+                                    shadow=shadow))
         if new_body is not None:
             headers += (("content-length", str(len(new_body))),)
         # The reservation and the lease ride on the request-body answer so the rate-limit

@@ -17,6 +17,7 @@ from extproc.actions import Headers
 from extproc.bodies import EmbeddingsBody
 from extproc.cache.keys import KeyPlan
 from extproc.cache.merge import Resolution
+from extproc.canary.text import AnswerText
 from extproc.decide import Decision
 from extproc.quick_init import quick_init
 from extproc.usage import UsageMeter, UsageStripper
@@ -106,6 +107,9 @@ class Routed:
     """Read only for ``telemetry.sample_min_per_s`` (:class:`extproc.sampling.ReadFloor`)."""
     queued_s: float | None = None
     """Seconds it waited for a pod with room (flow control); None: it did not wait."""
+    shadow: bytes | None = None
+    """The body to replay on the canary once the answer is complete (docs: Canary verdict);
+    None: not chosen for a shadow."""
 
 
 @quick_init  # built per request: no slots, so its __init__ can be the quick one
@@ -122,6 +126,8 @@ class Reading:
     times: TokenTimes = field(default_factory=TokenTimes)
     stripper: UsageStripper | None = None
     """Set when ``routed.strip_usage`` and the answer streams."""
+    answer: AnswerText | None = None
+    """The answer's text, collected when ``routed.shadow`` is set."""
 
 
 GenerationPhase = AwaitingBody | Routed | Reading | Done

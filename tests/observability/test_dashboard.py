@@ -11,6 +11,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from extproc.canary.verdict import PairMetrics
 from extproc.flow.metrics import FlowMetrics
 from extproc.picker.metrics import EndpointMetrics
 from extproc.telemetry.envoy_drift import EnvoyDrift
@@ -36,6 +37,7 @@ def exported() -> set[str]:
     audit_key_id_secret(SecretStr("x"), True, registry)  # extproc
     EndpointMetrics(registry, {}, lambda: 0.0)  # extproc's endpoint picker
     FlowMetrics(registry)  # extproc's flow control
+    PairMetrics(registry)  # extproc's canary verdict
     EnvoyDrift(registry)  # extproc: Envoy's bootstrap against the running file
     cache_metrics = importlib.util.find_spec("extproc.cache.metrics")
     if cache_metrics is not None:

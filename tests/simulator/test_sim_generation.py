@@ -157,3 +157,21 @@ def test_timeline_paces_prefill_then_decode_and_interleaves_sequences() -> None:
         TimelineStep(3.0, 0, 1),
         TimelineStep(3.0, 1, 0),
     ]
+
+
+@pytest.mark.parametrize("share", [0.1, 0.3, 0.6])
+def test_a_drifting_pod_changes_about_its_share_of_the_words(share: float) -> None:
+    prompt = "Summarise the quarterly report for the board."
+    same = plan_output(prompt, 10, 1000, 16, 4096)
+    changed = plan_output(prompt, 10, 1000, 16, 4096, drift=share)
+    assert len(changed.pieces) == len(same.pieces) == 1000
+    differ = sum(a != b for a, b in zip(same.pieces, changed.pieces, strict=True)) / 1000
+    assert abs(differ - share) < 0.1, differ
+    # Deterministic: the same prompt drifts the same way on every pod.
+    assert plan_output(prompt, 10, 1000, 16, 4096, drift=share).pieces == changed.pieces
+    assert changed.pieces[1].startswith(" ") and not changed.pieces[0].startswith(" ")
+
+
+def test_no_drift_is_the_answer_every_pod_gives() -> None:
+    prompt = "hello"
+    assert plan_output(prompt, 2, 50, 16, 4096, drift=0.0) == plan_output(prompt, 2, 50, 16, 4096)
