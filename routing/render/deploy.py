@@ -82,6 +82,16 @@ REDIS_CACHE = RedisRole("redis-cache", EXTPROC, 512, "allkeys-lru", 768)
 REDIS_ROLES = (REDIS_BUCKETS, REDIS_CACHE)
 
 
+def extproc_reaches(config: RoutingConfig) -> frozenset[str]:
+    """The pools extproc itself sends to: ``endpoint_picker`` pools (it scrapes each pod's
+    ``/metrics``) and the canary pools of models with ``canary.compare`` (its shadow requests,
+    docs: Canary verdict)."""
+    canaries = {model.canary.cluster for model in config.models.values()
+                if model.canary is not None and model.canary.compare is not None}
+    return frozenset(name for name, spec in config.clusters.items()
+                     if spec.endpoint_picker is not None or name in canaries)
+
+
 def container_doc(doc: dict[str, Any], config: RoutingConfig) -> dict[str, Any]:
     """The routing YAML ``doc`` with the addresses it has inside the deployment."""
     out = copy.deepcopy(doc)
@@ -311,7 +321,6 @@ def kubernetes(config: RoutingConfig, routing_text: str) -> dict[str, list[dict[
         gateway=GATEWAY, extproc=EXTPROC, ratelimit=RATELIMIT,
         redis_of={role.name: role.user for role in REDIS_ROLES},
         pools=[name for name, spec in config.clusters.items() if spec.simulator is not None],
-        picked=frozenset(name for name, spec in config.clusters.items()
-                         if spec.endpoint_picker is not None))
+        picked=extproc_reaches(config))
     return {"routing.yaml": routing_docs, "services.yaml": services, "gateway.yaml": gateway,
             "pools.yaml": pools, "networkpolicies.yaml": policies}

@@ -1,8 +1,9 @@
 """Kubernetes NetworkPolicies of the deployment: who may open a connection to whom.
 
 Only the gateway (Envoy) reaches extproc, ratelimit and the pools; extproc also reaches
-ratelimit (it charges cache hits and settles reservations itself) and the pods of
-``endpoint_picker`` pools (their metrics); only ratelimit reaches the buckets Redis
+ratelimit (it charges cache hits and settles reservations itself), the pods of
+``endpoint_picker`` pools (their metrics) and of compared canary pools (shadow requests); only
+ratelimit reaches the buckets Redis
 and only extproc the cache Redis.
 The metrics ports answer Prometheus (pods labelled ``app.kubernetes.io/name: prometheus``, in
 any namespace, as the Prometheus Operator and its Helm charts label them). Each policy selects
@@ -45,8 +46,9 @@ def policy(target: str, rules: list[tuple[list[str], list[str]]]) -> dict[str, A
 def network_policies(*, gateway: str, extproc: str, ratelimit: str, redis_of: dict[str, str],
                      pools: list[str], picked: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """The policies for the named components; ``redis_of`` maps a Redis to its one user;
-    ``picked`` pools (``endpoint_picker``) also admit extproc, which scrapes each pod's vLLM
-    ``/metrics``: vLLM serves them on its API port, so the rule is for that port."""
+    ``picked`` pools also admit extproc: ``endpoint_picker`` pools, whose pods' vLLM
+    ``/metrics`` it scrapes (vLLM serves them on its API port, so the rule is for that port),
+    and compared canary pools, which get its shadow requests."""
     out = [
         policy(extproc, [([gateway], ["grpc"]), ([], ["metrics"])]),
         policy(ratelimit, [([gateway, extproc], ["grpc"]), ([], ["metrics"])]),

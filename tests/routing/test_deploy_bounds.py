@@ -126,6 +126,7 @@ def test_only_the_gateway_reaches_the_services_and_pools_and_each_redis_its_one_
         (RATELIMIT, REDIS_BUCKETS.name, "redis"), (EXTPROC, REDIS_CACHE.name, "redis"),
         *((GATEWAY, pool, "http") for pool in pools),
         (EXTPROC, "vllm-short", "http"),  # its endpoint picker reads the pods' /metrics
+        (EXTPROC, "vllm-canary", "http"),  # the canary verdict's shadow requests
     }
 
 
