@@ -31,6 +31,9 @@ def pairs(n: int, rouge: float, ttft: tuple[float, float] = (0.2, 0.2),
     (pairs(40, 0.3), "rollback", "ROUGE-L 0.300 < 0.5"),
     # Equal quality, but the canary is slow: its TTFT P99 is ~2x stable's.
     (pairs(40, 0.98, ttft=(0.2, 0.45)), "rollback", "TTFT P99 ratio"),
+    # Twice stable's, but both a few milliseconds: under the floor, no difference.
+    (pairs(40, 0.98, ttft=(0.004, 0.009)), "promote", ""),
+    (pairs(40, 0.98, ttft=(0.004, 0.2)), "rollback", "TTFT P99 ratio"),
     (pairs(40, 0.98, cost=(50.0, 80.0)), "rollback", "cost ratio 1.60 > 1.2"),
     # A mean just above the minimum, the scores spread across it: not confidently above.
     (pairs(6, 0.1) + pairs(6, 0.95), "hold", "interval reaches below"),
