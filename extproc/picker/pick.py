@@ -54,6 +54,9 @@ class Pick:
     fallbacks: tuple[str, ...] = ()
     reason: Reason = "scored"
     shed: bool = False
+    fills: bool = False
+    """``room_only`` picks: the pod has no room left after this request, so the moment it ends
+    is the moment the pod has room again (flow control then reads its response to its end)."""
 
 
 NO_ENDPOINTS = Pick(None, (), "no_endpoints", False)
@@ -339,6 +342,7 @@ class EndpointPicker:
             rows.append((metrics, pod.sent_since_scrape, pod.in_flight, matches.get(address, 0.0),
                          pod.tpot_s, pod.capacity_estimate(slots, metrics), load))
             avoided.append(pod.connect_failures >= UNREACHABLE_AFTER or now < pod.ejected_until)
+        kv_full = (spec.saturation or SaturationSpec()).kv_cache
         if room_only:
             rooms = self.rooms(cluster)
             if rooms and any(rooms):
@@ -362,6 +366,12 @@ class EndpointPicker:
             if blocks:
                 self.index.record(cluster, blocks, result.endpoint)
             pool.sent(result.endpoint)
+            if room_only:
+                pod = pool.pods[result.endpoint]
+                scraped = pod.scraped_at
+                fresh = pod.metrics if scraped is not None and scraped >= stale else None
+                if not has_room(pod, fresh, slots, kv_full):
+                    result = replace(result, fills=True)
         return result
 
     @staticmethod
@@ -392,11 +402,12 @@ class EndpointPicker:
             shares.append(pod.recent / window)
         return below_share(loads, capacities, paces, shares, room)
 
-    def done(self, cluster: str, address: str) -> None:
-        """A request :meth:`pick` sent to ``address`` ended (answered, failed or aborted)."""
+    def done(self, cluster: str, address: str, unread: bool = False) -> None:
+        """A request :meth:`pick` sent to ``address`` ended (answered, failed or aborted);
+        ``unread``: extproc did not read its response (:meth:`PoolState.done`)."""
         pool = self.pools.get(cluster)
         if pool is not None:
-            pool.done(address)
+            pool.done(address, unread)
 
     def answered(self, cluster: str, address: str, status: int) -> bool:
         """The pod ``address``, picked for a request, itself answered it with ``status`` (Envoy's

@@ -1,10 +1,12 @@
 """Whether a pod can start one more request now: flow control's test (docs: Flow control).
 
 A pod has room when the sequences on it, as best this replica knows, are fewer than it runs at
-once. This replica's own requests are counted exactly (``in_flight``: a flow-controlled pool's
-responses are read to their end, so a request counts until it is done); the other replicas'
-only as they were at the last scrape. Room the scrape showed free is shared: this replica takes
-its share of it (its part of the pod's load at that scrape, at least one request), so N
+once. This replica's own requests are counted exactly when their responses are read to the end
+(``in_flight``: a flow-controlled pool reads those sent into its last free slots, and every
+request that waited); one whose response was not read counts until the next scrape after its
+ext_proc stream ends (``unread``), which then shows it in the pod's own figures. The other
+replicas' count only as they were at the last scrape. Room the scrape showed free is shared: this
+replica takes its share of it (its part of the pod's load at that scrape, at least one request), so N
 replicas that all saw one free slot overshoot it by at most N - 1 until the next scrape, not by
 N times the free room. Room its own requests free is its own at once.
 """
@@ -39,7 +41,7 @@ def has_room(pod: PodState, metrics: PodMetrics | None, slots: float | None,
     (None: unknown, judged by this replica's own requests alone); ``slots``: the pool's median
     capacity; ``kv_full``: the KV use at which it is full whatever its sequences."""
     capacity = flow_capacity(pod, slots, metrics)
-    mine = pod.in_flight
+    mine = pod.in_flight + pod.unread
     if metrics is None:
         return mine < capacity
     if metrics.kv_usage is not None and metrics.kv_usage >= kv_full:

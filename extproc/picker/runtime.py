@@ -45,8 +45,8 @@ class PickerRuntime:
                 self.metrics.shed(cluster, priority)
         return pick
 
-    def done(self, cluster: str, address: str) -> None:
-        self.picker.done(cluster, address)
+    def done(self, cluster: str, address: str, unread: bool = False) -> None:
+        self.picker.done(cluster, address, unread)
         self.flow.kick(cluster)  # its slot may be the room a waiting request needs
 
     def must_wait(self, cluster: str) -> bool:

@@ -146,6 +146,10 @@ class PodState:
     """The most sequences any scrape saw the pod run."""
     open_at_scrape: int = 0
     """:attr:`in_flight` when the last good scrape was recorded."""
+    unread: int = 0
+    """Requests of this replica's whose stream extproc did not read, that ended here (at their
+    response headers, or up to the stream's end) since the last scrape: they may still run,
+    so flow control counts them until the next scrape shows the pod's own figures."""
     recent: int = 0
     """How many of the pool's last :data:`SHARE_WINDOW` picks went to the pod."""
     failed_answers: int = 0
@@ -260,6 +264,7 @@ class PoolState:
             pod.capacity = running
         pod.metrics, pod.scraped_at, pod.failures, pod.sent_since_scrape = metrics, now, 0, 0
         pod.open_at_scrape = pod.in_flight
+        pod.unread = 0
         self.scrapes += 1
         pod.connect_failures = 0
 
@@ -315,8 +320,11 @@ class PoolState:
             window.append(pod)
             pod.recent += 1
 
-    def done(self, address: str) -> None:
-        """A request this replica sent the pod ended (answered, failed or aborted)."""
+    def done(self, address: str, unread: bool = False) -> None:
+        """A request this replica sent the pod ended (answered, failed or aborted); ``unread``:
+        its response was not read, so its end here is not the pod's (:attr:`PodState.unread`)."""
         pod = self.pods.get(address)
         if pod is not None and pod.in_flight > 0:
             pod.in_flight -= 1
+            if unread:
+                pod.unread += 1

@@ -105,6 +105,10 @@ class GenerationProcessor(BaseProcessor):
         self._prompt = b""
         """The first prompt's text, kept for a shadow (what the canary pool's picker keys on)."""
         self.picked: tuple[str, str] | None = None
+        self._fills = False
+        """The pick put this request into its pod's last free slot (flow control)."""
+        self._read = False
+        """Its response is read (to its end, unless the client goes first)."""
         """The pool and pod the endpoint picker sent this request to (told at the stream's
         end, whatever the phase: the pod has one request less open from this replica)."""
 
@@ -252,9 +256,10 @@ class GenerationProcessor(BaseProcessor):
         return None
 
     def _pod_done(self) -> None:
-        """Tell the picker the pod has one request less open from this replica (once)."""
+        """Tell the picker the pod has one request less open from this replica (once); whether
+        its response was read, so this is its end on the pod, or not."""
         if self.picked is not None and self.ctx.picker is not None:
-            self.ctx.picker.done(*self.picked)
+            self.ctx.picker.done(*self.picked, unread=not self._read)
             self.picked = None
 
     def _report(self, reading: Reading, usage: Usage, charged: int | None,
@@ -322,8 +327,9 @@ class GenerationProcessor(BaseProcessor):
                                                                model, parsed, demand, decision,
                                                                salt))
         pods = self._pick(decision, parsed, salt, room_only=flow is not None)
-        return self._route(model, parsed, demand, decision, salt, pods, None,
-                           flow is not None)
+        # Into the pod's last free slot: its end is the next request's room, so it is read to
+        # its end; a request sent into room to spare is not (docs: Flow control).
+        return self._route(model, parsed, demand, decision, salt, pods, None, self._fills)
 
     def _flow_control(self, cluster: str) -> FlowControlSpec | None:
         picker_spec = self.ctx.snapshot.config.clusters[cluster].endpoint_picker
@@ -341,11 +347,11 @@ class GenerationProcessor(BaseProcessor):
 
     def _route(self, model: ModelRoute, parsed: GenerationBody, demand: Demand,
                decision: Decision, salt: str | None, pods: tuple[str, ...],
-               queued_s: float | None, flow: bool) -> Continue:
+               queued_s: float | None, read_to_end: bool) -> Continue:
         """The request-body answer that sends the request to its pool (``pods`` first, when
-        picked), with its reservation; ``queued_s``: how long it waited for them; ``flow``:
-        its pool is flow-controlled, so its response is read to the end (the picker then
-        knows the moment its slot is free)."""
+        picked), with its reservation; ``queued_s``: how long it waited for them;
+        ``read_to_end``: flow control needs the moment it ends (it waited, or took a pod's last
+        free slot), so its response is read to the end."""
         snapshot = self.ctx.snapshot
         canary = self.ctx.canaries.canary_for(model)
         plan = usage_plan(parsed)
@@ -367,7 +373,7 @@ class GenerationProcessor(BaseProcessor):
             and self.ctx.identity.tenant not in compare.exclude_tenants \
             and sampled(SHADOW_ID + self.ctx.request_id, compare.shadow_percent / 100)
         reads_body = (
-            flow
+            read_to_end
             or shadowed
             or decision.variant == "canary"
             or sampled(self.ctx.request_id, stable_share(
@@ -415,6 +421,7 @@ class GenerationProcessor(BaseProcessor):
             shadow = shadow_body(doc, canary.model)
             self._prompt = "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts \
                 else b""
+        self._read = reads_body or by_floor
         self.phase = advance(GENERATION, self.phase, "request_body",
                              Routed(decision, model.name, reads_body or by_floor, lease,
                                     headers, envoy_reads and parsed.stream
@@ -453,4 +460,5 @@ class GenerationProcessor(BaseProcessor):
                 raise server_overloaded(decision.cluster, spec.saturation.retry_after_s)
             return ()
         self.picked = (decision.cluster, pick.endpoint)
+        self._fills = pick.fills
         return (pick.endpoint, *pick.fallbacks)

@@ -49,8 +49,8 @@ class Unqueued:
              work: Work = NO_WORK, room_only: bool = False) -> Pick | None:
         return self.picker.pick(cluster, prompt, priority, salt, work, room_only)
 
-    def done(self, cluster: str, address: str) -> None:
-        self.picker.done(cluster, address)
+    def done(self, cluster: str, address: str, unread: bool = False) -> None:
+        self.picker.done(cluster, address, unread)
 
     def answered(self, cluster: str, address: str, status: int) -> bool:
         return self.picker.answered(cluster, address, status)

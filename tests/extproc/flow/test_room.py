@@ -4,18 +4,22 @@ scrape, and the room a scrape showed is shared."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from extproc.picker.pick import EndpointPicker
 from extproc.picker.room import flow_capacity, has_room
-from extproc.picker.state import CAPACITY_GUESS, PodMetrics, PodState
+from extproc.picker.state import CAPACITY_GUESS, PodMetrics, PodState, PoolState
+from tests.extproc.helpers import BASE, snapshot
 
 KV_FULL = 0.98
 
 
 def pod(*, capacity: float | None = 6.0, in_flight: int = 0, at_scrape: int = 0,
-        max_running: float = 0.0) -> PodState:
+        max_running: float = 0.0, unread: int = 0) -> PodState:
     state = PodState("10.0.0.1:8000", capacity=capacity, max_running=max_running)
-    state.in_flight, state.open_at_scrape = in_flight, at_scrape
+    state.in_flight, state.open_at_scrape, state.unread = in_flight, at_scrape, unread
     return state
 
 
@@ -45,6 +49,10 @@ def pod(*, capacity: float | None = 6.0, in_flight: int = 0, at_scrape: int = 0,
     (pod(in_flight=0), PodMetrics(running=1, kv_usage=0.99), False),
     # A pod whose engine has no KV gauge is judged by its sequences.
     (pod(in_flight=0), PodMetrics(running=1, kv_usage=None), True),
+    # A request whose response was not read ended its stream, not necessarily its run: it
+    # counts until the next scrape (which resets it), so no room appears for it.
+    (pod(in_flight=5, at_scrape=6, unread=1), PodMetrics(running=6), False),
+    (pod(in_flight=4, at_scrape=6, unread=1), PodMetrics(running=6), True),
     # Unknown (no fresh metrics): this replica's own requests against the capacity.
     (pod(in_flight=5), None, True),
     (pod(in_flight=6), None, False),
@@ -66,3 +74,36 @@ def test_room(state: PodState, metrics: PodMetrics | None, room: bool) -> None:
 def test_capacity(state: PodState, slots: float | None, metrics: PodMetrics | None,
                   capacity: float) -> None:
     assert flow_capacity(state, slots, metrics) == capacity
+
+
+def test_a_scrape_forgets_the_unread_ends_and_a_read_end_frees_at_once() -> None:
+    pool = PoolState("pool", 2.0)
+    pool.set_addresses(["p"])
+    pool.record_scrape("p", PodMetrics(running=6, waiting=1), 0.0)  # learns 6 slots
+    for _ in range(6):
+        pool.sent("p")
+    pool.record_scrape("p", PodMetrics(running=6), 1.0)
+    state = pool.pods["p"]
+    pool.done("p", unread=True)
+    assert not has_room(state, PodMetrics(running=6), None, KV_FULL)  # may still run
+    pool.done("p")  # read to its end: the slot is free
+    assert has_room(state, PodMetrics(running=6), None, KV_FULL)
+    # The next scrape shows the unread one still running (5 in all, 4 of them read ones still
+    # open): it is the pod's own figure now, and one slot is free.
+    pool.record_scrape("p", PodMetrics(running=5), 2.0)
+    assert state.unread == 0 and has_room(state, state.metrics, None, KV_FULL)
+
+
+def test_the_pick_that_takes_a_pods_last_free_slot_says_so() -> None:
+    snap = snapshot(clusters={**BASE["clusters"], "vllm-short": {
+        "endpoints": ["10.0.0.1:8000"], "max_context": 2048,
+        "endpoint_picker": {"flow_control": {}}}})
+    picker = EndpointPicker(snap.config, clock=lambda: 1.0, rng=random.Random(1))
+    pool = picker.pools["vllm-short"]
+    pool.record_scrape("10.0.0.1:8000", PodMetrics(running=2, waiting=1), 1.0)  # 2 slots
+    pool.record_scrape("10.0.0.1:8000", PodMetrics(running=0), 1.0)
+    first = picker.pick("vllm-short", b"a", "high", room_only=True)
+    second = picker.pick("vllm-short", b"b", "high", room_only=True)
+    assert first is not None and second is not None
+    assert (first.fills, second.fills) == (False, True)
+    assert not picker.has_room("vllm-short")
