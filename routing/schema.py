@@ -227,6 +227,12 @@ class ClusterSpec(Strict):
                              "name, letters, digits and '_', not starting with a digit")
         return value
 
+    def cost_of(self, tokens: int) -> float:
+        """What ``tokens`` generated tokens cost on this pool: times ``cost_per_1k_tokens`` /
+        1000 when it is set, else the tokens themselves (the canary verdict's cost)."""
+        price = self.cost_per_1k_tokens
+        return tokens * price / 1000 if price is not None else float(tokens)
+
     @property
     def simulator(self) -> SimulateSpec | None:
         if self.simulate is True:

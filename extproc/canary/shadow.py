@@ -25,26 +25,11 @@ from extproc.canary.text import AnswerText
 from extproc.canary.verdict import Pair, PairMetrics, judge
 from extproc.context import EndpointPicking
 from routing.compiled import Snapshot
+from sidecar_runtime.h2grpc.limits import Budget, Rate
 from sidecar_runtime.process.logs import get_logger
 
 log = get_logger("extproc.canary.shadow")
 JUDGE_EVERY_S = 1.0
-
-
-class _Budget:
-    """A token bucket of ``rate`` shadows a second (as many at once at most)."""
-
-    def __init__(self, rate: float, now: float) -> None:
-        self.rate, self.tokens, self.at = rate, max(1.0, rate), now
-
-    def take(self, rate: float, now: float) -> bool:
-        self.rate = rate
-        self.tokens = min(max(1.0, rate), self.tokens + (now - self.at) * rate)
-        self.at = now
-        if self.tokens < 1.0:
-            return False
-        self.tokens -= 1.0
-        return True
 
 
 class ShadowRunner:
@@ -60,7 +45,8 @@ class ShadowRunner:
         self._picker = picker
         self._on_stopped = on_stopped
         self._clock = clock
-        self._budgets: dict[str, _Budget] = {}
+        self._budgets: dict[str, tuple[float, Budget]] = {}
+        """Per model: ``max_shadows_per_s`` and its token bucket (as many at once at most)."""
         self._open: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
@@ -81,11 +67,11 @@ class ShadowRunner:
         if picker is not None and picker.must_wait(cluster):
             self._metrics.shadows.labels(model, "skipped_saturated").inc()
             return
-        budget = self._budgets.get(model)
-        now = self._clock()
-        if budget is None:
-            budget = self._budgets[model] = _Budget(spec.max_shadows_per_s, now)
-        if not budget.take(spec.max_shadows_per_s, now):
+        rate = spec.max_shadows_per_s
+        held = self._budgets.get(model)
+        if held is None or held[0] != rate:  # a reload with another rate starts a new bucket
+            held = self._budgets[model] = (rate, Budget(Rate(max(1.0, rate), rate)))
+        if not held[1].spend():
             self._metrics.shadows.labels(model, "skipped_budget").inc()
             return
         self._open[model] = self._open.get(model, 0) + 1
@@ -175,12 +161,10 @@ class ShadowRunner:
         tokens = answer.completion_tokens or 0
         tpot = (last - first) / (tokens - 1) if tokens > 1 else None
         score = await self._rouge.score(job.stable_text, answer.text)
-        price = cluster.cost_per_1k_tokens
-        cost = tokens * price / 1000 if price is not None else float(tokens)
         return Pair(job.model, score, (job.stable_ttft_s, first - started if job.stable_ttft_s
                                        is not None else None),
                     (job.stable_tpot_s, tpot if job.stable_tpot_s is not None else None),
-                    (job.stable_cost, cost))
+                    (job.stable_cost, cluster.cost_of(tokens)))
 
     def _next(self, cluster: str, endpoints: list[str]) -> str:
         turn = self._turns.setdefault(cluster, itertools.count())

@@ -96,11 +96,15 @@ class FlowControl:
             self._release(ticket)
         self._gauge(cluster, queue)
 
-    def _release(self, ticket: Ticket[_Waiter]) -> None:
-        waiter = ticket.item
+    def _leaving(self, waiter: _Waiter) -> float:
+        """``waiter`` leaves the queue: its ``max_wait`` timer stopped; the seconds it waited."""
         if waiter.timer is not None:
             waiter.timer.cancel()
-        waited = self._clock() - waiter.started
+        return self._clock() - waiter.started
+
+    def _release(self, ticket: Ticket[_Waiter]) -> None:
+        waiter = ticket.item
+        waited = self._leaving(waiter)
         hold = waiter.hold
         try:
             pods = hold.pick()
@@ -112,9 +116,7 @@ class FlowControl:
 
     def _refuse(self, ticket: Ticket[_Waiter], reason: str) -> None:
         waiter = ticket.item
-        if waiter.timer is not None:
-            waiter.timer.cancel()
-        waited = self._clock() - waiter.started
+        waited = self._leaving(waiter)
         hold = waiter.hold
         self._metrics.rejected(hold.cluster, hold.priority, reason, waited)
         if not waiter.future.done():

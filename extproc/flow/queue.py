@@ -94,10 +94,14 @@ class FlowQueue(Generic[T]):
         self.fairness: Fairness = fairness
         self._bands: tuple[_Band[T], ...] = (_Band(), _Band(), _Band())
         self._seq = 0
-        self.bytes = 0
 
     def __len__(self) -> int:
         return sum(band.count for band in self._bands)
+
+    @property
+    def bytes(self) -> int:
+        """Body bytes waiting."""
+        return sum(band.bytes for band in self._bands)
 
     def depth(self, band: int) -> int:
         return self._bands[band].count
@@ -114,17 +118,15 @@ class FlowQueue(Generic[T]):
         if ticket.size > self.max_bytes:
             return [ticket]
         self._bands[ticket.band].push(ticket, self._key(ticket))
-        self.bytes += ticket.size
         refused: list[Ticket[T]] = []
         while len(self) > self.max_queue or self.bytes > self.max_bytes:
             victim = self._victim()
-            self._take(victim)
+            self.remove(victim)
             if victim is ticket:
                 # Refused itself: those it displaced come back (each was the newest of its
                 # line, so appending puts it back in its place); nobody goes for nothing.
                 for back in reversed(refused):
                     self._bands[back.band].push(back, back.key)
-                    self.bytes += back.size
                 return [ticket]
             refused.append(victim)
         return refused
@@ -143,17 +145,10 @@ class FlowQueue(Generic[T]):
         """The next request to serve, taken out of the queue; None when none waits."""
         for band in self._bands:
             if band.count:
-                ticket = band.pop()
-                self.bytes -= ticket.size
-                return ticket
+                return band.pop()
         return None
 
     def remove(self, ticket: Ticket[T]) -> bool:
-        """Take ``ticket`` out (its client left, or its wait ran out); False if not queued."""
-        return self._take(ticket)
-
-    def _take(self, ticket: Ticket[T]) -> bool:
-        if not self._bands[ticket.band].remove(ticket):
-            return False
-        self.bytes -= ticket.size
-        return True
+        """Take ``ticket`` out (its client left, its wait ran out, or it is refused); False if
+        not queued."""
+        return self._bands[ticket.band].remove(ticket)

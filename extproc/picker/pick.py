@@ -204,6 +204,19 @@ def _prefix_decided(winner: _Ranked, ranked: list[_Ranked]) -> bool:
     return any((entry[3], entry[1]) >= mine for entry in ranked if entry is not winner)
 
 
+def kv_full(saturation: SaturationSpec | None) -> float:
+    """The KV-cache use at which a pod of the pool has no room (``saturation.kv_cache``)."""
+    return (saturation or SaturationSpec()).kv_cache
+
+
+def reachable_rooms(rooms: Sequence[bool], down: Sequence[bool]) -> list[bool]:
+    """``rooms`` without the pods that are ``down`` (unreachable or ejected), unless every pod
+    is: the scraper may be the one cut off."""
+    if any(down) and not all(down):
+        return [room and not dead for room, dead in zip(rooms, down, strict=True)]
+    return list(rooms)
+
+
 def _is_ip_literal(endpoint: str) -> bool:
     try:
         ipaddress.ip_address(parse_hostport(endpoint)[0])
@@ -284,21 +297,15 @@ class EndpointPicker:
         pool = self.pools.get(cluster)
         if pool is None:
             return None
-        spec = self._specs[cluster]
-        kv_full = (spec.saturation or SaturationSpec()).kv_cache
+        full = kv_full(self._specs[cluster].saturation)
         now = self._clock()
-        stale = now - pool.stale_s
         _, slots = pool.medians()
         rooms: list[bool] = []
         down: list[bool] = []
         for pod in pool.pods.values():
-            scraped = pod.scraped_at
-            metrics = pod.metrics if scraped is not None and scraped >= stale else None
-            rooms.append(has_room(pod, metrics, slots, kv_full))
+            rooms.append(has_room(pod, pool.fresh(pod, now), slots, full))
             down.append(pod.avoided(now))
-        if any(down) and not all(down):
-            rooms = [room and not dead for room, dead in zip(rooms, down, strict=True)]
-        return rooms
+        return reachable_rooms(rooms, down)
 
     def has_room(self, cluster: str) -> bool:
         """Can some pod of ``cluster`` start one more request now? True for a pool without a
@@ -327,6 +334,8 @@ class EndpointPicker:
         addresses = list(pool.pods)
         rows: list[Row] = []
         avoided: list[bool] = []
+        rooms: list[bool] = []
+        full = kv_full(spec.saturation)
         # PoolState.fresh and PodState.avoided inlined: this runs over every pod. The load is
         # Candidate.load: the other replicas' at the scrape plus this one's open requests now.
         stale = now - pool.stale_s
@@ -342,10 +351,11 @@ class EndpointPicker:
             rows.append((metrics, pod.sent_since_scrape, pod.in_flight, matches.get(address, 0.0),
                          pod.tpot_s, pod.capacity_estimate(slots, metrics), load))
             avoided.append(pod.connect_failures >= UNREACHABLE_AFTER or now < pod.ejected_until)
-        kv_full = (spec.saturation or SaturationSpec()).kv_cache
+            if room_only:  # :meth:`rooms`, in this same pass
+                rooms.append(has_room(pod, metrics, slots, full))
         if room_only:
-            rooms = self.rooms(cluster)
-            if rooms and any(rooms):
+            rooms = reachable_rooms(rooms, avoided)
+            if any(rooms):
                 avoided = [not room for room in rooms]
             priority = "high"  # a flow-controlled pool waits instead of shedding
         if work.prompt_tokens <= 0:  # what extproc's estimate counts: 4 bytes a token
@@ -367,10 +377,8 @@ class EndpointPicker:
                 self.index.record(cluster, blocks, result.endpoint)
             pool.sent(result.endpoint)
             if room_only:
-                pod = pool.pods[result.endpoint]
-                scraped = pod.scraped_at
-                fresh = pod.metrics if scraped is not None and scraped >= stale else None
-                if not has_room(pod, fresh, slots, kv_full):
+                fresh = rows[addresses.index(result.endpoint)][0]
+                if not has_room(pool.pods[result.endpoint], fresh, slots, full):
                     result = replace(result, fills=True)
         return result
 
@@ -381,7 +389,7 @@ class EndpointPicker:
         some pod's pace and capacity were measured. A pod idle so far has neither: it is taken
         to be like the pool's median pod, the pods of one pool being alike until seen not to
         be."""
-        kv_full = (saturation or SaturationSpec()).kv_cache
+        full = kv_full(saturation)
         pace, slots = pool.medians()
         if pace is None or slots is None:
             return None
@@ -398,7 +406,7 @@ class EndpointPicker:
             loads.append(load)
             capacities.append(capacity)
             paces.append(tpot if tpot is not None and tpot > 0.0 else pace)
-            room.append(load < capacity and (used is None or used < kv_full))
+            room.append(load < capacity and (used is None or used < full))
             shares.append(pod.recent / window)
         return below_share(loads, capacities, paces, shares, room)
 

@@ -78,6 +78,12 @@ SHADOW_ID = "shadow\0"
 """Salts the request id for the shadow draw, so it is independent of the telemetry sample."""
 
 
+def first_prompt(parsed: GenerationBody) -> bytes:
+    """The first prompt's text in order: what a pool's prefix cache, and so its picker, keys on
+    (not the JSON body, whose leading fields differ between identical prompts)."""
+    return "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts else b""
+
+
 def shadow_body(doc: dict[str, Any], canary_model: str) -> bytes:
     """The request as stable's pool got it (``doc``), for ``canary_model``: streamed with usage
     (the pair's TTFT, time per output token and completion tokens come from it)."""
@@ -105,12 +111,12 @@ class GenerationProcessor(BaseProcessor):
         self._prompt = b""
         """The first prompt's text, kept for a shadow (what the canary pool's picker keys on)."""
         self.picked: tuple[str, str] | None = None
+        """The pool and pod the endpoint picker sent this request to (told at the stream's
+        end, whatever the phase: the pod has one request less open from this replica)."""
         self._fills = False
         """The pick put this request into its pod's last free slot (flow control)."""
         self._read = False
         """Its response is read (to its end, unless the client goes first)."""
-        """The pool and pod the endpoint picker sent this request to (told at the stream's
-        end, whatever the phase: the pod has one request less open from this replica)."""
 
     def on_request_headers(self, end_of_stream: bool) -> Action:
         refused = body_refused(self.ctx, end_of_stream)
@@ -225,12 +231,10 @@ class GenerationProcessor(BaseProcessor):
         canary = self.ctx.canaries.canary_for(self.ctx.snapshot.models[reading.routed.model])
         if answer.broken or not answer.text or canary is None:
             return None  # the canary may have been stopped meanwhile
-        clusters = self.ctx.snapshot.config.clusters
-        price = clusters[record.cluster].cost_per_1k_tokens
-        tokens = record.completion_tokens
+        pool = self.ctx.snapshot.config.clusters[record.cluster]
         return ShadowJob(record.model, canary, self.ctx.path, body, self._prompt,
                          answer.text, record.ttft_s, record.tpot_s,
-                         tokens * price / 1000 if price is not None else float(tokens))
+                         pool.cost_of(record.completion_tokens))
 
     def _settlement(self, routed: Routed, used: int) -> Settlement | None:
         """What extproc may settle itself (the service decides: see :mod:`extproc.settlements`);
@@ -419,8 +423,7 @@ class GenerationProcessor(BaseProcessor):
         shadow = None
         if shadowed and canary is not None:
             shadow = shadow_body(doc, canary.model)
-            self._prompt = "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts \
-                else b""
+            self._prompt = first_prompt(parsed)
         self._read = reads_body or by_floor
         self.phase = advance(GENERATION, self.phase, "request_body",
                              Routed(decision, model.name, reads_body or by_floor, lease,
@@ -451,7 +454,7 @@ class GenerationProcessor(BaseProcessor):
         spec = self.ctx.snapshot.config.clusters[decision.cluster].endpoint_picker
         if picker is None or spec is None:
             return ()  # before joining the prompt: most pools have no picker
-        prompt = "\x1e".join(parsed.prompts[0].texts).encode() if parsed.prompts else b""
+        prompt = first_prompt(parsed)
         work = Work(decision.prompt_tokens, decision.output_tokens)
         pick = picker.pick(decision.cluster, prompt, cast(Priority, decision.priority), salt, work,
                            room_only)

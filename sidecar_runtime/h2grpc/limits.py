@@ -25,9 +25,10 @@ slot in the queue), counted against the connection's buffer: 16 MiB of empty mes
 
 @dataclass(frozen=True, slots=True)
 class Rate:
-    """A token bucket's shape: ``burst`` frames at once, ``per_s`` more each second."""
+    """A token bucket's shape: ``burst`` frames (or other units) at once, ``per_s`` more each
+    second."""
 
-    burst: int
+    burst: float
     per_s: float
 
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.actions import ShadowJob
+from extproc.canary.guard import CanaryGuards
 from extproc.canary.rouge import RougeProcess, rouge_l
+from extproc.canary.shadow import ShadowRunner
 from extproc.canary.verdict import Pair, PairMetrics, judge, pair_stats, rouge_interval, verdicts_text
+from routing.compiled import Canary
 from routing.schema import CompareSpec
+from tests.extproc.helpers import snapshot
 
 SPEC = CompareSpec(min_samples=10, rouge_l_min=0.5, ttft_p99_max_ratio=1.2, cost_max_ratio=1.2)
 
@@ -90,3 +97,22 @@ async def test_the_rouge_process_scores_and_replaces_a_dead_child() -> None:
     finally:
         await rouge.aclose()
     assert rouge._child is None
+
+
+async def test_shadows_past_the_budget_are_skipped_not_sent() -> None:
+    """``max_shadows_per_s`` is a token bucket of the shadows' own, per model: at 2 a second,
+    five shadows at once send two and skip three."""
+    spec = CompareSpec(max_shadows_per_s=2, max_in_flight=100)
+    canary = Canary("m-v2", "no-such-pool", 5.0, "api_key", 8192, None, spec)
+    metrics = PairMetrics(CollectorRegistry())
+    runner = ShadowRunner(snapshot, CanaryGuards(), metrics)
+    try:
+        for _ in range(5):
+            runner.submit(ShadowJob("m", canary, "/v1/chat/completions", b"{}", b"", "text",
+                                    None, None, 1.0))
+        await asyncio.sleep(0)
+    finally:
+        await runner.aclose()
+    results = {s.labels["result"]: s.value for family in metrics.shadows.collect()
+               for s in family.samples if s.name.endswith("_total")}
+    assert results.get("skipped_budget") == 3
