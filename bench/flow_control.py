@@ -60,7 +60,7 @@ import aiohttp
 import orjson
 
 from bench.picker_capacity import capacity
-from bench.picker_load import IDLE_S, MODEL, Pod, Pool, gateway_doc, running_pods
+from bench.picker_load import IDLE_S, MODEL, Pod, Pool, gateway_doc, read_stream, running_pods
 from bench.picker_workload import Corpus, Request, Workload, parse_counter, percentile, script
 from tests.harness.gateway import running_gateway
 
@@ -156,18 +156,9 @@ async def send(session: aiohttp.ClientSession, url: str, arrival: Arrival, t0: f
                 status = resp.status
                 await resp.read()
             else:
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    payload = line[6:].strip()
-                    if payload == b"[DONE]":
-                        status = 200  # until then a cut stream is lost
-                        continue
-                    for choice in orjson.loads(payload).get("choices", ()):
-                        if choice.get("delta", {}).get("content"):
-                            tokens += 1
-                            if ttft is None:
-                                ttft = loop.time() - started
+                done, ttft, tokens = await read_stream(resp, started)
+                if done:
+                    status = 200  # else a cut stream is lost
     except (aiohttp.ClientError, TimeoutError):
         status = 599
     return Outcome(arrival.tenant, TIER[arrival.request.kind], status, retry_after,

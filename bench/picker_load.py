@@ -166,26 +166,35 @@ async def send(session: aiohttp.ClientSession, url: str, req: Request, t0: float
                     await resp.read()
                     break
                 pod = resp.headers.get("x-sim-name")
-                status = 599  # until [DONE] arrives: a cut stream is a failure
-                # Read to the end (not just [DONE]): the connection then goes back to the pool
-                # instead of being closed mid-response.
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    payload = line[6:].strip()
-                    if payload == b"[DONE]":
-                        status = 200
-                        continue
-                    for choice in orjson.loads(payload).get("choices", ()):
-                        if choice.get("delta", {}).get("content"):
-                            tokens += 1
-                            if ttft is None:
-                                ttft = loop.time() - started
+                done, ttft, tokens = await read_stream(resp, started)
+                status = 200 if done else 599  # a cut stream is a failure
                 break
         except (aiohttp.ClientError, TimeoutError):
             status = 599
             break
     return Result(req.kind, status, started - t0, loop.time() - t0, ttft, tokens, pod, shed)
+
+
+async def read_stream(resp: aiohttp.ClientResponse, started: float
+                      ) -> tuple[bool, float | None, int]:
+    """Read a chat stream to its end (not just ``[DONE]``: the connection then goes back to the
+    pool instead of being closed mid-response): whether ``[DONE]`` came, the seconds from
+    ``started`` (the loop's time) to the first content, and the content chunks."""
+    loop = asyncio.get_running_loop()
+    done, ttft, tokens = False, None, 0
+    async for line in resp.content:
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:].strip()
+        if payload == b"[DONE]":
+            done = True
+            continue
+        for choice in orjson.loads(payload).get("choices", ()):
+            if choice.get("delta", {}).get("content"):
+                tokens += 1
+                if ttft is None:
+                    ttft = loop.time() - started
+    return done, ttft, tokens
 
 
 @dataclass
