@@ -76,6 +76,11 @@ class EnvoySection(Strict):
     """Streams one HTTP/2 client connection may have open at once. Each may buffer a whole
     body (``max_request_bytes``), so this times that is what one connection can make Envoy
     hold."""
+    dynamic_pools: bool = False
+    """Envoy reads the pools' clusters and routes from ``xds/`` files beside its bootstrap and
+    watches them: ``render`` into the same folder applies cluster and endpoint changes without
+    restarting Envoy (``llm-sidecar up --models`` works this way). false: every pool is in the
+    bootstrap, and a pool change needs a render and an Envoy restart."""
 
     @field_validator("listen", "admin")
     @classmethod

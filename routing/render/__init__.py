@@ -7,8 +7,10 @@ import os
 import yaml
 
 from routing.ratelimits import descriptors
-from routing.render.envoy import bootstrap
+from routing.render.clusters import pool_cluster
+from routing.render.envoy import bootstrap, route_configuration
 from routing.render.istio import envoy_filter
+from routing.render.xds import CDS_PATH, RDS_PATH, XDS_DIR, cds_document, rds_document
 from routing.schema import RoutingConfig
 from sidecar_runtime.process.files import replace_file
 
@@ -27,25 +29,45 @@ def dump(doc: object) -> str:
     return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
 
 
-def render_all(config: RoutingConfig) -> dict[str, str]:
-    """File name → text of each artifact."""
-    return {
-        "envoy.yaml": HEADER + dump(bootstrap(config)),
+def xds_files(config: RoutingConfig) -> dict[str, str]:
+    """``xds/cds.yaml`` and ``xds/rds.yaml`` (``envoy.dynamic_pools``): the pools' clusters,
+    then the routes to them (in the order a live change writes them: a new route's cluster is
+    there before the route)."""
+    pools = [pool_cluster(name, spec) for name, spec in config.clusters.items()]
+    return {CDS_PATH: HEADER + dump(cds_document(pools)),
+            RDS_PATH: HEADER + dump(rds_document(route_configuration(config)))}
+
+
+def render_all(config: RoutingConfig, out_dir: str | None = None) -> dict[str, str]:
+    """File name (relative to ``out_dir``) → text of each artifact. With
+    ``envoy.dynamic_pools`` also the watched ``xds/`` files, and ``out_dir`` is needed: the
+    bootstrap names them by absolute path."""
+    xds_dir = os.path.join(os.path.abspath(out_dir), XDS_DIR) if out_dir is not None else None
+    files = {
+        "envoy.yaml": HEADER + dump(bootstrap(config, xds_dir)),
         "ratelimit.yaml": HEADER + dump(descriptors(config)),
         "envoyfilter.yaml": HEADER + dump(envoy_filter(config)),
     }
+    if config.envoy.dynamic_pools:
+        files.update(xds_files(config))
+    return files
 
 
 def write_text(path: str, text: str) -> None:
-    """Replace ``path`` atomically: a reader sees the old file or the new one."""
+    """Replace ``path`` atomically: a reader sees the old file or the new one. A file Envoy
+    watches is reloaded on the rename (a move into its watched folder), never half written."""
     replace_file(path, text.encode("utf-8"))
 
 
 def write_all(config: RoutingConfig, out_dir: str) -> list[str]:
+    """Write every artifact under ``out_dir``; the paths written, ``envoy.yaml`` first. Into a
+    folder a running Envoy reads with ``envoy.dynamic_pools``, this applies the pools'
+    clusters and routes live (the bootstrap itself is read at start only)."""
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    for name, text in render_all(config).items():
+    for name, text in render_all(config, out_dir).items():
         path = os.path.join(out_dir, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         write_text(path, text)
         written.append(path)
     return written

@@ -16,8 +16,22 @@ from typing import Any
 
 from routing.ratelimits import DOMAIN, route_rate_limits
 from routing.render.bounds import http2_options, overload_manager
-from routing.render.clusters import API, EXTPROC_CLUSTER, RATELIMIT_CLUSTER, TYPE, clusters
+from routing.render.clusters import (
+    API,
+    EXTPROC_CLUSTER,
+    RATELIMIT_CLUSTER,
+    TYPE,
+    clusters,
+    service_clusters,
+)
 from routing.render.usage import usage_filters_after_ext_proc, usage_filters_before_ext_proc
+from routing.render.xds import (
+    FINGERPRINT_DIR,
+    ROUTE_CONFIG_NAME,
+    XDS_NODE,
+    dynamic_resources,
+    rds,
+)
 from routing.schema import RoutingConfig
 from routing.units import parse_duration, parse_hostport
 from sidecar_runtime.wire.names import (
@@ -220,8 +234,10 @@ def extproc_message_timeout_s(config: RoutingConfig) -> float:
 def ext_proc_filter(config: RoutingConfig) -> dict[str, Any]:
     # extproc hands the LLM tokens a response used to the rate limiter in llm_sidecar, and
     # (endpoint_picker pools) the picked pods to the override_host balancer in envoy.lb.
+    # With dynamic pools, always: a pool with a picker may arrive while Envoy runs.
     namespaces = [METADATA_NAMESPACE]
-    if any(spec.endpoint_picker is not None for spec in config.clusters.values()):
+    if config.envoy.dynamic_pools or any(spec.endpoint_picker is not None
+                                         for spec in config.clusters.values()):
         namespaces.append(LB_METADATA_NAMESPACE)
     return {
         "name": "envoy.filters.http.ext_proc",
@@ -473,8 +489,24 @@ def routes(config: RoutingConfig) -> list[dict[str, Any]]:
     ]
 
 
-def http_connection_manager(config: RoutingConfig,
-                            fingerprint: str | None = None) -> dict[str, Any]:
+def route_configuration(config: RoutingConfig) -> dict[str, Any]:
+    """The listener's routes: inline in the bootstrap, or ``xds/rds.yaml`` (``dynamic_pools``)."""
+    return {"name": ROUTE_CONFIG_NAME, "virtual_hosts": [
+        {"name": "llm", "domains": ["*"], "routes": routes(config)}]}
+
+
+def _routes_source(config: RoutingConfig, xds_dir: str | None) -> dict[str, Any]:
+    if not config.envoy.dynamic_pools:
+        return {"route_config": route_configuration(config)}
+    if xds_dir is None:
+        raise ValueError("envoy.dynamic_pools: the bootstrap needs the folder of its xds files")
+    return {"rds": rds(xds_dir)}
+
+
+def http_connection_manager(config: RoutingConfig, fingerprint: str | None = None,
+                            xds_dir: str | None = None) -> dict[str, Any]:
+    """The listener's connection manager; ``xds_dir``: where its routes are (absolute), with
+    ``envoy.dynamic_pools``."""
     envoy_usage = config.rate_limits is not None and config.telemetry.envoy_usage
     return {
         TYPE: API + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -492,8 +524,7 @@ def http_connection_manager(config: RoutingConfig,
         **early_header_mutations(envoy_usage, fingerprint),
         "access_log": access_log(),
         "local_reply_config": local_reply_config(),
-        "route_config": {"name": "llm", "virtual_hosts": [
-            {"name": "llm", "domains": ["*"], "routes": routes(config)}]},
+        **_routes_source(config, xds_dir),
         "http_filters": [
             health_check_filter(),
             *(usage_filters_before_ext_proc() if envoy_usage else []),
@@ -506,10 +537,12 @@ def http_connection_manager(config: RoutingConfig,
     }
 
 
-def bootstrap(config: RoutingConfig) -> dict[str, Any]:
+def bootstrap(config: RoutingConfig, xds_dir: str | None = None) -> dict[str, Any]:
     """The full Envoy bootstrap for ``config``; the admin interface listens on loopback only.
-    Every request it forwards carries its :func:`bootstrap_fingerprint`."""
-    return _bootstrap(config, bootstrap_fingerprint(config))
+    Every request it forwards carries its :func:`bootstrap_fingerprint`. With
+    ``envoy.dynamic_pools``, ``xds_dir`` is the absolute folder of the pools' watched files
+    (:mod:`routing.render.xds`)."""
+    return _bootstrap(config, bootstrap_fingerprint(config), xds_dir)
 
 
 def bootstrap_fingerprint(config: RoutingConfig) -> str:
@@ -517,14 +550,16 @@ def bootstrap_fingerprint(config: RoutingConfig) -> str:
     sends it to extproc in :data:`BOOTSTRAP_HEADER`, and extproc compares it with its own
     config's, so an edit that needs ``render`` and an Envoy restart (a cluster, a service
     address, ``rate_limits:`` added to a file that had none) is reported, not silently half
-    applied."""
-    doc = _bootstrap(config, None)
+    applied. With ``envoy.dynamic_pools`` the pools' clusters and routes are not in the
+    bootstrap (Envoy reloads them from their files), so they do not change it; nor does the
+    folder the files are in."""
+    doc = _bootstrap(config, None, FINGERPRINT_DIR)
     # The order of the YAML's clusters changes neither Envoy's clusters nor its routes (each
     # route matches its own pool's metadata): it does not change the fingerprint.
     statics = doc["static_resources"]
     statics["clusters"] = sorted(statics["clusters"], key=lambda c: str(c["name"]))
     for listener in statics["listeners"]:
-        for host in hcm_of_listener(listener)["route_config"]["virtual_hosts"]:
+        for host in hcm_of_listener(listener).get("route_config", {}).get("virtual_hosts", []):
             host["routes"] = sorted(host["routes"], key=lambda r: str(r.get("name", "")))
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -536,8 +571,12 @@ def hcm_of_listener(listener: dict[str, Any]) -> dict[str, Any]:
     return typed
 
 
-def _bootstrap(config: RoutingConfig, fingerprint: str | None) -> dict[str, Any]:
-    return {
+def _bootstrap(config: RoutingConfig, fingerprint: str | None,
+               xds_dir: str | None) -> dict[str, Any]:
+    dynamic = config.envoy.dynamic_pools
+    if dynamic and xds_dir is None:
+        raise ValueError("envoy.dynamic_pools: the bootstrap needs the folder of its xds files")
+    doc: dict[str, Any] = {
         # The admin interface stays reachable when the client listener is full.
         "admin": {"address": _address(config.envoy.admin), "ignore_global_conn_limit": True},
         "overload_manager": overload_manager(config.envoy),
@@ -550,9 +589,15 @@ def _bootstrap(config: RoutingConfig, fingerprint: str | None) -> dict[str, Any]
                 "per_connection_buffer_limit_bytes": config.envoy.max_request_bytes,
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": http_connection_manager(config, fingerprint),
+                    "typed_config": http_connection_manager(config, fingerprint, xds_dir),
                 }]}],
             }],
-            "clusters": clusters(config),
+            # dynamic_pools: only the services here; the pools come from xds/cds.yaml.
+            "clusters": service_clusters(config) if dynamic else clusters(config),
         },
     }
+    if dynamic and xds_dir is not None:
+        # Envoy refuses a cluster subscription, even a file, from a node without a name.
+        doc["node"] = dict(XDS_NODE)
+        doc["dynamic_resources"] = dynamic_resources(xds_dir)
+    return doc
