@@ -1,0 +1,200 @@
+"""The Kubernetes objects of one planned model: per pool a vLLM Deployment with the planned
+flags, its headless Service, an InferencePool and a PodMonitor; per model a PrometheusRule of
+SLO burn-rate alerts (:mod:`llmmodel.alerts`).
+
+Weights: every pod reads them once before vLLM starts, in an init container (``cat`` of every
+file to ``/dev/null``), so the node's page cache holds them and vLLM's own load runs at memory
+speed; the startup probe then mostly waits for that read. Remote weights (s3://, gs://, hf://)
+are first fetched into an ``emptyDir``; the cluster provides the credentials (IRSA, Workload
+Identity, an ``HF_TOKEN`` secret) as it does for any pod.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+from typing import Any
+
+from llmmodel.alerts import prometheus_rule
+from llmmodel.plans import ModelPlan, PoolPlan
+from llmmodel.routing_merge import POOL_PORT
+
+DEFAULT_IMAGE = "vllm/vllm-openai:v0.10.2"
+"""The vLLM the planned flags are written for: ``--runner pooling`` (embedding pools) came in
+v0.10.1 (vllm-project/vllm#21470) and replaced ``--task embed``."""
+MODEL_LABEL = "llm-sidecar.dev/model"
+POOL_LABEL = "llm-sidecar.dev/pool"
+GPU_CLASS_LABEL = "llm-sidecar.dev/gpu-class"
+"""Node label naming the GPU class of the catalog (``A100-80GB``); GPU Feature Discovery's
+``nvidia.com/gpu.product`` spells products its own way (``NVIDIA-A100-SXM4-80GB``), so nodes
+are labelled with the catalog's name: ``kubectl label node N llm-sidecar.dev/gpu-class=...``."""
+EXTPROC_SERVICE = "llm-sidecar-extproc"
+"""extproc is the pools' endpoint picker (it names the pod as the inference extension's
+protocol does); its Service and gRPC port as ``deploy/k8s`` names them."""
+EXTPROC_PORT = 50051
+MOUNT = "/models"
+HF_TOKEN_SECRET = "hf-token"
+"""Secret (key ``token``) whose value the fetch of an hf:// model sends, when it exists."""
+AWS_CLI_IMAGE = "amazon/aws-cli:2.22.35"
+GCLOUD_IMAGE = "gcr.io/google.com/cloudsdktool/google-cloud-cli:502.0.0-slim"
+_KIND_ORDER = ("Deployment", "Service", "InferencePool", "PodMonitor", "PrometheusRule")
+_LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def label_value(text: str) -> str:
+    """``text`` as a label value: 63 characters of ``[A-Za-z0-9_.-]``, alphanumeric at the ends."""
+    return _LABEL_VALUE.sub("-", text)[:63].strip("-_.") or "x"
+
+
+def labels(plan: ModelPlan, pool: PoolPlan | None = None) -> dict[str, str]:
+    out = {"app.kubernetes.io/part-of": "llm-sidecar",
+           "app.kubernetes.io/managed-by": "llm-sidecar-onboard", MODEL_LABEL: plan.name}
+    if pool is not None:
+        out["app.kubernetes.io/name"] = pool.name
+        out[POOL_LABEL] = pool.name
+    return out
+
+
+def _warm(path: str) -> str:
+    quoted = shlex.quote(path)
+    return f"find {quoted} -type f -exec cat {{}} + > /dev/null\necho page cache warmed: {quoted}"
+
+
+def weights(model_path: str, image: str) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """(the ``models`` volume, the path vLLM loads, the ``weights`` init container) for one
+    of the forms ``spec.modelPath`` takes."""
+    scheme, sep, rest = model_path.partition("://")
+    mount: dict[str, Any] = {"name": "models", "mountPath": MOUNT}
+    fetch = ""
+    if not sep:  # a path on the GPU node
+        volume: dict[str, Any] = {"name": "models", "hostPath": {"path": model_path}}
+        path = posixpath.join(MOUNT, posixpath.basename(model_path.rstrip("/")) or "model")
+        mount = {"name": "models", "mountPath": path, "readOnly": True}
+    elif scheme == "pvc":
+        claim, _, inner = rest.partition("/")
+        volume = {"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        path = posixpath.join(MOUNT, inner) if inner else MOUNT
+        mount["readOnly"] = True
+    else:
+        volume = {"name": "models", "emptyDir": {}}
+        path = posixpath.join(MOUNT, rest.strip("/"))
+        src, dst = shlex.quote(model_path), shlex.quote(path)
+        if scheme == "hf":  # the vLLM image ships huggingface_hub's CLI
+            fetch = f"huggingface-cli download {shlex.quote(rest)} --local-dir {dst}"
+        elif scheme == "s3":
+            fetch = f"aws s3 {'cp' if rest.endswith('.gguf') else 'sync'} {src} {dst}"
+            image = AWS_CLI_IMAGE
+        else:
+            fetch = f"mkdir -p {shlex.quote(posixpath.dirname(path))}\ngcloud storage cp -r {src} {dst}"
+            image = GCLOUD_IMAGE
+    script = "set -eu\n" + (fetch + "\n" if fetch else "") + _warm(path)
+    init: dict[str, Any] = {"name": "weights", "image": image, "imagePullPolicy": "IfNotPresent",
+                            "command": ["sh", "-c", script], "volumeMounts": [mount]}
+    if scheme == "hf":  # gated models need a token; the Secret is optional for open ones
+        init["env"] = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": HF_TOKEN_SECRET, "key": "token", "optional": True}}}]
+    return volume, path, init
+
+
+def _probe(period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period,
+            "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def startup_failures(pool: PoolPlan) -> int:
+    """Startup probe tries, 10 s apart: 10 minutes, and 10 s more per GiB of weights (loading
+    onto the GPUs and CUDA graph capture grow with the model)."""
+    return 60 + pool.weights_bytes // (1 << 30)
+
+
+def _unless_planned(pool: PoolPlan, *flags: tuple[str, str]) -> list[str]:
+    """``flags`` the planner did not set itself (vLLM refuses a flag given twice only by
+    taking the last, which would hide a disagreement)."""
+    return [part for flag, value in flags if flag not in pool.vllm_args for part in (flag, value)]
+
+
+def deployment(plan: ModelPlan, pool: PoolPlan, *, namespace: str, image: str) -> dict[str, Any]:
+    volume, path, init = weights(pool.model_path, image)
+    gpus = str(pool.gpus_per_replica)
+    memory = str(pool.host_memory_bytes)
+    args = [*_unless_planned(pool, ("--model", path), ("--served-model-name", pool.serves),
+                             ("--port", str(POOL_PORT))), *pool.vllm_args]
+    mounts: list[dict[str, Any]] = [{"name": "models", "mountPath": init["volumeMounts"][0]["mountPath"],
+                                     "readOnly": True}]
+    volumes = [volume]
+    if pool.tensor_parallel_size > 1:
+        # Tensor-parallel workers share tensors through /dev/shm, which a container's default
+        # 64 MiB cannot hold.
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    pod_labels = labels(plan, pool)
+    container = {
+        "name": "vllm", "image": image, "imagePullPolicy": "IfNotPresent", "args": args,
+        "ports": [{"name": "http", "containerPort": POOL_PORT}],
+        "resources": {"limits": {"nvidia.com/gpu": gpus, "memory": memory},
+                      "requests": {"nvidia.com/gpu": gpus, "memory": memory}},
+        "volumeMounts": mounts,
+        "startupProbe": _probe(10, startup_failures(pool)),
+        "readinessProbe": _probe(5, 3),
+        "livenessProbe": _probe(10, 6),
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": pool.name, "namespace": namespace, "labels": pod_labels},
+        "spec": {
+            "replicas": plan.model.spec.replicas.min,
+            "selector": {"matchLabels": {POOL_LABEL: pool.name}},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "terminationGracePeriodSeconds": 60,
+                    "nodeSelector": {GPU_CLASS_LABEL: label_value(pool.gpu_class)},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                     "effect": "NoSchedule"}],
+                    "initContainers": [init],
+                    "containers": [container],
+                    "volumes": volumes,
+                }}}}
+
+
+def service(plan: ModelPlan, pool: PoolPlan, *, namespace: str) -> dict[str, Any]:
+    """Headless: its DNS name lists every ready pod (the routing YAML's endpoint)."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": pool.name, "namespace": namespace, "labels": labels(plan, pool)},
+            "spec": {"clusterIP": "None", "selector": {POOL_LABEL: pool.name},
+                     "ports": [{"name": "http", "port": POOL_PORT, "targetPort": "http"}]}}
+
+
+def inference_pool(plan: ModelPlan, pool: PoolPlan, *, namespace: str) -> dict[str, Any]:
+    """The Gateway API Inference Extension's ``InferencePool`` (v1: ``selector.matchLabels``,
+    ``targetPorts``, ``endpointPickerRef``), for gateways that route by it."""
+    return {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": pool.name, "namespace": namespace, "labels": labels(plan, pool)},
+            "spec": {"selector": {"matchLabels": {POOL_LABEL: pool.name}},
+                     "targetPorts": [{"number": POOL_PORT}],
+                     "endpointPickerRef": {"name": EXTPROC_SERVICE, "kind": "Service",
+                                           "port": {"number": EXTPROC_PORT},
+                                           "failureMode": "FailClose"}}}
+
+
+def pod_monitor(plan: ModelPlan, pool: PoolPlan, *, namespace: str) -> dict[str, Any]:
+    """Prometheus scrapes vLLM's own ``/metrics`` (``vllm:*``) of every pod of the pool."""
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+            "metadata": {"name": pool.name, "namespace": namespace, "labels": labels(plan, pool)},
+            "spec": {"selector": {"matchLabels": {POOL_LABEL: pool.name}},
+                     "podMetricsEndpoints": [{"port": "http", "path": "/metrics",
+                                              "interval": "15s"}]}}
+
+
+def model_objects(plan: ModelPlan, *, namespace: str,
+                  image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
+    """Every object of ``plan``, sorted by kind then name."""
+    out: list[dict[str, Any]] = []
+    for pool in plan.pools:
+        out += [deployment(plan, pool, namespace=namespace, image=image),
+                service(plan, pool, namespace=namespace),
+                inference_pool(plan, pool, namespace=namespace),
+                pod_monitor(plan, pool, namespace=namespace)]
+    out.append(prometheus_rule(plan, namespace=namespace, labels=labels(plan)))
+    return sorted(out, key=lambda o: (_KIND_ORDER.index(o["kind"]), o["metadata"]["name"]))
