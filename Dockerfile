@@ -9,6 +9,7 @@ COPY extproc ./extproc
 COPY ratelimit ./ratelimit
 COPY routing ./routing
 COPY simulator ./simulator
+COPY llmmodel ./llmmodel
 RUN pip install --no-cache-dir . && useradd --system --uid 10001 sidecar
 USER 10001
 ENTRYPOINT ["llm-sidecar"]

@@ -1,0 +1,529 @@
+"""The operator's reconcile, called as kopf would call it, against an in-memory Kubernetes API.
+
+No kube-apiserver runs here: :class:`FakeApi` keeps objects as a server-side apply would leave
+them (the last applied body wins, status apart) and records every call, so the tests assert what
+a cluster would end up holding: the planned objects owned by the LLMModel, a routing ConfigMap
+that ``llm-sidecar check`` passes, and the status a user reads with ``kubectl get llmm``.
+The planner, object writer and routing merge are the real ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import pathlib
+from collections.abc import Sequence
+from typing import Any, cast
+
+import kopf
+import pytest
+import yaml
+from aiohttp import web
+from kopf._core.engines import posting
+
+from llmmodel.catalog import load_gpus
+from llmmodel.k8s import model_objects
+from llmmodel.kube_api import PLURALS, InClusterApi, KubeApiError, resource_path
+from llmmodel.operator import (
+    OperatorSettings,
+    Toolkit,
+    default_toolkit,
+    plan_namespace,
+    reconcile,
+    refresh,
+    refresh_pools_ready,
+    remove,
+)
+from llmmodel.operator_cli import add_operator_arguments, operator_command, pod_namespace, register_handlers
+from llmmodel.operator_deploy import rules
+from llmmodel.planner import plan_models
+from llmmodel.plans import ModelPlan
+from llmmodel.spec import LoadedModel, model_from_object
+from routing.errors import ConfigError
+from routing.loader import check_config
+
+NS = "llm"
+SETTINGS = OperatorSettings(namespace=NS)
+BASE = ("version: 1\n"
+        "services: {extproc: llm-sidecar-extproc:50051, ratelimit: llm-sidecar-ratelimit:50052}\n")
+
+
+def llmmodel(name: str = "contract-review-v2", **spec: Any) -> dict[str, Any]:
+    """An LLMModel as the API server returns it (the field notes' example by default)."""
+    fields = {"modelPath": "hf://meta-llama/Llama-2-13b-chat-hf", "base": "llama-2-13b",
+              "gpuRequest": "40Gi", "sla": {"p99Latency": "200ms", "availability": "99.95%"},
+              "replicas": {"min": 1, "max": 4}, "limits": {"model": {"requests": "40/s"}}}
+    fields.update(spec)
+    return {"apiVersion": "llm-sidecar.dev/v1alpha1", "kind": "LLMModel",
+            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1},
+            "spec": fields}
+
+
+class FakeApi:
+    """:class:`llmmodel.kube_api.KubeApi` in memory; ``calls`` holds (verb, apiVersion, kind,
+    name) of each request, as RBAC would see it (an apply of a missing object is a create)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+        self.calls: list[tuple[str, str, str, str]] = []
+        self.version = 0
+
+    def bump(self, obj: dict[str, Any]) -> None:
+        """A write: the object's resourceVersion changes, as etcd's revision does."""
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+
+    def put(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        self.bump(obj)
+        self.objects[obj["apiVersion"], obj["kind"], meta.get("namespace", NS), meta["name"]] = obj
+
+    def applied(self) -> list[tuple[str, str]]:
+        return [(kind, name) for verb, _, kind, name in self.calls if verb in ("create", "patch")
+                and not kind.startswith("LLMModel")]
+
+    async def apply(self, obj: dict[str, Any], *, field_manager: str = "llm-sidecar") -> None:
+        assert field_manager == "llm-sidecar"
+        meta = obj["metadata"]
+        key = (obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        self.calls.append(("patch" if key in self.objects else "create", *key[:2], key[3]))
+        kept = {"status": self.objects[key]["status"]} if "status" in self.objects.get(key, {}) else {}
+        self.objects[key] = {**copy.deepcopy(obj), **kept}
+        self.bump(self.objects[key])
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append(("get", api_version, kind, name))
+        found = self.objects.get((api_version, kind, namespace, name))
+        return copy.deepcopy(found) if found is not None else None
+
+    async def list_llmmodels(self, namespace: str) -> list[dict[str, Any]]:
+        self.calls.append(("list", "llm-sidecar.dev/v1alpha1", "LLMModel", ""))
+        return [copy.deepcopy(o) for (_, kind, ns, _), o in sorted(self.objects.items())
+                if kind == "LLMModel" and ns == namespace]
+
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.calls.append(("patch", "llm-sidecar.dev/v1alpha1", "LLMModel/status", name))
+        obj = self.objects[("llm-sidecar.dev/v1alpha1", "LLMModel", namespace, name)]
+        obj["status"] = {**obj.get("status", {}), **copy.deepcopy(status)}
+        self.bump(obj)
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.calls.append(("delete", api_version, kind, name))
+        self.objects.pop((api_version, kind, namespace, name), None)
+
+    def routing(self) -> dict[str, Any]:
+        cm = self.objects[("v1", "ConfigMap", NS, "llm-sidecar-routing")]
+        doc: dict[str, Any] = yaml.safe_load(cm["data"]["routing.yaml"])
+        return doc
+
+    def model(self, name: str) -> dict[str, Any]:
+        return copy.deepcopy(self.objects[("llm-sidecar.dev/v1alpha1", "LLMModel", NS, name)])
+
+    def set_ready(self, ready: int) -> None:
+        for (_, kind, _, _), obj in self.objects.items():
+            if kind == "Deployment":
+                obj["status"] = {"readyReplicas": ready}
+
+
+@pytest.fixture
+def api() -> FakeApi:
+    fake = FakeApi()
+    fake.put({"apiVersion": "v1", "kind": "ConfigMap",
+              "metadata": {"name": "llm-sidecar-routing-base", "namespace": NS},
+              "data": {"routing.yaml": BASE}})
+    return fake
+
+
+@pytest.fixture(scope="module")
+def toolkit() -> Toolkit:
+    return default_toolkit(SETTINGS)
+
+
+def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+async def test_a_good_model_gets_its_objects_routes_and_status(
+        api: FakeApi, toolkit: Toolkit, tmp_path: pathlib.Path) -> None:
+    obj = llmmodel()
+    api.put(obj)
+    events: list[tuple[str, str, str]] = []
+    status = await reconcile(api, obj, settings=SETTINGS, toolkit=toolkit,
+                             emit=lambda *e: events.append(e), now=lambda: "2026-12-07T12:00:00Z")
+
+    plan = plan_models([model_from_object(obj, f"{NS}/contract-review-v2")], load_gpus(None))[0]
+    expected = model_objects(plan, namespace=NS)
+    assert {(o["kind"], o["metadata"]["name"]) for o in expected} <= set(api.applied())
+    for want in expected:
+        got = api.objects[(want["apiVersion"], want["kind"], NS, want["metadata"]["name"])]
+        assert got["metadata"]["ownerReferences"] == [{
+            "apiVersion": "llm-sidecar.dev/v1alpha1", "kind": "LLMModel",
+            "name": "contract-review-v2", "uid": "uid-contract-review-v2", "controller": True}]
+        assert got["spec"] == want["spec"]
+
+    routing = tmp_path / "routing.yaml"
+    routing.write_text(api.objects[("v1", "ConfigMap", NS, "llm-sidecar-routing")]["data"]["routing.yaml"])
+    check_config(str(routing))
+    assert "contract-review-v2" in api.routing()["models"]
+    assert sorted(api.routing()["models"]["contract-review-v2"]["clusters"]) == sorted(
+        p.name for p in plan.pools)
+
+    assert status["plan"] == plan.as_json()
+    assert status["observedGeneration"] == 1
+    cond = conditions(status)
+    assert (cond["Planned"]["status"], cond["Routed"]["status"], cond["PoolsReady"]["status"]) == (
+        "True", "True", "False")
+    assert "0/1 ready" in cond["PoolsReady"]["message"]
+    assert all(c["lastTransitionTime"] == "2026-12-07T12:00:00Z" for c in cond.values())
+    assert api.model("contract-review-v2")["status"] == status
+    assert ("Normal", "Planned") in [e[:2] for e in events]
+
+    api.set_ready(1)
+    stored = api.model("contract-review-v2")
+    after = await refresh_pools_ready(api, stored, settings=SETTINGS, toolkit=toolkit,
+                                      now=lambda: "2026-12-07T12:05:00Z")
+    assert after is not None
+    cond = conditions(api.model("contract-review-v2")["status"])
+    assert cond["PoolsReady"]["status"] == "True"
+    assert cond["PoolsReady"]["lastTransitionTime"] == "2026-12-07T12:05:00Z"
+    assert cond["Planned"]["lastTransitionTime"] == "2026-12-07T12:00:00Z"
+    assert await refresh_pools_ready(api, api.model("contract-review-v2"), settings=SETTINGS,
+                                     toolkit=toolkit) is None  # nothing changed: no write
+
+
+async def test_an_unfittable_spec_applies_nothing_and_says_why(api: FakeApi, toolkit: Toolkit) -> None:
+    obj = llmmodel(base="llama-2-70b", gpuRequest="1Gi")
+    api.put(obj)
+    events: list[tuple[str, str, str]] = []
+    status = await reconcile(api, obj, settings=SETTINGS, toolkit=toolkit,
+                             emit=lambda *e: events.append(e))
+    assert api.applied() == []
+    planned = conditions(status)["Planned"]
+    assert planned["status"] == "False"
+    assert planned["message"].startswith(
+        "llm/contract-review-v2:1: pool contract-review-v2-2k fits no GPU of the built-in catalog")
+    assert "plan" not in status
+    assert conditions(status)["Routed"]["status"] == "False"
+    assert conditions(api.model("contract-review-v2")["status"])["Planned"]["status"] == "False"
+    assert [(kind, reason) for kind, reason, _ in events] == [("Warning", "InvalidSpec")]
+
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit,
+                    emit=lambda *e: events.append(e))
+    assert len(events) == 1  # the same failure is not announced twice
+
+
+async def test_a_field_error_names_the_object(api: FakeApi, toolkit: Toolkit) -> None:
+    obj = llmmodel(gpuRequest="lots")
+    api.put(obj)
+    status = await reconcile(api, obj, settings=SETTINGS, toolkit=toolkit)
+    assert api.applied() == []
+    assert conditions(status)["Planned"]["message"].startswith("llm/contract-review-v2:1: ")
+    assert "'lots' is not a size" in conditions(status)["Planned"]["message"]
+
+
+async def test_last_transition_time_moves_only_when_a_status_flips(
+        api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel())
+    first = await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS,
+                            toolkit=toolkit, now=lambda: "2026-12-07T12:00:00Z")
+    again = await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS,
+                            toolkit=toolkit, now=lambda: "2026-12-07T13:00:00Z")
+    assert again["conditions"] == first["conditions"]
+
+    broken = api.model("contract-review-v2")
+    broken["spec"]["gpuRequest"] = "1Gi"
+    broken["spec"]["base"] = "llama-2-70b"
+    broken["metadata"]["generation"] = 2
+    api.put(broken)
+    third = await reconcile(api, broken, settings=SETTINGS, toolkit=toolkit,
+                            now=lambda: "2026-12-07T14:00:00Z")
+    cond = conditions(third)
+    assert (cond["Planned"]["status"], cond["Planned"]["lastTransitionTime"]) == (
+        "False", "2026-12-07T14:00:00Z")
+    assert cond["Routed"]["lastTransitionTime"] == "2026-12-07T12:00:00Z"  # still routed
+    assert third["observedGeneration"] == 2
+    assert api.model("contract-review-v2")["status"]["plan"] == first["plan"]  # the running plan
+
+
+async def test_delete_takes_the_model_out_of_routing(api: FakeApi, toolkit: Toolkit) -> None:
+    chat, embed = llmmodel(), llmmodel("bge-m3", modelPath="hf://BAAI/bge-m3", base="bge-m3",
+                                       kind="embedding", gpuRequest="8Gi", limits=None,
+                                       replicas={"min": 1, "max": 1})
+    for obj in (chat, embed):
+        api.put(obj)
+    for obj in (chat, embed):
+        await reconcile(api, api.model(obj["metadata"]["name"]), settings=SETTINGS, toolkit=toolkit)
+    assert {"contract-review-v2", "bge-m3"} <= set(api.routing()["models"])
+
+    going = api.model("contract-review-v2")
+    going["metadata"]["deletionTimestamp"] = "2026-12-07T12:10:00Z"  # kopf's finalizer holds it
+    api.put(going)
+    verdict = await remove(api, going, settings=SETTINGS, toolkit=toolkit)
+    assert verdict.status == "True"
+    routing = api.routing()
+    assert set(routing["models"]) == {"bge-m3"}
+    assert not [c for c in routing["clusters"] if c.startswith("contract-review-v2")]
+
+
+async def test_deleting_the_last_model_keeps_the_old_routing_and_says_why(
+        api: FakeApi, toolkit: Toolkit) -> None:
+    """A routing YAML needs a model: with a base of none, the last one cannot leave it."""
+    api.put(llmmodel())
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    events: list[tuple[str, str, str]] = []
+    verdict = await remove(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit,
+                           emit=lambda *e: events.append(e))
+    assert (verdict.status, verdict.reason) == ("False", "RoutingInvalid")
+    assert events == [("Warning", "RoutingInvalid", verdict.message)]
+    assert "the old one keeps serving" in verdict.message
+    assert "models is empty: define at least one" in verdict.message
+    assert set(api.routing()["models"]) == {"contract-review-v2"}
+
+
+async def test_a_bad_neighbour_does_not_block_routing(api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel("broken", base="llama-2-70b", gpuRequest="1Gi"))
+    api.put(llmmodel())
+    status = await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    assert conditions(status)["Routed"]["status"] == "True"
+    assert set(api.routing()["models"]) == {"contract-review-v2"}
+
+
+async def test_without_a_base_routing_configmap_nothing_is_routed(toolkit: Toolkit) -> None:
+    api = FakeApi()
+    api.put(llmmodel())
+    status = await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    routed = conditions(status)["Routed"]
+    assert (routed["status"], routed["reason"]) == ("False", "BaseConfigMissing")
+    assert "llm/llm-sidecar-routing-base has no routing.yaml" in routed["message"]
+    assert ("v1", "ConfigMap", NS, "llm-sidecar-routing") not in api.objects
+    assert conditions(status)["Planned"]["status"] == "True"
+
+
+async def test_a_base_the_models_clash_with_keeps_the_old_routing(api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel())
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    before = api.routing()
+    clash = BASE + ("clusters: {contract-review-v2-2k: {endpoints: ['10.0.0.1:8000'], max_context: 2048}}\n"
+                    "models: {other: {clusters: [contract-review-v2-2k]}}\n")
+    api.objects[("v1", "ConfigMap", NS, "llm-sidecar-routing-base")]["data"]["routing.yaml"] = clash
+    events: list[tuple[str, str, str]] = []
+    status = await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit,
+                             emit=lambda *e: events.append(e))
+    routed = conditions(status)["Routed"]
+    assert (routed["status"], routed["reason"]) == ("True", "RoutingNotUpdated")
+    assert [e[:2] for e in events] == [("Warning", "RoutingNotUpdated")]
+    assert routed["message"].startswith("the routing YAML was not updated (the old one keeps serving): "
+                                        "llm/contract-review-v2:1: pool 'contract-review-v2-2k' of "
+                                        "'contract-review-v2' is already a cluster of the routing YAML")
+    assert api.routing() == before
+
+
+async def test_a_deployment_deleted_by_hand_comes_back_on_the_next_timer(
+        api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel())
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    await api.delete("apps/v1", "Deployment", NS, "contract-review-v2-2k")
+    await refresh(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    restored = api.objects[("apps/v1", "Deployment", NS, "contract-review-v2-2k")]
+    assert restored["metadata"]["ownerReferences"][0]["name"] == "contract-review-v2"
+
+
+async def test_an_edited_base_reaches_the_routing_on_the_next_timer(
+        api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel())
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    api.calls.clear()
+    await refresh(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    assert api.applied() == []  # nothing changed: nothing written
+    assert "tenant" not in api.routing()["rate_limits"]
+
+    base = api.objects[("v1", "ConfigMap", NS, "llm-sidecar-routing-base")]
+    base["data"]["routing.yaml"] = BASE + "rate_limits: {tenant: {default: {requests: 600/min}}}\n"
+    api.put(base)
+    await refresh(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    assert api.routing()["rate_limits"]["tenant"]["default"] == {"requests": "600/min"}
+    assert "contract-review-v2" in api.routing()["models"]
+
+
+async def test_the_role_allows_every_call_the_operator_makes(api: FakeApi, toolkit: Toolkit) -> None:
+    """deploy/operator's Role against the requests reconcile, the timer and delete really make."""
+    api.put(llmmodel())
+    api.put(llmmodel("bge-m3", modelPath="hf://BAAI/bge-m3", base="bge-m3", kind="embedding",
+                     gpuRequest="8Gi", limits=None))
+    for name in ("contract-review-v2", "bge-m3"):
+        await reconcile(api, api.model(name), settings=SETTINGS, toolkit=toolkit)
+    await reconcile(api, api.model("bge-m3"), settings=SETTINGS, toolkit=toolkit)
+    await refresh_pools_ready(api, api.model("bge-m3"), settings=SETTINGS, toolkit=toolkit)
+    await refresh(api, api.model("bge-m3"), settings=SETTINGS, toolkit=toolkit)
+    await remove(api, api.model("bge-m3"), settings=SETTINGS, toolkit=toolkit)
+    assert {verb for verb, *_ in api.calls} == {"create", "patch", "get", "list"}
+
+    def allowed(verb: str, api_version: str, kind: str, name: str) -> bool:
+        group = api_version.rpartition("/")[0]
+        base_kind, _, sub = kind.partition("/")
+        plural = PLURALS[(api_version, base_kind)] + (f"/{sub.lower()}" if sub else "")
+        return any(group in r["apiGroups"] and plural in r["resources"] and verb in r["verbs"]
+                   and (not name or "resourceNames" not in r or name in r["resourceNames"])
+                   for r in rules())
+
+    assert [c for c in api.calls if not allowed(*c)] == []
+
+
+def test_resource_paths_are_the_plural_rest_paths() -> None:
+    assert resource_path("v1", "ConfigMap", "llm", "r") == "/api/v1/namespaces/llm/configmaps/r"
+    assert resource_path("apps/v1", "Deployment", "llm") == "/apis/apps/v1/namespaces/llm/deployments"
+    assert resource_path("llm-sidecar.dev/v1alpha1", "LLMModel", "a b", "x") == (
+        "/apis/llm-sidecar.dev/v1alpha1/namespaces/a%20b/llmmodels/x")
+    with pytest.raises(KubeApiError, match="does not handle Secret of v1"):
+        resource_path("v1", "Secret", "llm", "x")
+
+
+async def test_the_in_cluster_client_sends_server_side_apply(tmp_path: pathlib.Path) -> None:
+    """The requests :class:`InClusterApi` makes, seen by a plain HTTP server standing in for the
+    API server (TLS and the real server are not exercised)."""
+    seen: list[dict[str, Any]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append({"method": request.method, "path": request.path, "query": dict(request.query),
+                     "type": request.headers.get("Content-Type"),
+                     "auth": request.headers.get("Authorization"),
+                     "body": json.loads(await request.text() or "null")})
+        if request.path.endswith("/missing"):
+            return web.json_response({"kind": "Status", "message": "not found"}, status=404)
+        if request.path.endswith("/forbidden"):
+            return web.json_response({"kind": "Status", "message": "configmaps is forbidden"},
+                                     status=403)
+        return web.json_response({"items": [{"metadata": {"name": "m"}}]})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    (tmp_path / "token").write_text("t0ken\n")
+    client = InClusterApi(base_url=f"http://127.0.0.1:{port}/", account_dir=str(tmp_path))
+    try:
+        cm = {"apiVersion": "v1", "kind": "ConfigMap",
+              "metadata": {"name": "r", "namespace": "llm"}, "data": {"k": "v"}}
+        await client.apply(cm)
+        assert await client.get("v1", "ConfigMap", "llm", "missing") is None
+        assert await client.list_llmmodels("llm") == [{"metadata": {"name": "m"}}]
+        await client.patch_status("llm", "m", {"observedGeneration": 2})
+        with pytest.raises(KubeApiError, match="403: configmaps is forbidden"):
+            await client.get("v1", "ConfigMap", "llm", "forbidden")
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert seen[0] == {"method": "PATCH", "path": "/api/v1/namespaces/llm/configmaps/r",
+                       "query": {"fieldManager": "llm-sidecar", "force": "true"},
+                       "type": "application/apply-patch+yaml", "auth": "Bearer t0ken", "body": cm}
+    assert seen[2]["path"] == "/apis/llm-sidecar.dev/v1alpha1/namespaces/llm/llmmodels"
+    assert (seen[3]["path"], seen[3]["type"], seen[3]["body"]) == (
+        "/apis/llm-sidecar.dev/v1alpha1/namespaces/llm/llmmodels/m/status",
+        "application/merge-patch+json", {"status": {"observedGeneration": 2}})
+
+
+def test_the_client_refuses_to_start_outside_a_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(KubeApiError, match="KUBERNETES_SERVICE_HOST is not set"):
+        InClusterApi()
+
+
+def test_operator_flags(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="llm-sidecar operator")
+    add_operator_arguments(parser)
+    args = parser.parse_args(["--standalone", "--liveness", "0.0.0.0:8080"])
+    assert (args.standalone, args.liveness) == (True, "http://0.0.0.0:8080/healthz")
+    assert (args.routing_configmap, args.base_configmap) == (
+        "llm-sidecar-routing", "llm-sidecar-routing-base")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--liveness", "8080"])
+    assert "give host:port, like 0.0.0.0:8080" in capsys.readouterr().err
+    (tmp_path / "namespace").write_text("team-a\n")
+    assert pod_namespace(str(tmp_path / "namespace")) == "team-a"
+    assert pod_namespace(str(tmp_path / "absent")) == "default"
+
+
+class BrokenApi(FakeApi):
+    async def list_llmmodels(self, namespace: str) -> list[dict[str, Any]]:
+        raise KubeApiError(503, "etcdserver: leader changed")
+
+
+def kopf_event_queue() -> asyncio.Queue[Any]:
+    """kopf's event queue, set up as a running operator sets it (kopf has no public test hook
+    for ``kopf.event`` outside a running operator); the test's task keeps its own context."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    posting.settings_var.set(kopf.OperatorSettings())
+    posting.event_queue_var.set(queue)
+    posting.event_queue_loop_var.set(asyncio.get_running_loop())
+    return queue
+
+
+def body(obj: dict[str, Any]) -> kopf.Body:
+    return kopf.Body(cast(kopf.RawBody, obj))
+
+
+async def test_the_kopf_handlers_post_events_and_retry_only_api_failures(
+        api: FakeApi, toolkit: Toolkit) -> None:
+    kopf_events = kopf_event_queue()
+    handlers = register_handlers(kopf.OperatorRegistry(), api, SETTINGS, toolkit)
+    bad = llmmodel(gpuRequest="1Gi", base="llama-2-70b")
+    api.put(bad)
+    await handlers.on_change(body=body(bad), logger=None)
+    posted = kopf_events.get_nowait()
+    assert (posted.type, posted.reason, posted.ref["name"]) == ("Warning", "InvalidSpec",
+                                                                "contract-review-v2")
+    assert "fits no GPU" in posted.message
+    assert conditions(api.model("contract-review-v2")["status"])["Planned"]["status"] == "False"
+
+    broken = register_handlers(kopf.OperatorRegistry(), BrokenApi(), SETTINGS, toolkit)
+    for handler in (broken.on_change, broken.on_delete):
+        with pytest.raises(kopf.TemporaryError, match="503: etcdserver: leader changed"):
+            await handler(body=body(llmmodel()))
+
+
+async def test_the_timer_handler_marks_the_pools_ready(api: FakeApi, toolkit: Toolkit) -> None:
+    kopf_events = kopf_event_queue()
+    handlers = register_handlers(kopf.OperatorRegistry(), api, SETTINGS, toolkit)
+    api.put(llmmodel())
+    await handlers.on_change(body=body(api.model("contract-review-v2")))
+    api.set_ready(1)
+    await handlers.on_timer(body=body(api.model("contract-review-v2")))
+    assert conditions(api.model("contract-review-v2")["status"])["PoolsReady"]["status"] == "True"
+    reasons = []
+    while not kopf_events.empty():
+        reasons.append(kopf_events.get_nowait().reason)
+    assert reasons[-1] == "PodsReady"
+
+
+def test_models_that_plan_alone_but_not_together_are_reported_not_applied() -> None:
+    real = default_toolkit(SETTINGS)
+
+    def alone_only(models: Sequence[LoadedModel]) -> list[ModelPlan]:
+        if len(models) > 1:
+            raise ConfigError.at(f"{NS}/other", 1, "pool names clash")
+        return real.plan(models)
+
+    planned = plan_namespace([llmmodel(), llmmodel("other")], NS,
+                             Toolkit(alone_only, real.objects, real.merge))
+    assert (planned.plans, planned.errors) == ({}, {})
+    assert str(planned.joint) == "llm/other:1: pool names clash"
+
+
+def test_the_operator_command_fails_clearly_outside_a_cluster(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_operator_arguments(parser)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert operator_command(parser.parse_args(["--namespace", NS])) == 1
+    assert capsys.readouterr().err == (
+        "llm-sidecar operator: Kubernetes API: KUBERNETES_SERVICE_HOST is not set: "
+        "run the operator in a pod\n")
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text("gpus:\n  - {name: X, memory: lots}\n")
+    with pytest.raises(ConfigError, match=r"gpus.yaml:2: gpus.0.memory: 'lots' is not a size"):
+        operator_command(parser.parse_args(["--gpus", str(gpus)]))  # the CLI prints it, exit 1
