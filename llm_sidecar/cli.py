@@ -24,7 +24,14 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the whole gateway here: Envoy, extproc, ratelimit, "
                                    "vLLM simulators; Ctrl-C stops it")
     up.add_argument("--config", default=None,
-                    help="routing YAML (default: the example config shipped in the package)")
+                    help="routing YAML (default: the example config shipped in the package; "
+                         "with --models, a built-in base of services, ports and auth, and the "
+                         "file may declare no clusters or models)")
+    up.add_argument("--models", default=None, metavar="DIR",
+                    help="serve every LLMModel in DIR on simulated pods sized by its plan; a "
+                         "file added, changed or removed there takes effect while it runs")
+    up.add_argument("--gpus", default=None, metavar="FILE",
+                    help="with --models: GPU catalog entries and nodes (as `plan --gpus`)")
     up.add_argument("--extproc-metrics-port", type=int, default=9101,
                     help="extproc's /metrics and /healthz (default 9101)")
     up.add_argument("--ratelimit-metrics-port", type=int, default=9102,
@@ -46,8 +53,10 @@ def _parser() -> argparse.ArgumentParser:
                        "envoyfilter.yaml (Istio) for a routing YAML",
         description="Checks the routing YAML (as `check` does), then writes DIR/envoy.yaml, "
                     "DIR/ratelimit.yaml and DIR/envoyfilter.yaml. Envoy reads its bootstrap once: "
-                    "after changing clusters or services, render again and restart Envoy; models, "
-                    "keys, limits and canary changes reach extproc and ratelimit live.")
+                    "after changing services, render again and restart Envoy; after changing "
+                    "clusters too, unless envoy.dynamic_pools is on (then a render into the same "
+                    "folder applies pool changes live); models, keys, limits and canary changes "
+                    "reach extproc and ratelimit live.")
     render.add_argument("--config", required=True, help="routing YAML")
     render.add_argument("--out", required=True, help="output directory")
 
@@ -69,6 +78,24 @@ def _parser() -> argparse.ArgumentParser:
                                                       "canary traffic)")
     canary.add_argument("--min-samples", type=int, default=30,
                         help="requests each variant needs before a verdict (default 30)")
+
+    from llmmodel.onboard_cli import add_onboard_arguments
+    from llmmodel.operator_cli import add_operator_arguments
+    from llmmodel.plan_cli import add_plan_arguments
+    add_plan_arguments(sub.add_parser(
+        "plan", help="size the vLLM pools of LLMModel files: per pool the GPU class, GPUs per "
+                     "replica and every vLLM flag with its reason; exit 1 with FILE:LINE when "
+                     "a model is invalid or fits no GPU",
+        description="Plans each LLMModel without writing anything: one pool per "
+                    "context, its GPUs, tensor parallelism inside a NUMA node, and vLLM's flags, "
+                    "each with the fact it rests on."))
+    add_onboard_arguments(sub.add_parser(
+        "onboard", help="write DIR/routing.yaml (ROUTING plus the models' pools, limits and "
+                        "canaries), DIR/k8s/ (vLLM Deployments, Services, InferencePools, "
+                        "monitoring, the LLMModel CRD) and DIR/plan.md from LLMModel files"))
+    add_operator_arguments(sub.add_parser(
+        "operator", help="the in-cluster LLMModel controller (kopf): applies what onboard "
+                         "writes and reports .status.plan and conditions"))
 
     from simulator import add_arguments as sim_args
     sim_args(sub.add_parser("sim", help="the vLLM simulator (OpenAI API as vLLM serves it)"))
@@ -132,6 +159,15 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "canary":
         from extproc.canary.cli import run as canary_run
         return canary_run(args)
+    if args.command == "plan":
+        from llmmodel.plan_cli import plan_command
+        return plan_command(args)
+    if args.command == "onboard":
+        from llmmodel.onboard_cli import onboard_command
+        return onboard_command(args)
+    if args.command == "operator":
+        from llmmodel.operator_cli import operator_command
+        return operator_command(args)
     if args.command == "sim":
         from simulator import run as sim_run
         return sim_run(args, settings.log_level)

@@ -13,6 +13,7 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from importlib import resources
 
 from routing.loader import load_config, local_listeners
@@ -36,7 +37,8 @@ def example_config_path() -> str:
     return str(resources.files("llm_sidecar").joinpath("example.yaml"))
 
 
-def _connect_host(host: str) -> str:
+def connect_host(host: str) -> str:
+    """Where to connect to reach a listener bound to ``host`` (a wildcard: loopback)."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
 
 
@@ -46,7 +48,7 @@ def _wait_service(address: str, child: Child) -> None:
     if host.startswith(UNIX_PREFIX):
         wait_unix(host[len(UNIX_PREFIX):], 30, child)
     else:  # a port a connection still holds is waited for by the service itself
-        wait_tcp(_connect_host(host), port, 30 + HELD_PORT_WAIT_S, child)
+        wait_tcp(connect_host(host), port, 30 + HELD_PORT_WAIT_S, child)
 
 
 def local_ports(config: RoutingConfig, extproc_metrics_port: int,
@@ -72,7 +74,7 @@ def port_problems(ports: list[tuple[str, str, int]]) -> list[str]:
     for what, host, port in ports:
         if port in seen:
             problems.append(f"port {port} is both {seen[port]} and {what}")
-        elif listening(_connect_host(host), port):
+        elif listening(connect_host(host), port):
             problems.append(f"{host}:{port} ({what}) is in use already")
         seen.setdefault(port, what)
     return problems
@@ -88,8 +90,12 @@ def missing_upstream_keys(config: RoutingConfig,
 
 def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
               extproc_metrics_port: int = 9101, ratelimit_metrics_port: int = 9102,
-              env: dict[str, str] | None = None, log_dir: str | None = None) -> list[Child]:
+              env: dict[str, str] | None = None, log_dir: str | None = None,
+              start_sims: bool = True) -> list[Child]:
     """Start every process of the gateway and wait for each to be ready.
+
+    ``start_sims=False``: the caller runs the simulators of ``simulate:`` clusters itself
+    (``up --models`` starts and stops them as models come and go).
 
     ``env`` (for example ``LLM_SIDECAR_REDIS_URL``, or a pool's ``upstream_api_key_env``) is
     added to the environment of extproc, ratelimit and Envoy; with ``log_dir``, Envoy, extproc
@@ -111,7 +117,7 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
         sims: list[tuple[Child, str]] = []
         for name, cluster in config.clusters.items():
             sim = cluster.simulator
-            if sim is None:
+            if sim is None or not start_sims:
                 continue
             for endpoint in cluster.endpoints:
                 host, port = parse_hostport(endpoint)
@@ -120,7 +126,7 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
                     "--max-model-len", str(cluster.max_context), *sim.sim_flags()),
                     log_path=os.path.join(workdir, f"sim-{name}-{port}.log"))
                 children.append(child)
-                sims.append((child, f"http://{_connect_host(host)}:{port}/health"))
+                sims.append((child, f"http://{connect_host(host)}:{port}/health"))
         for child, health_url in sims:  # started together, waited for together
             wait_http_ok(health_url, 30, child)
         extproc = start("extproc", sidecar_command(
@@ -144,7 +150,7 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
                       env=child_env, log_path=log_path("envoy"))
         children.append(envoy)
         admin_host, admin_port = parse_hostport(config.envoy.admin)
-        wait_http_ok(f"http://{_connect_host(admin_host)}:{admin_port}/ready", 30, envoy)
+        wait_http_ok(f"http://{connect_host(admin_host)}:{admin_port}/ready", 30, envoy)
     except BaseException:
         stop_all(children)
         raise
@@ -170,6 +176,13 @@ def _interrupt(*_: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "models", None) is not None:
+        from llm_sidecar.models_up import run as run_models
+        return run_models(args)
+    if getattr(args, "gpus", None) is not None:
+        print("llm-sidecar up: --gpus describes the GPUs of --models DIR; give both",
+              file=sys.stderr)
+        return 2
     path = args.config or example_config_path()
     config = load_config(path)
     problems = port_problems(local_ports(config, args.extproc_metrics_port,
@@ -178,15 +191,26 @@ def run(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"llm-sidecar up: {problem}", file=sys.stderr)
         return 1
+    return serve(config.envoy.listen, lambda workdir: start_all(
+        config, path, workdir, extproc_metrics_port=args.extproc_metrics_port,
+        ratelimit_metrics_port=args.ratelimit_metrics_port))
+
+
+def serve(listen: str, start: Callable[[str], list[Child]],
+          tick: Callable[[], None] | None = None) -> int:
+    """Start the gateway (``start(workdir)`` in a fresh temp dir, returning its children),
+    print the URL, and serve until Ctrl-C, SIGTERM or a child's death; then stop every child.
+
+    ``tick`` runs every half second while serving (``up --models`` watches its folder there).
+    The list ``start`` returned is read again on each round: children that ``tick`` adds or
+    removes from it are watched and stopped with the others."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # while starting: stop starting, at once
         signal.signal(sig, _interrupt)
     with tempfile.TemporaryDirectory(prefix="llm-sidecar-") as workdir:
         children: list[Child] = []
         try:
-            children = start_all(config, path, workdir,
-                                 extproc_metrics_port=args.extproc_metrics_port,
-                                 ratelimit_metrics_port=args.ratelimit_metrics_port)
+            children = start(workdir)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
         except (_Interrupted, KeyboardInterrupt):
@@ -196,14 +220,16 @@ def run(args: argparse.Namespace) -> int:
         except (RuntimeError, TimeoutError, OSError) as exc:  # a child failed to start
             print(f"llm-sidecar up: {exc}; stopped everything", file=sys.stderr)
             return 1
-        host, port = parse_hostport(config.envoy.listen)
-        print(f"llm-sidecar is up: http://{_connect_host(host)}:{port}/v1 "
+        host, port = parse_hostport(listen)
+        print(f"llm-sidecar is up: http://{connect_host(host)}:{port}/v1 "
               f"(OpenAI API; Ctrl-C stops it)", flush=True)
         failed: Child | None = None
         while not stop.wait(0.5):
             failed = next((c for c in children if not c.alive()), None)
             if failed is not None:
                 break
+            if tick is not None:
+                tick()
         stop_all(children)
         if failed is not None:
             print(f"llm-sidecar: {failed.name} exited with code {failed.process.returncode}; "

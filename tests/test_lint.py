@@ -81,7 +81,7 @@ def test_a_citation_of_a_missing_heading_is_found() -> None:
 
 
 RUNTIME_PACKAGES = ("llm_sidecar", "extproc", "ratelimit", "routing", "sidecar_runtime",
-                    "simulator")
+                    "simulator", "llmmodel")
 
 
 def _imported_top_levels(package: str) -> set[str]:
