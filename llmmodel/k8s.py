@@ -19,6 +19,8 @@ from typing import Any
 from llmmodel.alerts import prometheus_rule
 from llmmodel.plans import ModelPlan, PoolPlan
 from llmmodel.routing_merge import POOL_PORT
+from routing.render.deploy import EXTPROC, GATEWAY
+from routing.render.netpol import policy
 
 DEFAULT_IMAGE = "vllm/vllm-openai:v0.10.2"
 """The vLLM the planned flags are written for: ``--runner pooling`` (embedding pools) came in
@@ -29,7 +31,7 @@ GPU_CLASS_LABEL = "llm-sidecar.dev/gpu-class"
 """Node label naming the GPU class of the catalog (``A100-80GB``); GPU Feature Discovery's
 ``nvidia.com/gpu.product`` spells products its own way (``NVIDIA-A100-SXM4-80GB``), so nodes
 are labelled with the catalog's name: ``kubectl label node N llm-sidecar.dev/gpu-class=...``."""
-EXTPROC_SERVICE = "llm-sidecar-extproc"
+EXTPROC_SERVICE = EXTPROC
 """extproc is the pools' endpoint picker (it names the pod as the inference extension's
 protocol does); its Service and gRPC port as ``deploy/k8s`` names them."""
 EXTPROC_PORT = 50051
@@ -38,7 +40,8 @@ HF_TOKEN_SECRET = "hf-token"
 """Secret (key ``token``) whose value the fetch of an hf:// model sends, when it exists."""
 AWS_CLI_IMAGE = "amazon/aws-cli:2.22.35"
 GCLOUD_IMAGE = "gcr.io/google.com/cloudsdktool/google-cloud-cli:502.0.0-slim"
-_KIND_ORDER = ("Deployment", "Service", "InferencePool", "PodMonitor", "PrometheusRule")
+_KIND_ORDER = ("Deployment", "Service", "NetworkPolicy", "InferencePool", "PodMonitor",
+               "PrometheusRule")
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -187,6 +190,16 @@ def pod_monitor(plan: ModelPlan, pool: PoolPlan, *, namespace: str) -> dict[str,
                                               "interval": "15s"}]}}
 
 
+def network_policy(plan: ModelPlan, pool: PoolPlan, *, namespace: str) -> dict[str, Any]:
+    """Only the gateway (Envoy), extproc (the picker's scrapes, the canary verdict's shadows) and
+    Prometheus reach a pool's vLLM port, as ``render``'s policies admit to its own pools: a
+    vLLM server checks no caller, so any other pod of the cluster could spend its GPUs."""
+    doc = policy(pool.name, [([GATEWAY, EXTPROC], ["http"]), ([], ["http"])])
+    doc["metadata"] = {"name": pool.name, "namespace": namespace,
+                       "labels": labels(plan, pool)}
+    return doc
+
+
 def model_objects(plan: ModelPlan, *, namespace: str,
                   image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
     """Every object of ``plan``, sorted by kind then name."""
@@ -194,6 +207,7 @@ def model_objects(plan: ModelPlan, *, namespace: str,
     for pool in plan.pools:
         out += [deployment(plan, pool, namespace=namespace, image=image),
                 service(plan, pool, namespace=namespace),
+                network_policy(plan, pool, namespace=namespace),
                 inference_pool(plan, pool, namespace=namespace),
                 pod_monitor(plan, pool, namespace=namespace)]
     out.append(prometheus_rule(plan, namespace=namespace, labels=labels(plan)))

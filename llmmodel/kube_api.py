@@ -32,6 +32,7 @@ PLURALS: Mapping[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("v1", "ConfigMap"): "configmaps",
     ("apps/v1", "Deployment"): "deployments",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules",

@@ -57,6 +57,7 @@ def rules() -> list[dict[str, Any]]:
         _rule("", ["configmaps"], applied, [ROUTING_CONFIGMAP]),
         _rule("", ["services"], applied),
         _rule("apps", ["deployments"], ["get", *applied]),  # get: PoolsReady
+        _rule("networking.k8s.io", ["networkpolicies"], applied),  # who reaches a pool
         _rule("inference.networking.k8s.io", ["inferencepools"], applied),
         _rule("monitoring.coreos.com", ["podmonitors", "prometheusrules"], applied),
     ]

@@ -149,8 +149,8 @@ def test_every_object_has_namespace_and_labels_in_a_fixed_order() -> None:
     docs = model_objects(plan, namespace="llm")
     assert docs == model_objects(plan, namespace="llm")
     kinds = [d["kind"] for d in docs]
-    assert kinds == ["Deployment"] * 3 + ["Service"] * 3 + ["InferencePool"] * 3 + \
-        ["PodMonitor"] * 3 + ["PrometheusRule"]
+    assert kinds == ["Deployment"] * 3 + ["Service"] * 3 + ["NetworkPolicy"] * 3 + \
+        ["InferencePool"] * 3 + ["PodMonitor"] * 3 + ["PrometheusRule"]
     for doc in docs:
         assert doc["metadata"]["namespace"] == "llm"
         assert doc["metadata"]["labels"][MODEL_LABEL] == "contract-review-v2"
@@ -259,3 +259,24 @@ def test_the_crd_schema_is_structural_and_accepts_what_the_loader_accepts() -> N
                                                               if k != "gpuRequest"}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.Draft4Validator(spec).validate(bad)
+
+
+def test_only_the_gateway_extproc_and_prometheus_reach_a_pools_vllm_port() -> None:
+    plan = model_plan()
+    for pool in plan.pools:
+        [doc] = [d for d in model_objects(plan, namespace="llm")
+                 if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == pool.name]
+        assert doc["metadata"]["namespace"] == "llm"
+        assert doc["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": pool.name}}
+        assert doc["spec"]["policyTypes"] == ["Ingress"]
+        sources = [frm for rule in doc["spec"]["ingress"] for frm in rule["from"]]
+        assert [s.get("podSelector", {}).get("matchLabels") for s in sources] == [
+            {"app.kubernetes.io/name": "llm-gateway"},
+            {"app.kubernetes.io/name": "llm-sidecar-extproc"},
+            {"app.kubernetes.io/name": "prometheus"}]
+        assert {p["port"] for rule in doc["spec"]["ingress"] for p in rule["ports"]} == {"http"}
+        [deployment] = [d for d in model_objects(plan, namespace="llm")
+                        if d["kind"] == "Deployment" and d["metadata"]["name"] == pool.name]
+        pod = deployment["spec"]["template"]
+        assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == pool.name
+        assert [p["name"] for p in pod["spec"]["containers"][0]["ports"]] == ["http"]

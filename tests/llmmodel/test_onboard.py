@@ -80,12 +80,12 @@ def test_onboard_writes_routing_k8s_and_plan(tmp_path: pathlib.Path,
     assert "other" in config.models
     built = kustomize(out / "k8s")
     kinds = sorted({d["kind"] for d in built})
-    assert kinds == ["CustomResourceDefinition", "Deployment", "InferencePool", "PodMonitor",
-                     "PrometheusRule", "Service"]
+    assert kinds == ["CustomResourceDefinition", "Deployment", "InferencePool", "NetworkPolicy",
+                     "PodMonitor", "PrometheusRule", "Service"]
     pools = {p.name for plan in hand_plans for p in plan.pools}
     assert {d["metadata"]["name"] for d in built if d["kind"] == "Deployment"} == pools
     for doc in built:
-        if doc["kind"] in ("Deployment", "Service", "CustomResourceDefinition"):
+        if doc["kind"] in ("Deployment", "Service", "NetworkPolicy", "CustomResourceDefinition"):
             validate(doc, latest_version(), strict=True)
     plan_md = (out / "plan.md").read_text()
     for pool in hand_plans[0].pools:
