@@ -3,22 +3,24 @@ the make-before-break pool set, when a change is acted on) and what a bad folder
 
 from __future__ import annotations
 
+import http.server
 import itertools
+import json
 import pathlib
 import shutil
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
 
-from llm_sidecar.models_up import (
+from llm_sidecar.gateway_wait import reload_counts, wait_envoy_applied, wait_reloaded
+from llm_sidecar.models_served import (
     BUILTIN_BASE,
     NO_MODELS,
-    ModelsGateway,
     Pod,
     Served,
-    Settle,
     assign_ports,
     base_document,
     build,
@@ -28,6 +30,7 @@ from llm_sidecar.models_up import (
     pod_changes,
     with_placeholder,
 )
+from llm_sidecar.models_up import ModelsGateway, Settle
 from routing.errors import ConfigError
 from routing.loader import validate
 from routing.schema import RoutingConfig
@@ -188,3 +191,73 @@ def test_the_line_that_says_what_a_change_did() -> None:
     assert models_line(None, served(a=1)) == "models: +a"
     assert models_line(served(a=1, b=2, c=3), served(a=1, b=5, d=4)) == "models: +d -c a ~b"
     assert models_line(served(a=1), served()) == "models: -a"
+
+
+class FakeAdmin:
+    """An HTTP server answering each path with the text a test sets: Envoy's admin listener or
+    a service's ``/metrics``, as the waits of a change read them."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, str] = {}
+        pages = self.pages
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = pages.get(self.path)
+                self.send_response(200 if body is not None else 404)
+                self.end_headers()
+                self.wfile.write((body or "").encode())
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_admin() -> Iterator[FakeAdmin]:
+    admin = FakeAdmin()
+    yield admin
+    admin.close()
+
+
+def envoy_pages(version: str, clusters: str) -> dict[str, str]:
+    return {"/config_dump?resource=dynamic_route_configs":
+            json.dumps({"configs": [{"version_info": version}]}),
+            "/clusters": clusters}
+
+
+def test_envoy_counts_as_applied_at_the_new_routes_version_with_new_pods_healthy_and_gone_pools_gone(
+        fake_admin: FakeAdmin) -> None:
+    healthy = {("a-2k", "127.0.0.1:9001")}
+    fake_admin.pages.update(envoy_pages("v2", "a-2k::127.0.0.1:9001::health_flags::healthy\n"
+                                              "a-2k::127.0.0.1:9001::cx_active::0\n"))
+    assert wait_envoy_applied(fake_admin.address, "v2", healthy, {"old-2k"}, 5)
+    # each condition alone keeps the wait going until its timeout
+    assert not wait_envoy_applied(fake_admin.address, "v3", healthy, set(), 0.3)
+    fake_admin.pages.update(envoy_pages("v2", "a-2k::127.0.0.1:9001::health_flags::/failed_active_hc\n"))
+    assert not wait_envoy_applied(fake_admin.address, "v2", healthy, set(), 0.3)
+    fake_admin.pages.update(envoy_pages("v2", "a-2k::127.0.0.1:9001::health_flags::healthy\n"
+                                              "old-2k::127.0.0.1:9000::health_flags::healthy\n"))
+    assert not wait_envoy_applied(fake_admin.address, "v2", healthy, {"old-2k"}, 0.3)
+
+
+def test_a_reload_is_seen_on_every_service_s_counter(fake_admin: FakeAdmin) -> None:
+    url = f"http://{fake_admin.address}/metrics"
+    down = f"http://{fake_admin.address}/not-there"
+    fake_admin.pages["/metrics"] = ('extproc_config_reloads_total{result="ok"} 2.0\n'
+                                    'extproc_config_reloads_total{result="error"} 1.0\n'
+                                    'ratelimit_config_reloads_total{result="ok"} 7.0\n')
+    metrics = [(url, "extproc"), (down, "ratelimit")]
+    before = reload_counts(metrics)
+    assert before == [3.0, -1.0]  # both results summed; another prefix's not; no answer is -1
+    assert not wait_reloaded(metrics, before, 0.3)  # extproc has not reloaded
+    fake_admin.pages["/metrics"] = 'extproc_config_reloads_total{result="error"} 4.0\n'
+    fake_admin.pages["/not-there"] = 'ratelimit_config_reloads_total{result="ok"} 0.0\n'
+    assert wait_reloaded(metrics, before, 5)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmmodel.catalog import BASE_MODELS, BUILTIN_GPUS, GIB, default_inventory, load_gpus
-from llmmodel.planner import kv_bytes_per_token
+from llmmodel.sizing import kv_bytes_per_token
 from routing.errors import ConfigError
 
 SPEC_SHEET = [

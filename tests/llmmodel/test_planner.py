@@ -10,16 +10,14 @@ from typing import Any
 import pytest
 
 from llmmodel.catalog import BASE_MODELS, BUILTIN_GPUS, GIB, default_inventory, load_gpus
-from llmmodel.planner import (
+from llmmodel.planner import plan_model, plan_models, pool_label
+from llmmodel.plans import ModelPlan, PoolPlan
+from llmmodel.sizing import (
     kv_bytes_per_token_per_gpu,
     kv_capacity_tokens,
     overhead_bytes,
-    plan_model,
-    plan_models,
-    pool_label,
     weights_bytes,
 )
-from llmmodel.plans import ModelPlan, PoolPlan
 from llmmodel.spec import load_models
 from routing.errors import ConfigError
 from tests.llmmodel.fixtures.models import line_of, load_one, write_gguf, write_model
