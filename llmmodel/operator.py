@@ -68,6 +68,13 @@ class Toolkit:
     """(base routing text, its source name, plans, namespace) → the merged routing YAML."""
 
 
+def routing_header(base_source: str, namespace: str) -> str:
+    """The comment on top of the routing ConfigMap: who rewrites it and what to edit instead
+    (an edit of the ConfigMap itself is lost at the next reconcile)."""
+    return (f"Written by `llm-sidecar operator` from the base ConfigMap ({base_source}) and every "
+            f"LLMModel of namespace {namespace}:\nedit those, not this; it is rewritten on every change.")
+
+
 def default_toolkit(settings: OperatorSettings) -> Toolkit:
     """The planner, object writer and routing merge of :mod:`llmmodel`; the GPU inventory is
     loaded once here, so a bad ``--gpus`` file fails at startup (``ConfigError``)."""
@@ -85,7 +92,8 @@ def default_toolkit(settings: OperatorSettings) -> Toolkit:
 
     def merge(base: str, source: str, plans: Sequence[ModelPlan], namespace: str) -> str:
         return merged_yaml(base, source, plans,
-                           endpoints=lambda pool: default_endpoints(pool, namespace))
+                           endpoints=lambda pool: default_endpoints(pool, namespace),
+                           header_text=routing_header(source, namespace))
 
     return Toolkit(plan=lambda models: plan_models(models, inventory), objects=objects, merge=merge)
 

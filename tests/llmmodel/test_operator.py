@@ -166,6 +166,10 @@ async def test_a_good_model_gets_its_objects_routes_and_status(
     routing = tmp_path / "routing.yaml"
     routing.write_text(api.objects[("v1", "ConfigMap", NS, "llm-sidecar-routing")]["data"]["routing.yaml"])
     check_config(str(routing))
+    header = routing.read_text().split("\n", 2)[:2]
+    assert header == [f"# Written by `llm-sidecar operator` from the base ConfigMap (configmap/"
+                      f"llm-sidecar-routing-base/routing.yaml) and every LLMModel of namespace {NS}:",
+                      "# edit those, not this; it is rewritten on every change."]
     assert "contract-review-v2" in api.routing()["models"]
     assert sorted(api.routing()["models"]["contract-review-v2"]["clusters"]) == sorted(
         p.name for p in plan.pools)

@@ -239,6 +239,18 @@ def test_merged_yaml_is_deterministic_and_says_where_it_came_from(tmp_path: path
     assert config.clusters["a-model-2k"].endpoint_picker is not None
 
 
+def test_another_writer_names_itself_in_the_header_and_the_yaml_is_the_same() -> None:
+    """The operator's ConfigMap must not tell a reader to run onboard: the header is the
+    writer's, every line a comment, and the document under it unchanged."""
+    plans = [model_plan("a-model", contexts=(2048,), source="models/a.yaml")]
+    onboard = merged_yaml(BASE, "routing.yaml", plans, endpoints=dns)
+    text = merged_yaml(BASE, "routing.yaml", plans, endpoints=dns,
+                       header_text="Written by `llm-sidecar operator`:\nedit the LLMModels, not this")
+    assert text.startswith("# Written by `llm-sidecar operator`:\n# edit the LLMModels, not this\n")
+    assert "onboard" not in text
+    assert yaml.safe_load(text) == yaml.safe_load(onboard)
+
+
 def test_a_base_with_errors_reports_them_at_its_own_lines() -> None:
     with pytest.raises(ConfigError, match=r"^routing.yaml:6: model 'llama-2-13b' names unknown "
                                           "cluster 'nope'"):
