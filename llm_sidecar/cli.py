@@ -59,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
                     "reach extproc and ratelimit live.")
     render.add_argument("--config", required=True, help="routing YAML")
     render.add_argument("--out", required=True, help="output directory")
+    render.add_argument("--watch", action="store_true",
+                        help="keep running and render again whenever the routing YAML changes "
+                             "(a mounted ConfigMap's update too): with envoy.dynamic_pools a "
+                             "running Envoy applies pool changes at once; a file that does not "
+                             "load is reported and the last good render kept")
 
     check = sub.add_parser("check", help="validate a routing YAML: exit 0 (warnings, if any, "
                                          "on stderr as FILE:LINE: warning: ...), or 1 with one "
@@ -134,8 +139,11 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "render":
         from routing.loader import load_config
         from routing.render import write_all
+        from sidecar_runtime.process.reload import path_signature
+        signature = path_signature(args.config)  # before reading: --watch sees a change made now
+        config = load_config(args.config)
         try:
-            written = write_all(load_config(args.config), args.out)
+            written = write_all(config, args.out)
         except (FileExistsError, NotADirectoryError) as exc:
             print(f"llm-sidecar render: --out {args.out}: {exc.strerror}: give a folder",
                   file=sys.stderr)
@@ -144,7 +152,11 @@ def _dispatch(args: argparse.Namespace, settings: Settings) -> int:
             print(f"llm-sidecar render: --out {args.out}: {exc.strerror}", file=sys.stderr)
             return 1
         for path in written:
-            print(path)
+            print(path, flush=True)
+        if args.watch:
+            from llm_sidecar.render_watch import watch
+            from routing.render.envoy import bootstrap_fingerprint
+            return watch(args.config, args.out, bootstrap_fingerprint(config), signature)
         return 0
     if args.command == "up":
         from llm_sidecar.up import run as up_run

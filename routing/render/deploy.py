@@ -304,8 +304,18 @@ def kubernetes(config: RoutingConfig, routing_text: str) -> dict[str, list[dict[
         # envoy.max_heap_bytes in the ConfigMap is 3/4 of this limit (container_doc).
         resources={"requests": {"cpu": "500m", "memory": "256Mi"},
                    "limits": {"memory": f"{GATEWAY_MEMORY_LIMIT_MIB}Mi"}})
+    containers = [envoy]
+    if config.envoy.dynamic_pools:
+        # Renders again when the ConfigMap changes: Envoy applies the pools from the xds/ files
+        # it watches, so a pool added by hand or by the LLMModel operator needs no restart.
+        watcher = _container("render-watch", ["render", "--config", routing, "--out", ENVOY_DIR,
+                                              "--watch"], [],
+                             volumeMounts=[config_mount, envoy_mount],
+                             resources={"requests": {"cpu": "10m", "memory": "64Mi"}})
+        del watcher["ports"]
+        containers.append(watcher)
     gateway = [
-        _deployment(GATEWAY, 2, [envoy], [config_volume, {"name": "envoy", "emptyDir": {}}],
+        _deployment(GATEWAY, 2, containers, [config_volume, {"name": "envoy", "emptyDir": {}}],
                     init=[render], grace_s=330),
         _service(GATEWAY, [("http", ports["listen"])]),
     ]

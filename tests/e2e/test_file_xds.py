@@ -156,3 +156,36 @@ def gw_doc_without_extra(doc: dict[str, Any]) -> dict[str, Any]:
     del out["clusters"]["extra"]
     del out["models"]["n"]
     return out
+
+
+def test_render_watch_brings_a_routing_change_to_envoy_and_the_services(
+        gateway: Gateway, sims: list[tuple[Child, int]], tmp_path: pathlib.Path) -> None:
+    """One edit of the routing YAML, as a ConfigMap update (by hand or by the LLMModel
+    operator) is in a gateway pod: ``render --watch`` gives Envoy the pool, the services reload
+    the model, and it answers; Envoy is never restarted."""
+    gw = gateway
+    envoy = gw.child("envoy")
+    (_, first), _ = sims
+    log = tmp_path / "render-watch.log"
+    watcher = start("render --watch", sidecar_command(
+        "render", "--config", gw.config_path, "--out", gw.workdir, "--watch"), log_path=str(log))
+    try:
+        wait_for(lambda: log.exists() and "envoy.yaml" in log.read_text(), timeout=30,
+                 what="render --watch to render once")
+        added = gw_doc(gw)
+        added["clusters"]["extra"] = {"endpoints": [f"127.0.0.1:{first}"], "max_context": 4096}
+        added["models"]["n"] = {"clusters": ["extra"]}
+        route(gw, added)
+        wait_for(lambda: chat(gw, "n")[0] == 200, timeout=30,
+                 what="the model added to the routing YAML to answer")
+        assert served_by(first) >= 1
+        assert "Envoy applies the pools from xds/ now" in log.read_text()
+
+        broken = pathlib.Path(gw.config_path).read_text().replace("version: 1", "version: 7")
+        replace_file(gw.config_path, broken.encode())
+        wait_for(lambda: "Envoy keeps the last good files" in log.read_text(), timeout=30,
+                 what="render --watch to refuse the broken file")
+        assert watcher.alive() and chat(gw, "n")[0] == 200
+        assert envoy.alive() and gw.child("envoy") is envoy and stale(gw) == 0.0
+    finally:
+        watcher.stop()
