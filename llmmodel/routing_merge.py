@@ -16,6 +16,7 @@ from llmmodel.plans import ModelPlan, PoolPlan
 from llmmodel.spec import LoadedModel
 from routing.errors import ConfigError, Problem
 from routing.loader import validate
+from routing.picker_schema import MAX_WAIT_LIMIT_S
 from routing.render import dump
 from routing.schema import Limit
 from routing.yamlsrc import Path, load_yaml
@@ -108,7 +109,9 @@ def _check_names(base: dict[str, Any], plans: Sequence[ModelPlan], problems: lis
 def _cluster(plan: ModelPlan, pool: PoolPlan, addresses: list[str], simulate: bool) -> dict[str, Any]:
     cluster: dict[str, Any] = {"endpoints": list(addresses), "max_context": pool.context}
     if plan.kind == "chat":
-        cluster["endpoint_picker"] = {}  # each pod's own vLLM load metrics pick the pod
+        # Each pod's own vLLM load metrics pick the pod; when every pod is full a request waits
+        # in extproc for at most the SLA's P99 TTFT (past it, it has missed its SLA anyway).
+        cluster["endpoint_picker"] = {"flow_control": {"max_wait": sla_max_wait(plan)}}
     if simulate:
         sim: dict[str, Any] = {
             "kv_cache_tokens": _clamp(pool.kv_cache_tokens, 1, 1_000_000_000),
@@ -118,6 +121,13 @@ def _cluster(plan: ModelPlan, pool: PoolPlan, addresses: list[str], simulate: bo
             "natural_stop": True}
         cluster["simulate"] = sim
     return cluster
+
+
+def sla_max_wait(plan: ModelPlan) -> str:
+    """Flow control's ``max_wait`` for the model's pools: its SLA's P99 time to first token, in
+    whole milliseconds within what ``max_wait`` accepts."""
+    millis = round(plan.model.spec.sla.p99_latency_s * 1000)
+    return f"{_clamp(millis, 1, int(MAX_WAIT_LIMIT_S * 1000))}ms"
 
 
 def _clamp(value: int, low: int, high: int) -> int:

@@ -15,8 +15,9 @@ import yaml
 from llmmodel.plans import ModelPlan, PoolPlan
 from llmmodel.routing_merge import default_endpoints, merge_routing, merged_yaml
 from routing.errors import ConfigError
-from routing.loader import check_config, load_config
+from routing.loader import check_config, load_config, validate
 from routing.render import write_all
+from routing.yamlsrc import Located
 from sidecar_runtime.process.procs import envoy_binary
 from tests.harness.ci import unavailable
 from tests.llmmodel.factories import model_plan
@@ -60,7 +61,7 @@ def test_each_pool_becomes_a_cluster_and_the_model_lists_them_shortest_first() -
     assert doc["models"]["llama-2-13b"] == base()["models"]["llama-2-13b"]
     assert doc["clusters"]["contract-review-v2-2k"] == {
         "endpoints": ["contract-review-v2-2k.llm.svc.cluster.local:8000"], "max_context": 2048,
-        "endpoint_picker": {}}
+        "endpoint_picker": {"flow_control": {"max_wait": "200ms"}}}
     assert doc["clusters"]["contract-review-v2-32k"]["max_context"] == 32768
     assert doc["models"]["contract-review-v2"] == {
         "kind": "chat", "clusters": ["contract-review-v2-2k", "contract-review-v2-4k",
@@ -288,3 +289,19 @@ def test_envoy_accepts_what_render_writes_from_the_merged_yaml(tmp_path: pathlib
     clusters = {c["name"] for c in yaml.safe_load(pathlib.Path(bootstrap).read_text())
                 ["static_resources"]["clusters"]}
     assert {"contract-review-v2-2k", "contract-review-v2-canary", "bge-m3-8k"} <= clusters
+
+
+@pytest.mark.parametrize(("p99", "max_wait"), [
+    ("200ms", "200ms"), ("1.5s", "1500ms"), ("0.0004s", "1ms"), ("10m", "120000ms")])
+def test_a_full_pool_holds_a_request_for_at_most_the_slas_ttft(p99: str, max_wait: str) -> None:
+    """Flow control's max_wait is the SLA's P99 time to first token (a request still waiting
+    then has missed it), within the 1 ms to 120 s max_wait accepts."""
+    plan = model_plan(sla={"p99Latency": p99, "availability": "99.9%"})
+    doc = merge_routing(base(), [plan], endpoints=dns)
+    for pool in plan.pools:
+        assert doc["clusters"][pool.name]["endpoint_picker"] == {
+            "flow_control": {"max_wait": max_wait}}
+    cluster = validate(Located("routing.yaml", doc)).clusters[plan.pools[0].name]
+    assert cluster.endpoint_picker is not None and cluster.endpoint_picker.flow_control is not None
+    assert cluster.endpoint_picker.flow_control.max_wait_s == pytest.approx(
+        int(max_wait.removesuffix("ms")) / 1000)
