@@ -32,7 +32,7 @@ import yaml
 from llmmodel.kube_api import FIELD_MANAGER, LLMMODEL_API_VERSION, LLMMODEL_KIND, KubeApi
 from llmmodel.plans import ModelPlan
 from llmmodel.spec import LoadedModel, model_from_object
-from routing.errors import ConfigError
+from routing.errors import ConfigError, Problem
 
 ROUTING_KEY = "routing.yaml"
 ROUTING_NOT_UPDATED = "RoutingNotUpdated"
@@ -54,6 +54,26 @@ class OperatorSettings:
     routing_configmap: str = "llm-sidecar-routing"
     base_configmap: str = "llm-sidecar-routing-base"
     gpus_path: str | None = None
+    allow_host_paths: bool = False
+    """Whether an LLMModel may name a path of the GPU node as its ``modelPath`` (mounted with
+    ``hostPath``). Off: whoever may create an LLMModel could otherwise have the operator mount
+    any directory of a node (``/``, ``/etc``, a runtime socket) into a pod it creates."""
+
+
+def host_path_problems(models: Sequence[LoadedModel]) -> list[Problem]:
+    """A local ``modelPath`` (the model's or its canary's) of each of ``models``: refused by an
+    operator started without ``--allow-host-paths``."""
+    problems = []
+    for model in models:
+        for at, path in ((("spec", "modelPath"), model.spec.model_path),
+                         (("spec", "canary", "modelPath"),
+                          model.spec.canary.model_path if model.spec.canary else None)):
+            if path is not None and "://" not in path:
+                problems.append(model.problem(at, (
+                    f"{path!r} is a path on the GPU node, mounted with hostPath: this operator "
+                    "refuses it (start it with --allow-host-paths to allow it); use pvc://, "
+                    "s3://, gs:// or hf://")))
+    return problems
 
 
 @dataclass(frozen=True)
@@ -95,7 +115,13 @@ def default_toolkit(settings: OperatorSettings) -> Toolkit:
                            endpoints=lambda pool: default_endpoints(pool, namespace),
                            header_text=routing_header(source, namespace))
 
-    return Toolkit(plan=lambda models: plan_models(models, inventory), objects=objects, merge=merge)
+    def plan(models: Sequence[LoadedModel]) -> list[ModelPlan]:
+        problems = [] if settings.allow_host_paths else host_path_problems(models)
+        if problems:
+            raise ConfigError(problems)
+        return plan_models(models, inventory)
+
+    return Toolkit(plan=plan, objects=objects, merge=merge)
 
 
 @dataclass

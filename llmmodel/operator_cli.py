@@ -63,6 +63,10 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
                              "YAML the models are merged into")
     parser.add_argument("--gpus", metavar="FILE", default=None,
                         help="GPU catalog additions and the nodes (see `llm-sidecar plan`)")
+    parser.add_argument("--allow-host-paths", action="store_true",
+                        help="let an LLMModel's modelPath be a path on the GPU node (a hostPath "
+                             "mount); off, such a model is refused (Planned=False), since anyone "
+                             "who may create an LLMModel could mount any directory of a node")
     parser.add_argument("--standalone", action="store_true",
                         help="no peering with other operator replicas (no KopfPeering CRD "
                              "needed); run one replica")
@@ -81,7 +85,7 @@ def operator_command(args: argparse.Namespace) -> int:
     settings = OperatorSettings(
         namespace=args.namespace or pod_namespace(), image=args.image,
         routing_configmap=args.routing_configmap, base_configmap=args.base_configmap,
-        gpus_path=args.gpus)
+        gpus_path=args.gpus, allow_host_paths=args.allow_host_paths)
     toolkit = default_toolkit(settings)
     try:
         api = InClusterApi()

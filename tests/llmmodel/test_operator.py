@@ -218,6 +218,33 @@ async def test_an_unfittable_spec_applies_nothing_and_says_why(api: FakeApi, too
     assert len(events) == 1  # the same failure is not announced twice
 
 
+@pytest.mark.parametrize("spec", [
+    {"modelPath": "/"},
+    {"modelPath": "/var/run/containerd"},
+    {"canary": {"model": "contract-review-v3", "percent": 5, "modelPath": "/etc"}},
+])
+async def test_a_node_path_is_refused_unless_the_operator_allows_it(
+        api: FakeApi, toolkit: Toolkit, spec: dict[str, Any]) -> None:
+    """Whoever may create an LLMModel must not get a directory of a GPU node mounted into a
+    pod the operator creates (hostPath), unless the operator was started to allow it."""
+    obj = llmmodel(**spec)
+    api.put(obj)
+    status = await reconcile(api, obj, settings=SETTINGS, toolkit=toolkit)
+    assert api.applied() == []
+    planned = conditions(status)["Planned"]
+    assert planned["status"] == "False"
+    assert "hostPath" in planned["message"] and "--allow-host-paths" in planned["message"]
+    assert planned["message"].startswith("llm/contract-review-v2:1: ")
+
+    allowing = OperatorSettings(namespace=NS, allow_host_paths=True)
+    status = await reconcile(api, api.model("contract-review-v2"), settings=allowing,
+                             toolkit=default_toolkit(allowing))
+    assert conditions(status)["Planned"]["status"] == "True"
+    volumes = [v for (_, kind, _, _), d in api.objects.items() if kind == "Deployment"
+               for v in d["spec"]["template"]["spec"]["volumes"]]
+    assert any(v.get("hostPath", {}).get("path") == spec.get("modelPath", "/etc") for v in volumes)
+
+
 async def test_a_field_error_names_the_object(api: FakeApi, toolkit: Toolkit) -> None:
     obj = llmmodel(gpuRequest="lots")
     api.put(obj)
