@@ -16,9 +16,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from llmmodel.catalog import BASE_MODELS, find_base
-from llmmodel.spec import Architecture, LoadedModel
+from llmmodel.spec import Architecture, LoadedModel, read_text
 
 REMOTE_SCHEMES = ("s3://", "gs://", "hf://", "pvc://")
+MAX_CONFIG = 1 << 20
+"""The largest ``config.json`` read (1 MiB; Hugging Face's are a few kilobytes)."""
+MAX_INDEX = 64 << 20
+"""The largest ``model.safetensors.index.json`` read (64 MiB; a 405B model's is about 100 KiB)."""
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float": 4, "half": 2, "float8_e4m3fn": 1}
 _GATED_ACTS = ("silu", "swiglu", "geglu", "gelu_pytorch_tanh_gated")
@@ -91,8 +95,9 @@ def _architecture(path: str, **fields: Any) -> Architecture:
         return Architecture.model_validate(fields)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"{path}: {where}: {first['msg']}") from None
+        where = "".join(f"{p}: " for p in first["loc"][:1])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise ValueError(f"{path}: {where}{message}") from None
 
 
 def read_hf_config(path: str) -> Architecture:
@@ -100,18 +105,23 @@ def read_hf_config(path: str) -> Architecture:
     ``model.safetensors.index.json`` beside it (``metadata.total_size`` / bytes per element of
     ``torch_dtype``) or, without one, from the layer shapes (:func:`estimate_parameters`)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            config = json.load(handle)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        config = json.loads(read_text(path, MAX_CONFIG))
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"{path}: cannot read it as JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: cannot read it as JSON: nested too deep") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not a JSON object")
     if isinstance(config.get("text_config"), dict):  # a multimodal model: size its language model
         config = {**config, **config["text_config"]}
     needed = ("num_hidden_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
-    missing = [key for key in needed if not isinstance(config.get(key), int)]
+    missing = [key for key in needed
+               if not isinstance(config.get(key), int) or isinstance(config.get(key), bool)]
     if missing:
         raise ValueError(f"{path}: no integer {', '.join(missing)}; give architecture: instead")
+    if config["num_attention_heads"] < 1:
+        raise ValueError(f"{path}: num_attention_heads is {config['num_attention_heads']}, not a "
+                         "head count; give architecture: instead")
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
@@ -119,7 +129,7 @@ def read_hf_config(path: str) -> Architecture:
     vocab = config.get("vocab_size") or None
     try:
         params = _safetensors_params(path, config) or estimate_parameters(config)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ArithmeticError) as exc:  # ArithmeticError: 0 heads, overflow
         raise ValueError(f"{path}: cannot count the parameters from its shapes ({exc}); give "
                          "architecture: with parameters") from None
     return _architecture(path, parameters=params, layers=layers, hidden_size=hidden,
@@ -129,12 +139,13 @@ def read_hf_config(path: str) -> Architecture:
 
 def _safetensors_params(path: str, config: dict[str, Any]) -> int | None:
     index = os.path.join(os.path.dirname(path), "model.safetensors.index.json")
-    try:
-        with open(index, encoding="utf-8") as handle:
-            total = json.load(handle).get("metadata", {}).get("total_size")
-    except (OSError, ValueError, AttributeError):
+    if not os.path.lexists(index):
         return None
-    if not isinstance(total, int) or total <= 0:
+    try:
+        total = json.loads(read_text(index, MAX_INDEX)).get("metadata", {}).get("total_size")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    if not isinstance(total, int) or isinstance(total, bool) or total <= 0:
         return None
     element = _DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or "float16"), 2)
     return total // element
@@ -173,6 +184,8 @@ def read_gguf(path: str) -> Architecture:
     (the reader memory-maps the file)."""
     from gguf import GGUFReader  # imported here: only local GGUF models need it
 
+    if not os.path.isfile(path):  # a FIFO or device is not memory-mapped
+        raise ValueError(f"{path}: not a regular file")
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError, KeyError, IndexError) as exc:

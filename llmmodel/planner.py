@@ -33,7 +33,7 @@ from llmmodel.sizing import (
     kv_capacity_tokens,
     overhead_bytes,
 )
-from llmmodel.spec import Architecture, LoadedModel
+from llmmodel.spec import Architecture, LoadedModel, canary_problems
 from routing.errors import ConfigError, Problem
 
 
@@ -202,10 +202,9 @@ def _contexts(model: LoadedModel, arch: Architecture) -> list[int] | ConfigError
 
 def plan_model(model: LoadedModel, inventory: GpuInventory, *, declared: Collection[str] = ()) -> ModelPlan:
     """The pools of ``model``: one per context track, shortest first, then a canary pool when
-    ``spec.canary.model`` is not among ``declared`` (the names of the LLMModels planned with
-    it). Raises :class:`ConfigError` with one ``FILE:LINE`` problem when it cannot be planned."""
-    # Imported here, not at the top: llmmodel.flags builds on this module's formulas and types.
-
+    ``spec.canary.model`` is not among ``declared`` (the LLMModels planned with it that are
+    canaries by ``canaryOf``). Raises :class:`ConfigError` with one ``FILE:LINE`` problem when
+    it cannot be planned."""
     arch = resolve_architecture(model)
     contexts = _contexts(model, arch)
     if isinstance(contexts, ConfigError):
@@ -238,10 +237,13 @@ def plan_model(model: LoadedModel, inventory: GpuInventory, *, declared: Collect
 
 
 def plan_models(models: Sequence[LoadedModel], inventory: GpuInventory) -> list[ModelPlan]:
-    """Every model's plan; raises one :class:`ConfigError` with every model's problem."""
-    declared = {m.name for m in models}
+    """Every model's plan; raises one :class:`ConfigError` with every model's problem. A model
+    another names as its canary gets no canary pool planned for it only when it opts in with
+    ``canaryOf`` (:func:`llmmodel.spec.canary_problems` refuses the rest)."""
+    names = {m.name for m in models}
+    declared = {m.name for m in models if m.spec.canary_of is not None and m.spec.canary_of in names}
     plans: list[ModelPlan] = []
-    problems: list[Problem] = []
+    problems: list[Problem] = canary_problems(models)
     for model in models:
         try:
             plans.append(plan_model(model, inventory, declared=declared))

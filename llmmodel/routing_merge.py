@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmmodel.plans import ModelPlan, PoolPlan
-from llmmodel.spec import LoadedModel
+from llmmodel.spec import LoadedModel, canary_problems
 from routing.errors import ConfigError, Problem
 from routing.loader import validate
 from routing.picker_schema import MAX_WAIT_LIMIT_S
 from routing.render import dump
-from routing.schema import Limit
+from routing.schema import Limit, ServicesSection
 from routing.yamlsrc import Path, load_yaml
 
 POOL_PORT = 8000
@@ -34,13 +34,19 @@ def default_endpoints(pool: PoolPlan, namespace: str) -> list[str]:
 
 
 def canary_targets(plans: Sequence[ModelPlan]) -> dict[str, ModelPlan]:
-    """Declared models that another declared model names as its canary, by name. They get
-    their pools but no ``models`` entry of their own: the routing YAML serves a canary model
-    only through its stable model (a canary model that is also a model is an overlap)."""
+    """Declared models that are another declared model's canary, by name: the stable model
+    names them under ``canary.model`` and they name it under ``canaryOf`` (both, so that no
+    LLMModel can take another team's model away from its clients). They get their pools but no
+    ``models`` entry of their own: the routing YAML serves a canary model only through its
+    stable model (a canary model that is also a model is an overlap)."""
     by_name = {plan.name: plan for plan in plans}
-    return {plan.model.spec.canary.model: by_name[plan.model.spec.canary.model]
-            for plan in plans
-            if plan.model.spec.canary is not None and plan.model.spec.canary.model in by_name}
+    out: dict[str, ModelPlan] = {}
+    for plan in plans:
+        canary = plan.model.spec.canary
+        target = by_name.get(canary.model) if canary is not None else None
+        if target is not None and target is not plan and target.model.spec.canary_of == plan.name:
+            out[target.name] = target
+    return out
 
 
 def merge_routing(base: dict[str, Any], plans: Sequence[ModelPlan], *,
@@ -51,13 +57,14 @@ def merge_routing(base: dict[str, Any], plans: Sequence[ModelPlan], *,
     doc = copy.deepcopy(base)
     clusters: dict[str, Any] = dict(doc.get("clusters") or {})
     models: dict[str, Any] = dict(doc.get("models") or {})
-    problems: list[Problem] = []
+    problems: list[Problem] = canary_problems([plan.model for plan in plans])
     _check_names(base, plans, problems)
     canaries = canary_targets(plans)
     by_name = {plan.name: plan for plan in plans}
+    timeout = extproc_timeout_s(base)
     for plan in sorted(plans, key=lambda p: p.name):
         for pool in plan.pools:
-            clusters[pool.name] = _cluster(plan, pool, endpoints(pool), simulate)
+            clusters[pool.name] = _cluster(plan, pool, endpoints(pool), simulate, timeout)
         if plan.name in canaries:
             if plan.model.spec.limits is not None and plan.model.spec.limits.model is not None:
                 problems.append(plan.model.problem(("spec", "limits", "model"), (
@@ -106,12 +113,13 @@ def _check_names(base: dict[str, Any], plans: Sequence[ModelPlan], problems: lis
                     "rename one of the two models")))
 
 
-def _cluster(plan: ModelPlan, pool: PoolPlan, addresses: list[str], simulate: bool) -> dict[str, Any]:
+def _cluster(plan: ModelPlan, pool: PoolPlan, addresses: list[str], simulate: bool,
+             timeout_s: float) -> dict[str, Any]:
     cluster: dict[str, Any] = {"endpoints": list(addresses), "max_context": pool.context}
     if plan.kind == "chat":
         # Each pod's own vLLM load metrics pick the pod; when every pod is full a request waits
         # in extproc for at most the SLA's P99 TTFT (past it, it has missed its SLA anyway).
-        cluster["endpoint_picker"] = {"flow_control": {"max_wait": sla_max_wait(plan)}}
+        cluster["endpoint_picker"] = {"flow_control": {"max_wait": sla_max_wait(plan, timeout_s)}}
     if simulate:
         sim: dict[str, Any] = {
             "kv_cache_tokens": _clamp(pool.kv_cache_tokens, 1, 1_000_000_000),
@@ -123,11 +131,35 @@ def _cluster(plan: ModelPlan, pool: PoolPlan, addresses: list[str], simulate: bo
     return cluster
 
 
-def sla_max_wait(plan: ModelPlan) -> str:
-    """Flow control's ``max_wait`` for the model's pools: its SLA's P99 time to first token, in
-    whole milliseconds within what ``max_wait`` accepts."""
+DEFAULT_EXTPROC_TIMEOUT_S: float = ServicesSection.model_fields["extproc_timeout_s"].default
+EXTPROC_MARGIN_MS = 1000
+"""How much shorter than Envoy's ext_proc message timeout a request may wait in flow control."""
+
+
+def extproc_timeout_s(base: dict[str, Any]) -> float:
+    """``services.extproc_timeout_s`` of the routing YAML ``base`` (its default when unset; a
+    wrong value is the base's own problem, which its validation names)."""
+    services = base.get("services")
+    value = services.get("extproc_timeout_s") if isinstance(services, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 3600:
+        return float(value)
+    return DEFAULT_EXTPROC_TIMEOUT_S
+
+
+def sla_max_wait(plan: ModelPlan, extproc_timeout: float = DEFAULT_EXTPROC_TIMEOUT_S) -> str:
+    """Flow control's ``max_wait`` for the model's pools: its SLA's P99 time to first token,
+    but at most ``extproc_timeout`` (the base's ``services.extproc_timeout_s``) less
+    :data:`EXTPROC_MARGIN_MS`, in whole milliseconds, at least 1.
+
+    Why the cap: a waiting request holds extproc's answer for up to ``max_wait``, so Envoy's
+    ext_proc ``message_timeout`` must be longer (``extproc_message_timeout_s`` of
+    ``routing.render.envoy`` raises it to fit). That timeout lives in Envoy's bootstrap, which a
+    routing reload does not change: a model added while the gateway runs with a longer wait would
+    need an Envoy restart. Past the timeout's margin the request has missed a TTFT SLA that long
+    anyway."""
     millis = round(plan.model.spec.sla.p99_latency_s * 1000)
-    return f"{_clamp(millis, 1, int(MAX_WAIT_LIMIT_S * 1000))}ms"
+    ceiling = min(int(extproc_timeout * 1000) - EXTPROC_MARGIN_MS, int(MAX_WAIT_LIMIT_S * 1000))
+    return f"{_clamp(min(millis, ceiling), 1, int(MAX_WAIT_LIMIT_S * 1000))}ms"
 
 
 def _clamp(value: int, low: int, high: int) -> int:
@@ -264,13 +296,23 @@ def _put(limits: dict[str, Any], set_by: dict[tuple[str, str], tuple[Any, str]],
 def header(base_source: str, plans: Sequence[ModelPlan]) -> str:
     """``onboard``'s header of the merged routing YAML: its inputs, and to run it again."""
     sources = sorted({plan.model.located.source for plan in plans})
-    return (f"# Generated by `llm-sidecar onboard` from {base_source} and the LLMModels in "
-            f"{', '.join(sources) or 'no files'}:\n# edit those and run onboard again.\n")
+    return comment(f"Generated by `llm-sidecar onboard` from {quote_path(base_source)} and the "
+                   f"LLMModels in {', '.join(map(quote_path, sources)) or 'no files'}:\n"
+                   "edit those and run onboard again.")
+
+
+def quote_path(path: str) -> str:
+    """A file name for a one-line comment: a control character (a newline in a file's name)
+    written as its escape, ``\\n``, so the name cannot start a line of YAML."""
+    if path.isprintable():
+        return path
+    return repr(path)[1:-1]
 
 
 def comment(text: str) -> str:
     """``text`` as YAML comment lines (``# `` before each), ending with a newline: a header that
-    cannot change what the YAML under it says."""
+    cannot change what the YAML under it says. Every line break Python knows ends a comment line
+    (YAML ends a comment at CR or LF, which ``splitlines`` also splits on)."""
     return "".join(f"# {line}".rstrip() + "\n" for line in text.splitlines())
 
 

@@ -7,11 +7,14 @@ wording as ``llm-sidecar check``.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -26,8 +29,16 @@ KIND = "LLMModel"
 
 Quantization = Literal["fp16", "bf16", "fp8", "int8", "awq", "gptq", "q4_k_m", "q5_k_m", "q8_0"]
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
-_MODEL_PATH = re.compile(r"^(s3://|gs://|hf://|pvc://)[^\s]+$|^[^\s:]+$")
+_DNS_LABEL = re.compile(r"[a-z]([a-z0-9-]{0,40}[a-z0-9])?")
+"""A model name: it names Services, which are DNS-1035 labels (a letter first)."""
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*")
+_HF_SEGMENT = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
+_LOCAL_PATH = re.compile(r"[^\s:]+")
+MAX_BYTES = 1 << 50
+"""The largest size accepted (1 PiB): far above any GPU's memory, and small enough for a float."""
+MAX_COUNT = 10**15
+"""The largest parameter count accepted (a quadrillion)."""
 _BYTES = re.compile(r"^(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|KB|MB|GB|TB)?$")
 _BYTE_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
                "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -39,28 +50,53 @@ _COUNT_UNITS = {None: 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 def parse_bytes(text: str | int) -> int:
     """``40Gi`` (binary), ``40G`` or ``40GB`` (decimal), or a plain number of bytes."""
     if isinstance(text, int) and not isinstance(text, bool):
+        if text > MAX_BYTES:
+            raise ValueError(f"{_short(text)} is too large: at most 1Pi")
         return text
-    match = _BYTES.match(str(text).strip())
-    if not match:
-        raise ValueError(f"{text!r} is not a size: write it like 40Gi (or 40G, 40GB)")
-    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
+    else:
+        match = _BYTES.fullmatch(str(text).strip())
+        if not match:
+            raise ValueError(f"{_short(text)} is not a size: write it like 40Gi (or 40G, 40GB)")
+        value: float = float(match.group(1)) * _BYTE_UNITS[match.group(2)]
+    if not math.isfinite(value) or value > MAX_BYTES:
+        raise ValueError(f"{_short(text)} is too large: at most 1Pi")
+    return int(value)
 
 
 def parse_count(text: str | int) -> int:
     """``13B``, ``7.2B``, ``560M`` or a plain number (a parameter count)."""
     if isinstance(text, int) and not isinstance(text, bool):
+        if text > MAX_COUNT:
+            raise ValueError(f"{_short(text)} is too large: at most 1000T (10^15)")
         return text
-    match = _COUNT.match(str(text).strip().upper())
-    if not match:
-        raise ValueError(f"{text!r} is not a count: write it like 13B or 560M")
-    return int(float(match.group(1)) * _COUNT_UNITS[match.group(2)])
+    else:
+        match = _COUNT.fullmatch(str(text).strip().upper())
+        if not match:
+            raise ValueError(f"{_short(text)} is not a count: write it like 13B or 560M")
+        value: float = float(match.group(1)) * _COUNT_UNITS[match.group(2)]
+    if not math.isfinite(value) or value > MAX_COUNT:
+        raise ValueError(f"{_short(text)} is too large: at most 1000T (10^15)")
+    return int(value)
+
+
+def _short(text: str | int) -> str:
+    """``text`` for a message, a 400-digit number cut short."""
+    shown = repr(text) if isinstance(text, str) else str(text)
+    return shown if len(shown) <= 40 else f"{shown[:20]}...{shown[-10:]} ({len(shown)} characters)"
 
 
 def parse_percent(text: str | float) -> float:
     """``99.95%`` or ``99.95`` as the fraction 0.9995."""
-    value = float(str(text).strip().removesuffix("%")) if not isinstance(text, float) else text
+    try:
+        value = float(str(text).strip().removesuffix("%")) if not isinstance(text, float) else text
+    except ValueError:
+        raise ValueError(f"{text!r} is not a percentage: write it like 99.9%") from None
     if not 0 < value < 100:
         raise ValueError(f"{text!r}: an availability is above 0% and below 100%, like 99.9%")
+    if value < 50:
+        # 0.999 is a fraction written where a percentage goes: it would mean 0.999%.
+        raise ValueError(f"{text!r} would mean {value:g}%: write the availability as a percentage "
+                         "like 99.9%")
     return value / 100
 
 
@@ -80,7 +116,7 @@ class Sla(Strict):
     def _latency(cls, value: str) -> str:
         seconds = parse_latency(value)
         if not 0 < seconds <= 600:
-            raise ValueError(f"{value!r}: a P99 time to first token from 1ms to 600s")
+            raise ValueError(f"{_short(value)}: a P99 time to first token from 1ms to 600s")
         return value
 
     @field_validator("availability")
@@ -139,6 +175,11 @@ class Architecture(Strict):
     def _heads(self) -> Architecture:
         if self.kv_heads is not None and self.attention_heads % self.kv_heads:
             raise ValueError("attention_heads must be a multiple of kv_heads")
+        if self.head_size < 1:
+            # the KV cache per token is a multiple of the head size: 0 would size it as free
+            raise ValueError(f"hidden_size {self.hidden_size} / attention_heads {self.attention_heads} "
+                             "gives a head size of 0: give head_dim, or a hidden_size of at least "
+                             "attention_heads")
         return self
 
     @property
@@ -176,12 +217,21 @@ class ModelLimits(Strict):
 
 class ModelCanary(Strict):
     model: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$")
-    """The canary's model name: another LLMModel declared beside this one serves it, or else a
-    pool ``<name>-canary`` planned as this model's longest pool, serving ``modelPath``."""
+    """The canary's model name: another LLMModel declared beside this one that says
+    ``canaryOf: <this model>`` serves it, or else a pool ``<name>-canary`` planned as this
+    model's longest pool, serving ``modelPath``. A declared model without that ``canaryOf`` is
+    an error: it is served as a model of its own."""
     percent: float = Field(ge=0, le=100)
     sticky: Literal["api_key", "tenant", "request"] = "api_key"
     model_path: str | None = Field(default=None, alias="modelPath")
     """The canary's weights when no LLMModel declares it (default: this model's)."""
+
+    @field_validator("model_path")
+    @classmethod
+    def _path(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_model_path(value)
+        return value
 
 
 class LLMModelSpec(Strict):
@@ -202,13 +252,23 @@ class LLMModelSpec(Strict):
     """Only this GPU of the catalog (default: the cheapest that fits)."""
     limits: ModelLimits | None = None
     canary: ModelCanary | None = None
+    canary_of: str | None = Field(default=None, alias="canaryOf")
+    """The stable model this one is the canary of: that LLMModel names this one under
+    ``canary.model``. This model then serves only that model's canary share (it gets no model
+    entry of its own). Without it, a model another LLMModel names as its canary is an error, so
+    declaring a canary never takes a model away from its clients."""
 
     @field_validator("model_path")
     @classmethod
     def _path(cls, value: str) -> str:
-        if not _MODEL_PATH.match(value):
-            raise ValueError(f"{value!r}: give s3://, gs://, hf://ORG/NAME, pvc://CLAIM/PATH "
-                             "or a local path")
+        check_model_path(value)
+        return value
+
+    @field_validator("canary_of")
+    @classmethod
+    def _canary_of(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_model_name(value)
         return value
 
     @field_validator("gpu_request")
@@ -242,10 +302,50 @@ class Metadata(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not _DNS_LABEL.match(value):
-            raise ValueError(f"{value!r}: a model name is lower-case letters, digits and '-', "
-                             "at most 42 characters (it names pools and Kubernetes objects)")
+        check_model_name(value)
         return value
+
+
+def check_model_name(value: str) -> None:
+    """Raises ``ValueError`` unless ``value`` can name a model's pools and Kubernetes objects."""
+    if not _DNS_LABEL.fullmatch(value):
+        raise ValueError(f"{value!r}: a model name is lower-case letters, digits and '-', starting "
+                         "with a letter, at most 42 characters (it names pools and Kubernetes "
+                         "Services)")
+
+
+_PATH_FORMS = "give s3://BUCKET/KEY, gs://BUCKET/KEY, hf://ORG/NAME, pvc://CLAIM/PATH or a local path"
+
+
+def check_model_path(value: str) -> None:
+    """Raises ``ValueError`` unless ``value`` is a ``modelPath`` of a known form. A ``..``
+    segment is refused in every form (it would leave the volume, bucket prefix or directory a
+    reader expects the weights under)."""
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        scheme, rest = "", value
+    if scheme not in ("", "hf", "pvc", "s3", "gs"):
+        raise ValueError(f"{value!r}: {_PATH_FORMS}")
+    segments = rest.replace("\\", "/").split("/")
+    if any(unquote(segment).strip() == ".." for segment in segments):
+        raise ValueError(f"{value!r}: a modelPath has no '..' segment")
+    if any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise ValueError(f"{value!r}: a modelPath has no spaces or control characters")
+    if scheme == "hf":
+        if len(segments) != 2 or not all(_HF_SEGMENT.fullmatch(s) for s in segments):
+            raise ValueError(f"{value!r}: write a Hugging Face model as hf://ORG/NAME (letters, digits, "
+                             "'.', '_' and '-', not starting with '-')")
+    elif scheme == "pvc":
+        claim = segments[0]
+        if not claim or len(claim) > 253 or not _DNS_SUBDOMAIN.fullmatch(claim):
+            raise ValueError(f"{value!r}: write pvc://CLAIM/PATH with CLAIM a PersistentVolumeClaim's "
+                             "name (lower-case letters, digits, '-' and '.')")
+    elif scheme in ("s3", "gs"):
+        if not _BUCKET.fullmatch(segments[0]):
+            raise ValueError(f"{value!r}: write {scheme}://BUCKET/KEY with BUCKET a bucket name "
+                             "(lower-case letters, digits, '.', '_' and '-')")
+    elif scheme or not _LOCAL_PATH.fullmatch(value):
+        raise ValueError(f"{value!r}: {_PATH_FORMS}")
 
 
 class LLMModelDoc(Strict):
@@ -283,6 +383,30 @@ class LoadedModel:
 
 
 MODEL_SUFFIXES = (".yaml", ".yml")
+MAX_MODEL_FILE = 1 << 20
+"""The largest LLMModel file read (1 MiB): a few documents are a few kilobytes."""
+
+
+def read_text(path: str, limit: int) -> str:
+    """A regular file of at most ``limit`` bytes as UTF-8 text; raises ``ValueError`` saying why
+    not. A FIFO, a device (a link to /dev/zero) or a huge file is refused before it is opened,
+    so a bad file in a watched folder cannot hang the reader or fill its memory."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file (a FIFO, device or socket is not read)")
+        if info.st_size > limit:
+            raise ValueError(f"{info.st_size} bytes, more than the {limit} read")
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise ValueError(f"more than the {limit} bytes read")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
 
 
 def model_files(paths: Iterable[str]) -> list[str]:
@@ -307,7 +431,61 @@ def validate_model(located: Located) -> LoadedModel:
         doc = LLMModelDoc.model_validate(located.data)
     except ValidationError as exc:
         raise ConfigError(_pydantic_problems(exc, located)) from None
-    return LoadedModel(doc, located)
+    model = LoadedModel(doc, located)
+    problems = _canary_shape(model)
+    if problems:
+        raise ConfigError(problems)
+    return model
+
+
+def _canary_shape(model: LoadedModel) -> list[Problem]:
+    """What one document alone says wrong of its canary: itself as canary or stable, or a
+    canary model that has a canary of its own (a chain)."""
+    spec, name = model.spec, model.name
+    problems: list[Problem] = []
+    if spec.canary is not None and spec.canary.model == name:
+        problems.append(model.problem(("spec", "canary", "model"), (
+            f"{name!r} cannot be its own canary: name another model (a new version)")))
+    if spec.canary_of == name:
+        problems.append(model.problem(("spec", "canaryOf"), (
+            f"{name!r} cannot be the canary of itself: name the stable model it is the canary of")))
+    elif spec.canary_of is not None and spec.canary is not None:
+        problems.append(model.problem(("spec", "canary"), (
+            f"{name!r} is the canary of {spec.canary_of!r} (canaryOf), so it serves only that "
+            "model's canary share and has no canary of its own")))
+    return problems
+
+
+def canary_problems(models: Sequence[LoadedModel]) -> list[Problem]:
+    """The canary links between models declared together. A declared model is another's canary
+    only when it says so with ``canaryOf``: naming a model of its own as a canary would take it
+    from its clients (requests for it would get 404). A ``canaryOf`` whose model is not
+    declared beside it is no problem (the operator plans each model alone first): the model is
+    then served as a model of its own."""
+    by_name = {m.name: m for m in models}
+    problems: list[Problem] = []
+    for model in models:
+        canary = model.spec.canary
+        target = by_name.get(canary.model) if canary is not None else None
+        if canary is not None and target is not None and target is not model \
+                and target.spec.canary_of != model.name:
+            problems.append(model.problem(("spec", "canary", "model"), (
+                f"{canary.model!r} is served as a model of its own; to make it this model's canary, "
+                f"set canaryOf: {model.name} in its LLMModel")))
+        stable_name = model.spec.canary_of
+        stable = by_name.get(stable_name) if stable_name is not None else None
+        if stable is None or stable is model:
+            continue
+        if stable.spec.canary_of is not None:
+            problems.append(model.problem(("spec", "canaryOf"), (
+                f"{stable_name!r} is itself the canary of {stable.spec.canary_of!r}: a canary's "
+                "stable model is a model served on its own")))
+        elif stable.spec.canary is None or stable.spec.canary.model != model.name:
+            named = f"names {stable.spec.canary.model!r}" if stable.spec.canary else "names none"
+            problems.append(model.problem(("spec", "canaryOf"), (
+                f"{stable_name!r} does not name {model.name!r} as its canary ({named}): set "
+                f"canary: {{model: {model.name}, percent: ...}} in its LLMModel, or remove canaryOf")))
+    return problems
 
 
 def load_models(paths: Sequence[str]) -> list[LoadedModel]:
@@ -319,10 +497,9 @@ def load_models(paths: Sequence[str]) -> list[LoadedModel]:
     seen: dict[str, LoadedModel] = {}
     for path in model_files(paths):
         try:
-            with open(path, encoding="utf-8") as handle:
-                text = handle.read()
-        except OSError as exc:
-            problems.append(Problem(path, 1, f"cannot read: {exc.strerror}"))
+            text = read_text(path, MAX_MODEL_FILE)
+        except ValueError as exc:
+            problems.append(Problem(path, 1, str(exc)))
             continue
         for located in _documents(text, path, problems):
             try:

@@ -21,7 +21,8 @@ GIB = 1 << 30
 
 def model_yaml(name: str, *, contexts: Sequence[int] | None, kind: str, canary: dict[str, Any] | None,
                limits: dict[str, Any] | None, model_path: str, gpu_class: str | None,
-               replicas: dict[str, int] | None, sla: dict[str, str] | None) -> str:
+               replicas: dict[str, int] | None, sla: dict[str, str] | None,
+               canary_of: str | None = None) -> str:
     """The LLMModel document's text, one key a line (so problems have distinct lines)."""
     spec: dict[str, Any] = {"modelPath": model_path, "quantization": "fp16", "gpuRequest": "40Gi",
                             "sla": sla or {"p99Latency": "200ms", "availability": "99.95%"},
@@ -29,7 +30,7 @@ def model_yaml(name: str, *, contexts: Sequence[int] | None, kind: str, canary: 
     if contexts is not None:
         spec["contexts"] = list(contexts)
     for key, value in (("gpuClass", gpu_class), ("replicas", replicas), ("limits", limits),
-                       ("canary", canary)):
+                       ("canary", canary), ("canaryOf", canary_of)):
         if value is not None:
             spec[key] = value
     doc = {"apiVersion": "llm-sidecar.dev/v1alpha1", "kind": "LLMModel",
@@ -71,12 +72,14 @@ def model_plan(name: str = "contract-review-v2", contexts: Sequence[int] = (2048
                limits: dict[str, Any] | None = None, *, canary_pool: bool = True,
                model_path: str = "pvc://models/contract-v2", gpu_class: str | None = None,
                replicas: dict[str, int] | None = None, sla: dict[str, str] | None = None,
-               gpus: int = 1, source: str = "models/x.yaml") -> ModelPlan:
+               gpus: int = 1, source: str = "models/x.yaml", canary_of: str | None = None) -> ModelPlan:
     """A plan of ``name`` with one pool per context, shortest first; with ``canary`` and
     ``canary_pool``, a last pool ``<name>-canary`` serving the canary's model at the longest
-    context (what the planner does when no declared LLMModel serves the canary)."""
+    context (what the planner does when no declared LLMModel serves the canary). ``canary_of``:
+    the stable model this one is the declared canary of."""
     text = model_yaml(name, contexts=contexts, kind=kind, canary=canary, limits=limits,
-                      model_path=model_path, gpu_class=gpu_class, replicas=replicas, sla=sla)
+                      model_path=model_path, gpu_class=gpu_class, replicas=replicas, sla=sla,
+                      canary_of=canary_of)
     loaded = validate_model(load_yaml(text, source))
     pools = [pool_plan(name, c, gpus=gpus, model_path=model_path, kind=kind)
              for c in sorted(contexts)]

@@ -4,6 +4,8 @@ GGUF header; and the errors when it cannot be found."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,58 @@ def test_unreadable_local_model_is_an_error_at_model_path(tmp_path: Path, rel: s
     [problem] = caught.value.problems
     assert (problem.file, problem.line) == (str(path), line_of(path, "modelPath"))
     assert words in problem.message
+
+
+BAD_CONFIGS: list[tuple[str, dict[str, object], str]] = [
+    ("no attention heads", {**LLAMA_2_7B, "num_attention_heads": 0},
+     "num_attention_heads is 0, not a head count"),
+    ("a 400-digit intermediate size", {**LLAMA_2_7B, "intermediate_size": int("9" * 400)},
+     "is too large: at most 1000T"),
+    ("heads as true", {**LLAMA_2_7B, "num_attention_heads": True}, "no integer num_attention_heads"),
+]
+
+
+@pytest.mark.parametrize(("config", "words"), [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_a_config_json_that_cannot_be_sized_is_an_error_at_model_path(
+        tmp_path: Path, config: dict[str, object], words: str) -> None:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    path = write_model(tmp_path, modelPath="weights")
+    with pytest.raises(ConfigError) as caught:
+        resolve_architecture(load_one(tmp_path, modelPath="weights"))
+    [problem] = caught.value.problems
+    assert (problem.file, problem.line) == (str(path), line_of(path, "modelPath"))
+    assert problem.message.startswith(f"{weights / 'config.json'}: ") and words in problem.message, \
+        problem.message
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)  # opening it to read would wait for a writer forever
+
+
+def _big(path: Path) -> None:
+    path.write_text(json.dumps({**LLAMA_2_7B, "pad": "x" * (1 << 20)}), encoding="utf-8")
+
+
+def _latin1(path: Path) -> None:
+    path.write_bytes(json.dumps({**LLAMA_2_7B, "name": "caf\u00e9"}, ensure_ascii=False).encode("latin-1"))
+
+
+def _not_json(path: Path) -> None:
+    path.write_text("[" * 100_000, encoding="utf-8")  # nested past the recursion limit
+
+
+@pytest.mark.parametrize(("write", "words"), [
+    (_fifo, "not a regular file"), (_big, "more than the 1048576 read"), (_latin1, "not UTF-8 text"),
+    (_not_json, "cannot read it as JSON")], ids=["fifo", "above 1 MiB", "latin-1", "not JSON"])
+def test_a_config_json_that_cannot_be_read_is_an_error_at_model_path(
+        tmp_path: Path, write: Callable[[Path], None], words: str) -> None:
+    config = tmp_path / "config.json"
+    write(config)
+    path = write_model(tmp_path, modelPath="config.json")
+    with pytest.raises(ConfigError) as caught:
+        resolve_architecture(load_one(tmp_path, modelPath="config.json"))
+    [problem] = caught.value.problems
+    assert (problem.file, problem.line) == (str(path), line_of(path, "modelPath"))
+    assert words in problem.message, problem.message

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,3 +84,37 @@ def test_gpus_file_changes_the_plan(tmp_path: Path, capsys: pytest.CaptureFixtur
     code, out, _ = _run([EXAMPLE, "--gpus", str(gpus), "--json"], capsys)
     assert code == 0
     assert {p["gpu_class"] for p in json.loads(out)["models"][0]["pools"]} == {"H100-80GB"}
+
+
+def _config_dir(tmp_path: Path, **config: object) -> str:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    base = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+            "max_position_embeddings": 4096}
+    (weights / "config.json").write_text(json.dumps({**base, **config}), encoding="utf-8")
+    return "weights"
+
+
+ARCH = {"parameters": "7B", "layers": 32, "hidden_size": 4096, "attention_heads": 32, "max_position": 4096}
+NO_TRACEBACK_CASES: list[tuple[str, dict[str, object], str]] = [
+    # (case, spec keys, the key whose line the error names); a callable value is called with tmp_path
+    ("head size 0", {"architecture": {**ARCH, "hidden_size": 1, "attention_heads": 10000}}, "architecture"),
+    ("gpuRequest 400 nines", {"base": "llama-2-7b", "gpuRequest": "9" * 400 + "Gi"}, "gpuRequest"),
+    ("parameters 400 nines T", {"architecture": {**ARCH, "parameters": "9" * 400 + "T"}}, "architecture"),
+    ("parameters a 400-digit int", {"architecture": {**ARCH, "parameters": "9" * 400}}, "architecture"),
+    ("config.json without heads", {"modelPath": lambda p: _config_dir(p, num_attention_heads=0)},
+     "modelPath"),
+    ("config.json huge intermediate",
+     {"modelPath": lambda p: _config_dir(p, intermediate_size=int("9" * 400))}, "modelPath"),
+]
+
+
+@pytest.mark.parametrize(("spec", "key"), [c[1:] for c in NO_TRACEBACK_CASES],
+                         ids=[c[0] for c in NO_TRACEBACK_CASES])
+def test_out_of_range_input_exits_1_with_file_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  spec: dict[str, object], key: str) -> None:
+    given: dict[str, Any] = {k: v(tmp_path) if callable(v) else v for k, v in spec.items()}
+    path = write_model(tmp_path, **given)
+    code, out, err = _run([str(path)], capsys)
+    assert (code, out) == (1, "")
+    assert err.startswith(f"{path}:{line_of(path, key)}: ") and err.count("\n") == 1, err

@@ -332,3 +332,54 @@ def test_plans_are_deterministic_and_rounded(tmp_path: Path) -> None:
             assert len(util.split(".")[1]) == 2 and float(util) == pool.gpu_memory_utilization
             assert pool.block_size in (8, 16, 32)
             assert 1 <= pool.max_num_seqs <= 256
+
+
+def _canary_models(tmp_path: Path, *specs: tuple[str, dict[str, Any]]) -> list[Path]:
+    return [write_model(tmp_path, name, base="llama-2-7b", **spec) for name, spec in specs]
+
+
+def _plan_problems(paths: list[Path]) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        plan_models(load_models([str(p) for p in paths]), default_inventory())
+    return [str(p) for p in caught.value.problems]
+
+
+def test_naming_a_model_of_its_own_as_canary_is_refused(tmp_path: Path) -> None:
+    """Without the canary's consent, `victim` would vanish from models: (its clients: 404)."""
+    victim, attacker = _canary_models(tmp_path, ("victim", {}),
+                                      ("attacker", {"canary": {"model": "victim", "percent": 1}}))
+    assert _plan_problems([victim, attacker]) == [
+        f"{attacker}:{line_of(attacker, 'canary')}: 'victim' is served as a model "
+        "of its own; to make it this model's canary, set canaryOf: attacker in its LLMModel"]
+
+
+def test_a_mutual_canary_is_refused_on_both_sides(tmp_path: Path) -> None:
+    a, b = _canary_models(tmp_path, ("a", {"canary": {"model": "b", "percent": 5}}),
+                          ("b", {"canary": {"model": "a", "percent": 5}}))
+    found = _plan_problems([a, b])
+    assert [p.split(": ")[0] for p in found] == [f"{a}:{line_of(a, 'canary')}", f"{b}:{line_of(b, 'canary')}"]
+    assert all("is served as a model of its own" in p for p in found)
+
+
+def test_a_canary_that_opts_in_gets_no_canary_pool_of_the_stable_model(tmp_path: Path) -> None:
+    stable, canary = _canary_models(tmp_path, ("v2", {"canary": {"model": "v3", "percent": 5}}),
+                                    ("v3", {"canaryOf": "v2"}))
+    plans = {p.name: p for p in plan_models(load_models([str(stable), str(canary)]), default_inventory())}
+    assert [p.name for p in plans["v2"].pools] == ["v2-2k", "v2-4k"]
+    assert [p.name for p in plans["v3"].pools] == ["v3-2k", "v3-4k"]
+
+
+def test_canary_of_a_model_that_names_another_canary_is_refused(tmp_path: Path) -> None:
+    stable, canary = _canary_models(tmp_path, ("v2", {"canary": {"model": "v4", "percent": 5}}),
+                                    ("v3", {"canaryOf": "v2"}))
+    assert _plan_problems([stable, canary]) == [
+        f"{canary}:{line_of(canary, 'canaryOf')}: 'v2' does not name 'v3' as its canary "
+        "(names 'v4'): set canary: {model: v3, percent: ...} in its LLMModel, or remove canaryOf"]
+
+
+def test_canary_of_a_canary_is_refused(tmp_path: Path) -> None:
+    paths = _canary_models(tmp_path, ("v2", {"canary": {"model": "v3", "percent": 5}}),
+                           ("v3", {"canaryOf": "v2"}), ("v4", {"canaryOf": "v3"}))
+    assert _plan_problems(paths) == [
+        f"{paths[2]}:{line_of(paths[2], 'canaryOf')}: 'v3' is itself the canary of 'v2': "
+        "a canary's stable model is a model served on its own"]

@@ -17,6 +17,7 @@ from llmmodel.routing_merge import default_endpoints, merge_routing, merged_yaml
 from routing.errors import ConfigError
 from routing.loader import check_config, load_config, validate
 from routing.render import write_all
+from routing.render.envoy import extproc_message_timeout_s
 from routing.yamlsrc import Located
 from sidecar_runtime.process.procs import envoy_binary
 from tests.harness.ci import unavailable
@@ -112,7 +113,8 @@ def test_a_canary_pool_of_the_plan_serves_the_canary() -> None:
 def test_a_declared_canary_model_lends_its_longest_pool_and_gets_no_model_entry(
         tmp_path: pathlib.Path) -> None:
     stable = model_plan(canary={"model": "contract-review-v3", "percent": 10}, canary_pool=False)
-    canary = model_plan("contract-review-v3", contexts=(2048, 8192), source="models/v3.yaml")
+    canary = model_plan("contract-review-v3", contexts=(2048, 8192), source="models/v3.yaml",
+                        canary_of="contract-review-v2")
     text = merged_yaml(BASE, "routing.yaml", [stable, canary], endpoints=dns)
     doc = yaml.safe_load(text)
     assert doc["models"]["contract-review-v2"]["canary"]["cluster"] == "contract-review-v3-8k"
@@ -126,7 +128,7 @@ def test_a_declared_canary_model_lends_its_longest_pool_and_gets_no_model_entry(
 def test_a_declared_canary_shorter_than_the_stable_model_is_refused() -> None:
     stable = model_plan(contexts=(2048, 8192), canary={"model": "v3", "percent": 10},
                         canary_pool=False)
-    canary = model_plan("v3", contexts=(2048,), source="models/v3.yaml")
+    canary = model_plan("v3", contexts=(2048,), source="models/v3.yaml", canary_of="contract-review-v2")
     with pytest.raises(ConfigError) as err:
         merge_routing(base(), [stable, canary], endpoints=dns)
     line = stable.model.located.line_of(("spec", "canary", "model"))
@@ -291,17 +293,48 @@ def test_envoy_accepts_what_render_writes_from_the_merged_yaml(tmp_path: pathlib
     assert {"contract-review-v2-2k", "contract-review-v2-canary", "bge-m3-8k"} <= clusters
 
 
-@pytest.mark.parametrize(("p99", "max_wait"), [
-    ("200ms", "200ms"), ("1.5s", "1500ms"), ("0.0004s", "1ms"), ("10m", "120000ms")])
-def test_a_full_pool_holds_a_request_for_at_most_the_slas_ttft(p99: str, max_wait: str) -> None:
+@pytest.mark.parametrize(("p99", "extproc_timeout", "max_wait"), [
+    ("200ms", None, "200ms"), ("1.5s", None, "1500ms"), ("0.0004s", None, "1ms"),
+    ("5s", None, "4000ms"), ("5s", 10, "5000ms"), ("10m", 60, "59000ms")])
+def test_a_full_pool_holds_a_request_for_at_most_the_slas_ttft(p99: str, extproc_timeout: float | None,
+                                                               max_wait: str) -> None:
     """Flow control's max_wait is the SLA's P99 time to first token (a request still waiting
-    then has missed it), within the 1 ms to 120 s max_wait accepts."""
+    then has missed it), at least 1 ms and at most 1 s under the base's extproc timeout (5 s by
+    default), so Envoy's ext_proc message timeout, set at start-up, never has to grow."""
     plan = model_plan(sla={"p99Latency": p99, "availability": "99.9%"})
-    doc = merge_routing(base(), [plan], endpoints=dns)
+    given = base()
+    if extproc_timeout is not None:
+        given["services"] = {"extproc_timeout_s": extproc_timeout}
+    doc = merge_routing(given, [plan], endpoints=dns)
     for pool in plan.pools:
         assert doc["clusters"][pool.name]["endpoint_picker"] == {
             "flow_control": {"max_wait": max_wait}}
-    cluster = validate(Located("routing.yaml", doc)).clusters[plan.pools[0].name]
+    config = validate(Located("routing.yaml", doc))
+    cluster = config.clusters[plan.pools[0].name]
     assert cluster.endpoint_picker is not None and cluster.endpoint_picker.flow_control is not None
     assert cluster.endpoint_picker.flow_control.max_wait_s == pytest.approx(
         int(max_wait.removesuffix("ms")) / 1000)
+    # Envoy's ext_proc message timeout stays the configured one: no restart to take the model.
+    assert extproc_message_timeout_s(config) == pytest.approx(extproc_timeout or 5.0)
+
+
+def test_a_declared_model_named_as_canary_without_canary_of_keeps_its_entry_and_is_an_error() -> None:
+    stable = model_plan(canary={"model": "victim", "percent": 1}, canary_pool=False)
+    victim = model_plan("victim", source="models/victim.yaml")
+    with pytest.raises(ConfigError) as err:
+        merge_routing(base(), [stable, victim], endpoints=dns)
+    line = stable.model.located.line_of(("spec", "canary", "model"))
+    assert problems(err) == [f"models/x.yaml:{line}: 'victim' is served as a model of its own; to make "
+                             "it this model's canary, set canaryOf: contract-review-v2 in its LLMModel"]
+
+
+def test_a_file_name_with_a_newline_cannot_add_yaml_to_the_header() -> None:
+    source = "models/a\nauth: {required: false}\n#.yaml"
+    plan = model_plan(source=source)
+    text = merged_yaml(BASE, "routing\nversion: 2.yaml", [plan], endpoints=dns)
+    header = text.split("version: 1\n", 1)[0]
+    assert header.splitlines() == [
+        "# Generated by `llm-sidecar onboard` from routing\\nversion: 2.yaml and the LLMModels in "
+        "models/a\\nauth: {required: false}\\n#.yaml:",
+        "# edit those and run onboard again."]
+    assert "auth" not in yaml.safe_load(text)
