@@ -14,13 +14,17 @@ from __future__ import annotations
 import posixpath
 import re
 import shlex
+from collections.abc import Sequence
 from typing import Any
 
 from llmmodel.alerts import prometheus_rule
 from llmmodel.plans import ModelPlan, PoolPlan
 from llmmodel.routing_merge import POOL_PORT
+from llmmodel.spec import LoadedModel
+from routing.errors import Problem
 from routing.render.deploy import EXTPROC, GATEWAY
 from routing.render.netpol import policy
+from routing.yamlsrc import Path
 
 DEFAULT_IMAGE = "vllm/vllm-openai:v0.10.2"
 """The vLLM the planned flags are written for: ``--runner pooling`` (embedding pools) came in
@@ -64,6 +68,32 @@ def _warm(path: str) -> str:
     return f"find {quoted} -type f -exec cat {{}} + > /dev/null\necho page cache warmed: {quoted}"
 
 
+def node_paths(model: LoadedModel) -> list[tuple[Path, str]]:
+    """(where, path) of each ``modelPath`` of ``model`` (its own, its canary's) that is a path on
+    the GPU node: the pods mount it with ``hostPath``."""
+    canary = model.spec.canary
+    found = [(("spec", "modelPath"), model.spec.model_path),
+             (("spec", "canary", "modelPath"), canary.model_path if canary else None)]
+    return [(at, path) for at, path in found if path is not None and "://" not in path]
+
+
+def relative_path_problems(models: Sequence[LoadedModel]) -> list[Problem]:
+    """A relative path on the GPU node cannot be mounted (``hostPath`` needs an absolute one);
+    ``plan`` reads it from here, but a Deployment has no "here"."""
+    return [model.problem(at, (
+        f"{path!r} is relative: a pod mounts a local modelPath from the GPU node (hostPath), "
+        "which needs an absolute path like /mnt/models/NAME"))
+        for model in models for at, path in node_paths(model) if not posixpath.isabs(path)]
+
+
+CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False, "privileged": False,
+    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+"""The pools' containers (vLLM and the weights' init container): no privilege, no capability,
+the runtime's default syscall filter. Not ``runAsNonRoot``: the vLLM image runs as root and
+writes its caches under ``/root``."""
+
+
 def weights(model_path: str, image: str) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """(the ``models`` volume, the path vLLM loads, the ``weights`` init container) for one
     of the forms ``spec.modelPath`` takes."""
@@ -93,7 +123,8 @@ def weights(model_path: str, image: str) -> tuple[dict[str, Any], str, dict[str,
             image = GCLOUD_IMAGE
     script = "set -eu\n" + (fetch + "\n" if fetch else "") + _warm(path)
     init: dict[str, Any] = {"name": "weights", "image": image, "imagePullPolicy": "IfNotPresent",
-                            "command": ["sh", "-c", script], "volumeMounts": [mount]}
+                            "command": ["sh", "-c", script], "volumeMounts": [mount],
+                            "securityContext": CONTAINER_SECURITY}
     if scheme == "hf":  # gated models need a token; the Secret is optional for open ones
         init["env"] = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": HF_TOKEN_SECRET, "key": "token", "optional": True}}}]
@@ -138,6 +169,7 @@ def deployment(plan: ModelPlan, pool: PoolPlan, *, namespace: str, image: str) -
         "resources": {"limits": {"nvidia.com/gpu": gpus, "memory": memory},
                       "requests": {"nvidia.com/gpu": gpus, "memory": memory}},
         "volumeMounts": mounts,
+        "securityContext": CONTAINER_SECURITY,
         "startupProbe": _probe(10, startup_failures(pool)),
         "readinessProbe": _probe(5, 3),
         "livenessProbe": _probe(10, 6),
@@ -152,6 +184,8 @@ def deployment(plan: ModelPlan, pool: PoolPlan, *, namespace: str, image: str) -
                 "metadata": {"labels": pod_labels},
                 "spec": {
                     "terminationGracePeriodSeconds": 60,
+                    # vLLM never calls the Kubernetes API: no token for a compromised pod to use.
+                    "automountServiceAccountToken": False,
                     "nodeSelector": {GPU_CLASS_LABEL: label_value(pool.gpu_class)},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                      "effect": "NoSchedule"}],

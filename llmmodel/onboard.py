@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from llmmodel.crd import crd_object
-from llmmodel.k8s import model_objects
+from llmmodel.k8s import model_objects, relative_path_problems
 from llmmodel.plan_md import plan_markdown
 from llmmodel.plans import ModelPlan, PoolPlan
 from llmmodel.routing_merge import default_endpoints, merged_yaml
@@ -52,7 +52,11 @@ def plan_files(model_paths: Sequence[str], gpus_path: str | None) -> list[ModelP
     """The plans of every LLMModel in ``model_paths`` (files or folders)."""
     from llmmodel.catalog import load_gpus
     from llmmodel.planner import plan_models
-    plans: list[ModelPlan] = plan_models(load_models(model_paths), load_gpus(gpus_path))
+    models = load_models(model_paths)
+    problems = relative_path_problems(models)
+    if problems:
+        raise ConfigError(problems)
+    plans: list[ModelPlan] = plan_models(models, load_gpus(gpus_path))
     return plans
 
 

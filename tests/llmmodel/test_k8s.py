@@ -280,3 +280,17 @@ def test_only_the_gateway_extproc_and_prometheus_reach_a_pools_vllm_port() -> No
         pod = deployment["spec"]["template"]
         assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == pool.name
         assert [p["name"] for p in pod["spec"]["containers"][0]["ports"]] == ["http"]
+
+
+def test_pool_pods_run_unprivileged_and_without_an_api_token() -> None:
+    for doc in model_objects(model_plan(), namespace="llm"):
+        if doc["kind"] != "Deployment":
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        for container in [*pod["initContainers"], *pod["containers"]]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["privileged"] is False
+            assert context["capabilities"] == {"drop": ["ALL"]}
+        validate(doc, latest_version(), strict=True)

@@ -212,3 +212,26 @@ def test_the_shipped_examples_onboard_through_the_real_planner(tmp_path: pathlib
     for path in written:
         relative = pathlib.Path(path).relative_to(out)
         assert (again / relative).read_bytes() == pathlib.Path(path).read_bytes()
+
+
+def test_a_relative_local_model_path_is_refused_before_anything_is_written(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan`` reads a relative local path from here; a Deployment mounts it from the GPU node,
+    where only an absolute path means anything."""
+    models = tmp_path / "models"
+    models.mkdir()
+    text = (EXAMPLES / "contract-review.yaml").read_text().replace(
+        "modelPath: hf://meta-llama/Llama-2-13b-chat-hf", "modelPath: weights/llama-13b")
+    (models / "m.yaml").write_text(text)
+    line = text.splitlines().index("  modelPath: weights/llama-13b") + 1
+    out = tmp_path / "o"
+    assert onboard_command(parse([str(models), "--config", routing_file(tmp_path), "--out",
+                                  str(out)])) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"{models / 'm.yaml'}:{line}: 'weights/llama-13b' is relative: a pod mounts a local "
+        "modelPath from the GPU node (hostPath), which needs an absolute path like "
+        "/mnt/models/NAME"]
+    assert not out.exists()
+    (models / "m.yaml").write_text(text.replace("weights/llama-13b", "/mnt/models/llama-13b"))
+    assert onboard_command(parse([str(models), "--config", routing_file(tmp_path), "--out",
+                                  str(out)])) == 0
