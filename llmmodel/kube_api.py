@@ -7,7 +7,8 @@ cluster; the tests only exercise its path building and request shaping.
 
 - Server-side apply is a ``PATCH`` with ``Content-Type: application/apply-patch+yaml`` (JSON is
   YAML), ``fieldManager`` and ``force=true``: the operator owns the fields it writes, even ones a
-  person set by hand with ``kubectl edit``.
+  person set by hand with ``kubectl edit``. Forcing is safe only on objects the LLMModel already
+  controls, so reconcile reads each first and applies nothing over one it does not.
 - Status goes through the ``/status`` subresource as a JSON merge patch, so keys other writers
   keep under ``.status`` survive.
 """

@@ -5,12 +5,15 @@ running it twice changes nothing):
 
 1. plan the model beside the namespace's other LLMModels (a canary may be another declared
    model); a spec that cannot be planned sets ``Planned=False`` with the ``FILE:LINE`` message,
-   posts a warning event and applies NOTHING (no retry loop: the spec must change first);
-2. apply every object ``onboard`` writes for it, owned by the LLMModel (deleting the model
-   garbage-collects them);
-3. rebuild the routing ConfigMap from the base routing YAML and every LLMModel that plans
-   (extproc and ratelimit reload the mounted file live); a routing YAML that does not validate is
-   not written, the old one keeps serving;
+   posts a warning event and applies NOTHING (no retry loop: the spec must change first); a
+   crash of the planner on one model is that model's ``PlanningFailed``, not the others';
+2. build the routing YAML from the base routing YAML and every LLMModel that plans and whose
+   objects are its own (one that exists without the model as its controller: ``ObjectNotOwned``);
+   a model the merge refuses is left out (``RoutingRefused``) so the others are still routed;
+3. apply every object ``onboard`` writes for the model, owned by the LLMModel (deleting the
+   model garbage-collects them), unless step 1 or 2 held it back; then write the routing
+   ConfigMap (extproc and ratelimit reload the mounted file live); when no model merges, nothing
+   is written and the old routing keeps serving;
 4. write ``.status``: ``plan``, ``observedGeneration`` and the conditions ``Planned``,
    ``PoolsReady`` and ``Routed`` (``lastTransitionTime`` moves only when a status flips).
 
@@ -23,12 +26,14 @@ from __future__ import annotations
 
 import copy
 import datetime
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
+from llmmodel.k8s import node_paths, relative_path_problems
 from llmmodel.kube_api import FIELD_MANAGER, LLMMODEL_API_VERSION, LLMMODEL_KIND, KubeApi
 from llmmodel.plans import ModelPlan
 from llmmodel.spec import LoadedModel, model_from_object
@@ -36,11 +41,23 @@ from routing.errors import ConfigError, Problem
 
 ROUTING_KEY = "routing.yaml"
 ROUTING_NOT_UPDATED = "RoutingNotUpdated"
+PLANNING_FAILED = "PlanningFailed"
+"""Planned=False: the planner or object writer crashed on this model (a bug, logged)."""
+NOT_OWNED = "ObjectNotOwned"
+"""Planned=False: an object the model would apply exists and is not controlled by it."""
+ROUTING_REFUSED = "RoutingRefused"
+"""Planned=False and Routed=False: the merged routing YAML refuses this model (the others are
+routed without it), so nothing of it is applied."""
+RETRIED = (NOT_OWNED, ROUTING_REFUSED)
+"""Planned reasons the timer reconciles again: they clear when something else changes (the
+object in the way is deleted, a clashing model or base entry goes)."""
 POOLS_MISSING = "DeploymentMissing"
 BASE_VERSION = "llm-sidecar.dev/base-resource-version"
 """The routing ConfigMap's note of the base ConfigMap version it was merged from."""
 READY_INTERVAL_S = 30.0
 """How often the timer re-reads the pools' Deployments for ``PoolsReady``."""
+
+log = logging.getLogger(__name__)
 
 Emit = Callable[[str, str, str], None]
 """(``Normal``/``Warning``, reason, message): a Kubernetes event on the LLMModel."""
@@ -58,21 +75,33 @@ class OperatorSettings:
     """Whether an LLMModel may name a path of the GPU node as its ``modelPath`` (mounted with
     ``hostPath``). Off: whoever may create an LLMModel could otherwise have the operator mount
     any directory of a node (``/``, ``/etc``, a runtime socket) into a pod it creates."""
+    allow_gateway_limits: bool = False
+    """Whether an LLMModel may set ``limits.tenant`` or ``limits.api_key``. Those merge into the
+    gateway's levels of that name, limiting every model's callers: off, a namespace user who may
+    only create LLMModels cannot change them."""
 
 
 def host_path_problems(models: Sequence[LoadedModel]) -> list[Problem]:
     """A local ``modelPath`` (the model's or its canary's) of each of ``models``: refused by an
     operator started without ``--allow-host-paths``."""
+    return [model.problem(at, (
+        f"{path!r} is a path on the GPU node, mounted with hostPath: this operator refuses it "
+        "(start it with --allow-host-paths to allow it); use pvc://, s3://, gs:// or hf://"))
+        for model in models for at, path in node_paths(model)]
+
+
+def gateway_limit_problems(models: Sequence[LoadedModel]) -> list[Problem]:
+    """``limits.tenant`` and ``limits.api_key`` of each of ``models``: refused by an operator
+    started without ``--allow-gateway-limits``."""
     problems = []
     for model in models:
-        for at, path in ((("spec", "modelPath"), model.spec.model_path),
-                         (("spec", "canary", "modelPath"),
-                          model.spec.canary.model_path if model.spec.canary else None)):
-            if path is not None and "://" not in path:
-                problems.append(model.problem(at, (
-                    f"{path!r} is a path on the GPU node, mounted with hostPath: this operator "
-                    "refuses it (start it with --allow-host-paths to allow it); use pvc://, "
-                    "s3://, gs:// or hf://")))
+        limits = model.spec.limits
+        for key in ("tenant", "api_key"):
+            if limits is not None and getattr(limits, key) is not None:
+                problems.append(model.problem(("spec", "limits", key), (
+                    f"limits.{key} changes the gateway's {key} limits of every model: this "
+                    "operator refuses it (start it with --allow-gateway-limits to allow it); "
+                    "limits.model limits this model alone")))
     return problems
 
 
@@ -116,7 +145,10 @@ def default_toolkit(settings: OperatorSettings) -> Toolkit:
                            header_text=routing_header(source, namespace))
 
     def plan(models: Sequence[LoadedModel]) -> list[ModelPlan]:
-        problems = [] if settings.allow_host_paths else host_path_problems(models)
+        problems = (relative_path_problems(models) if settings.allow_host_paths
+                    else host_path_problems(models))
+        if not settings.allow_gateway_limits:
+            problems += gateway_limit_problems(models)
         if problems:
             raise ConfigError(problems)
         return plan_models(models, inventory)
@@ -126,32 +158,74 @@ def default_toolkit(settings: OperatorSettings) -> Toolkit:
 
 @dataclass
 class NamespacePlan:
-    """The namespace's LLMModels planned together: a plan per model that plans, the error of
-    each that does not, and ``joint`` when they plan alone but not together."""
+    """The namespace's LLMModels planned together: a plan and its objects per model that plans,
+    the error of each that does not (``failed``: those whose planning crashed), and ``joint``
+    when they plan alone but not together."""
 
     plans: dict[str, ModelPlan] = field(default_factory=dict)
+    objects: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Each planned model's objects, owned by it: what reconcile applies."""
     errors: dict[str, ConfigError] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
     joint: ConfigError | None = None
+    joint_failed: bool = False
+    uids: dict[str, str] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    """Model names, oldest first: who keeps its routing when two cannot be merged together."""
+
+
+def crash_error(source: str, step: str, err: Exception) -> ConfigError:
+    """An unexpected exception of ``step`` (a bug, or input the planner was not hardened
+    against), logged with its traceback, as the short ``source:1:`` message a status shows."""
+    log.error("%s: %s failed", source, step, exc_info=err)
+    text = str(err).splitlines()[0][:200] if str(err).strip() else ""
+    return ConfigError.at(source, 1, (
+        f"{step} failed: {type(err).__name__}{': ' + text if text else ''} (an operator bug: "
+        "its log has the details)"))
 
 
 def plan_namespace(objs: Sequence[dict[str, Any]], namespace: str, toolkit: Toolkit) -> NamespacePlan:
-    """Each model alone first (a bad one is set aside with its own error), then the good ones
-    together (so a canary declared as another LLMModel gets no pool of its own)."""
+    """Each model alone first (a bad one is set aside with its own error, a crash included, so
+    it never stops the others), then the good ones together (so a canary declared as another
+    LLMModel gets no pool of its own)."""
     out = NamespacePlan()
     good: list[LoadedModel] = []
-    for obj in objs:
-        name = str(obj.get("metadata", {}).get("name", "?"))
+    for obj in sorted(objs, key=lambda o: (str(o.get("metadata", {}).get("creationTimestamp", "")),
+                                           str(o.get("metadata", {}).get("name", "?")))):
+        meta = obj.get("metadata", {})
+        name = str(meta.get("name", "?"))
+        out.order.append(name)
+        out.uids[name] = str(meta.get("uid", ""))
         try:
             model = model_from_object(obj, f"{namespace}/{name}")
             toolkit.plan([model])
         except ConfigError as err:
             out.errors[name] = err
             continue
+        except Exception as err:  # one model's crash must not stop the others
+            out.errors[name] = crash_error(f"{namespace}/{name}", "planning", err)
+            out.failed.add(name)
+            continue
         good.append(model)
     try:
-        out.plans = {plan.name: plan for plan in toolkit.plan(good)} if good else {}
+        plans = toolkit.plan(good) if good else []
     except ConfigError as err:
         out.joint = err
+        return out
+    except Exception as err:  # each model still gets its status
+        out.joint = crash_error(namespace, f"planning {', '.join(m.name for m in good)} together", err)
+        out.joint_failed = True
+        return out
+    owners = {str(o.get("metadata", {}).get("name")): o for o in objs}
+    for plan in plans:
+        try:
+            out.objects[plan.name] = [owned(o, owners[plan.name], namespace)
+                                      for o in toolkit.objects(plan, namespace)]
+        except Exception as err:  # as above, for the object writer
+            out.errors[plan.name] = crash_error(f"{namespace}/{plan.name}", "writing its objects", err)
+            out.failed.add(plan.name)
+            continue
+        out.plans[plan.name] = plan
     return out
 
 
@@ -185,36 +259,132 @@ class Verdict:
     message: str
 
 
-async def rebuild_routing(api: KubeApi, settings: OperatorSettings, toolkit: Toolkit,
-                          plans: Sequence[ModelPlan], namespace: str) -> tuple[Verdict, set[str]]:
-    """Write the routing ConfigMap: base routing YAML + ``plans``. Returns how it went and the
-    models the written (or, on failure, the current) ConfigMap routes."""
+def controlled_by(live: dict[str, Any], uid: str) -> bool:
+    """Whether ``live`` names the LLMModel of ``uid`` as its controller owner."""
+    refs = live.get("metadata", {}).get("ownerReferences") or []
+    return any(isinstance(r, dict) and r.get("uid") == uid and r.get("controller") is True for r in refs)
+
+
+async def foreign_objects(api: KubeApi, planned: NamespacePlan, namespace: str) -> dict[str, str]:
+    """Each planned model some of whose objects exist without it as their controller (made by
+    hand, or another model's): applying them (forced) would take them over, and deleting the
+    model would then garbage-collect them. Such a model is neither applied nor routed."""
+    out = {}
+    for name, objects in planned.objects.items():
+        foreign = []
+        for item in objects:
+            live = await api.get(item["apiVersion"], item["kind"], namespace, item["metadata"]["name"])
+            if live is not None and not controlled_by(live, planned.uids.get(name, "")):
+                foreign.append(f"{item['kind']} {namespace}/{item['metadata']['name']}")
+        if foreign:
+            one = len(foreign) == 1
+            out[name] = (f"{', '.join(foreign)} already exist{'s' if one else ''} and this LLMModel "
+                         f"does not own {'it' if one else 'them'}: nothing of the model was applied "
+                         f"(delete or rename {'that object' if one else 'those objects'}, or rename "
+                         "the model)")
+    return out
+
+
+def merge_units(plans: dict[str, ModelPlan], order: Sequence[str]) -> list[list[str]]:
+    """The planned models in ``order``, grouped so a model and the declared model it names as
+    its canary are routed (or refused) together: neither merges without the other."""
+    group = {name: {name} for name in plans}
+    for plan in plans.values():
+        canary = plan.model.spec.canary
+        if canary is not None and canary.model in plans:
+            joined = group[plan.name] | group[canary.model]
+            for name in joined:
+                group[name] = joined
+    rank = {name: i for i, name in enumerate(order)}
+    units, seen = [], set()
+    for name in sorted(plans, key=lambda n: (rank.get(n, len(rank)), n)):
+        if name not in seen:
+            seen |= group[name]
+            units.append(sorted(group[name], key=lambda n: (rank.get(n, len(rank)), n)))
+    return units
+
+
+@dataclass
+class RoutingBuild:
+    """The routing YAML reconcile would write: ``text`` (None: write nothing, ``failure`` says
+    why), the models the merge refused and those whose objects are not theirs (neither is in
+    ``text``), each with its message."""
+
+    base: dict[str, Any] | None
+    text: str | None = None
+    failure: Verdict | None = None
+    refused: dict[str, str] = field(default_factory=dict)
+    not_owned: dict[str, str] = field(default_factory=dict)
+
+
+async def build_routing(api: KubeApi, settings: OperatorSettings, toolkit: Toolkit,
+                        planned: NamespacePlan, namespace: str) -> RoutingBuild:
+    """Base routing YAML + every planned model whose objects are its own. When the whole does
+    not validate, the models are merged a unit at a time, oldest first, and a unit that breaks
+    it is refused, so one bad model does not freeze the routing of the others. When no model
+    merges at all, nothing is written (the old routing keeps serving: a base edit or a merge
+    bug must not drop every model) and every model counts as refused."""
     from routing.loader import validate
     from routing.yamlsrc import load_yaml
 
+    foreign = await foreign_objects(api, planned, namespace)
     base = await api.get("v1", "ConfigMap", namespace, settings.base_configmap)
+    out = RoutingBuild(base=base, not_owned=foreign)
     text = (base or {}).get("data", {}).get(ROUTING_KEY)
     if not isinstance(text, str):
-        return (Verdict("Routed", "False", "BaseConfigMissing",
-                        f"ConfigMap {namespace}/{settings.base_configmap} has no {ROUTING_KEY}: "
-                        "put the gateway's routing YAML there (it may declare no clusters or "
-                        "models)"), await routed_models(api, settings, namespace))
+        out.failure = Verdict("Routed", "False", "BaseConfigMissing",
+                              f"ConfigMap {namespace}/{settings.base_configmap} has no {ROUTING_KEY}: "
+                              "put the gateway's routing YAML there (it may declare no clusters or "
+                              "models)")
+        return out
     source = f"configmap/{settings.base_configmap}/{ROUTING_KEY}"
+    plans = {name: plan for name, plan in planned.plans.items() if name not in foreign}
+
+    def attempt(names: Sequence[str], adding: Sequence[str]) -> str:
+        try:
+            merged = toolkit.merge(text, source, [plans[n] for n in names], namespace)
+            validate(load_yaml(merged, f"configmap/{settings.routing_configmap}/{ROUTING_KEY}"))
+        except ConfigError:
+            raise
+        except Exception as err:  # a merge crash refuses these models only
+            raise crash_error(namespace, f"merging {', '.join(adding) or 'no model'} into the routing",
+                              err) from None
+        return merged
+
     try:
-        merged = toolkit.merge(text, source, plans, namespace)
-        validate(load_yaml(merged, f"configmap/{settings.routing_configmap}/{ROUTING_KEY}"))
+        out.text = attempt(list(plans), list(plans))
+        return out
     except ConfigError as err:
-        return (Verdict("Routed", "False", "RoutingInvalid",
-                        f"the routing YAML was not updated (the old one keeps serving): {err}"),
-                await routed_models(api, settings, namespace))
+        whole = err
+    accepted: list[str] = []
+    for unit in merge_units(plans, planned.order):
+        try:
+            out.text = attempt([*accepted, *unit], unit)
+            accepted += unit
+        except ConfigError as err:
+            out.refused.update({name: str(err) for name in unit})
+    if out.text is None:  # no model merges: most likely the base, or a merge bug hitting all
+        out.refused = {name: str(whole) for name in plans}
+        out.failure = Verdict("Routed", "False", "RoutingInvalid",
+                              f"the routing YAML was not updated (the old one keeps serving): {whole}")
+    return out
+
+
+async def write_routing(api: KubeApi, settings: OperatorSettings, build: RoutingBuild,
+                        namespace: str) -> tuple[Verdict, set[str]]:
+    """Write the built routing ConfigMap. Returns how it went and the models the written (or,
+    when nothing was written, the current) ConfigMap routes."""
+    if build.text is None:
+        failure = build.failure or Verdict("Routed", "False", "RoutingInvalid", "no routing YAML")
+        return failure, await routed_models(api, settings, namespace)
     await api.apply({
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": settings.routing_configmap, "namespace": namespace,
                      "labels": {"app.kubernetes.io/part-of": "llm-sidecar",
                                 "app.kubernetes.io/managed-by": "llm-sidecar-operator"},
-                     "annotations": {BASE_VERSION: _version(base)}},
-        "data": {ROUTING_KEY: merged}}, field_manager=FIELD_MANAGER)
-    return Verdict("Routed", "True", "RoutingUpdated", "routing ConfigMap updated"), _models_of(merged)
+                     "annotations": {BASE_VERSION: _version(build.base)}},
+        "data": {ROUTING_KEY: build.text}}, field_manager=FIELD_MANAGER)
+    return Verdict("Routed", "True", "RoutingUpdated", "routing ConfigMap updated"), _models_of(build.text)
 
 
 def _version(obj: dict[str, Any] | None) -> str:
@@ -307,11 +477,26 @@ def _announce(emit: Emit | None, verdicts: Sequence[Verdict], previous: Sequence
             emit("Normal", v.reason, f"{v.type}: {v.message}")
 
 
+def _unapplied(previous: Sequence[dict[str, Any]], planned: Verdict, routed: bool,
+               routed_false: Verdict, routed_true: Verdict | None = None) -> list[Verdict]:
+    """The verdicts of a model nothing was applied for: ``planned`` says why, ``PoolsReady``
+    keeps what it was (its last good spec may still run), ``Routed`` follows the ConfigMap."""
+    old_ready = next((c for c in previous if c.get("type") == "PoolsReady"), None)
+    still = Verdict("Routed", "True", "StillRouted",
+                    "routed by its last good spec until the routing is rebuilt")
+    return [planned,
+            Verdict("PoolsReady", old_ready["status"], old_ready["reason"], old_ready["message"])
+            if old_ready else Verdict("PoolsReady", "Unknown", "NotPlanned", "the model is not planned"),
+            (routed_true or still) if routed else routed_false]
+
+
 async def reconcile(api: KubeApi, obj: dict[str, Any], *, settings: OperatorSettings,
                     toolkit: Toolkit | None = None, emit: Emit | None = None,
                     now: Callable[[], str] = _now) -> dict[str, Any]:
     """Bring the cluster to what ``obj`` (an LLMModel as the API returns it) declares; returns
-    the status written. Raises :class:`KubeApiError` only when the API fails (kopf retries)."""
+    the status written. Raises :class:`KubeApiError` only when the API fails (kopf retries).
+    The model's objects are applied only once the routing with it has validated, and only when
+    none of them exists without it as their owner."""
     tools = toolkit or default_toolkit(settings)
     meta = obj["metadata"]
     name, namespace = meta["name"], meta.get("namespace") or settings.namespace
@@ -321,34 +506,48 @@ async def reconcile(api: KubeApi, obj: dict[str, Any], *, settings: OperatorSett
     error = planned.errors.get(name) or planned.joint
     status: dict[str, Any] = {} if meta.get("generation") is None else {
         "observedGeneration": meta["generation"]}
+    not_routed = Verdict("Routed", "False", "NotPlanned", "the routing ConfigMap does not route this model")
     if error is not None or name not in planned.plans:
-        reason = "InvalidSpec" if name in planned.errors else "ConflictsWithOtherModels"
+        reason = PLANNING_FAILED if name in planned.failed or (
+            name not in planned.errors and planned.joint_failed) else (
+            "InvalidSpec" if name in planned.errors else "ConflictsWithOtherModels")
         routed = name in await routed_models(api, settings, namespace)
-        old_ready = next((c for c in previous if c.get("type") == "PoolsReady"), None)
-        verdicts = [
-            Verdict("Planned", "False", reason, str(error or "not planned")),
-            Verdict("PoolsReady", old_ready["status"], old_ready["reason"], old_ready["message"])
-            if old_ready else Verdict("PoolsReady", "Unknown", "NotPlanned", "the model is not planned"),
-            Verdict("Routed", "True" if routed else "False",
-                    "StillRouted" if routed else "NotPlanned",
-                    "routed by its last good spec until the routing is rebuilt" if routed
-                    else "the routing ConfigMap does not route this model")]
+        verdicts = _unapplied(previous,
+                              Verdict("Planned", "False", reason, str(error or "not planned")),
+                              routed, not_routed)
     else:
-        plan = planned.plans[name]
-        objects = [owned(o, obj, namespace) for o in tools.objects(plan, namespace)]
-        for item in objects:
-            await api.apply(item, field_manager=FIELD_MANAGER)
-        routing, models = await rebuild_routing(api, settings, tools, list(planned.plans.values()),
-                                                namespace)
-        if routing.status == "False" and name in models:
-            routing = Verdict("Routed", "True", ROUTING_NOT_UPDATED, routing.message)
-        elif routing.status == "True" and name not in models:
-            routing = Verdict("Routed", "False", "NotRouted",
-                              "the merged routing YAML does not name this model")
-        verdicts = [Verdict("Planned", "True", "Planned",
-                            f"{len(plan.pools)} pool(s), {len(objects)} object(s) applied"),
-                    await pools_ready(api, objects, namespace), routing]
-        status["plan"] = plan.as_json()
+        plan, objects = planned.plans[name], planned.objects[name]
+        build = await build_routing(api, settings, tools, planned, namespace)
+        applied = name not in build.not_owned and name not in build.refused
+        if applied:
+            for item in objects:
+                await api.apply(item, field_manager=FIELD_MANAGER)
+        routing, models = await write_routing(api, settings, build, namespace)
+        if name in build.not_owned:
+            verdicts = _unapplied(previous,
+                                  Verdict("Planned", "False", NOT_OWNED, build.not_owned[name]),
+                                  name in models, not_routed)
+        elif name in build.refused:
+            message = build.refused[name]
+            verdicts = _unapplied(
+                previous, Verdict("Planned", "False", ROUTING_REFUSED, (
+                    "planned, but nothing was applied: the routing YAML cannot take this model "
+                    "(see Routed)")), name in models,
+                Verdict("Routed", "False", ROUTING_REFUSED, (
+                    f"the routing YAML was written without this model: {message}") if build.text
+                    else routing.message),
+                Verdict("Routed", "True", ROUTING_NOT_UPDATED, routing.message))
+        else:
+            if routing.status == "False" and name in models:
+                routing = Verdict("Routed", "True", ROUTING_NOT_UPDATED, routing.message)
+            elif routing.status == "True" and name not in models:
+                routing = Verdict("Routed", "False", "NotRouted",
+                                  "the merged routing YAML does not name this model")
+            verdicts = [Verdict("Planned", "True", "Planned",
+                                f"{len(plan.pools)} pool(s), {len(objects)} object(s) applied"),
+                        await pools_ready(api, objects, namespace), routing]
+        if applied:  # else the status keeps the plan that runs (a merge patch)
+            status["plan"] = plan.as_json()
     _announce(emit, verdicts, previous)
     status["conditions"] = stamp(verdicts, previous, now())
     await api.patch_status(namespace, name, status)
@@ -367,10 +566,10 @@ async def refresh_pools_ready(api: KubeApi, obj: dict[str, Any], *, settings: Op
     if not any(c.get("type") == "Planned" and c.get("status") == "True" for c in previous):
         return None
     others = live_models(await api.list_llmmodels(namespace), without=name)
-    plan = plan_namespace([*others, obj], namespace, tools).plans.get(name)
-    if plan is None:
+    objects = plan_namespace([*others, obj], namespace, tools).objects.get(name)
+    if objects is None:
         return None
-    verdict = await pools_ready(api, tools.objects(plan, namespace), namespace)
+    verdict = await pools_ready(api, objects, namespace)
     if verdict.reason == POOLS_MISSING:  # deleted by hand: put them back
         return await reconcile(api, obj, settings=settings, toolkit=tools, emit=emit, now=now)
     old: dict[str, Any] = next((c for c in previous if c.get("type") == "PoolsReady"), {})
@@ -389,12 +588,14 @@ async def refresh_pools_ready(api: KubeApi, obj: dict[str, Any], *, settings: Op
 async def refresh(api: KubeApi, obj: dict[str, Any], *, settings: OperatorSettings,
                   toolkit: Toolkit | None = None, emit: Emit | None = None,
                   now: Callable[[], str] = _now) -> dict[str, Any] | None:
-    """The timer of a planned model: a full reconcile when the base routing changed, else
-    only ``PoolsReady``; returns the status written, or None."""
+    """The timer of a model: a full reconcile when the base routing changed, or when it was
+    held back by something outside its spec (:data:`RETRIED`), else only ``PoolsReady``;
+    returns the status written, or None."""
     conditions = (obj.get("status") or {}).get("conditions") or []
     namespace = obj["metadata"].get("namespace") or settings.namespace
-    if any(c.get("type") == "Planned" and c.get("status") == "True" for c in conditions) \
-            and await base_changed(api, settings, namespace):
+    planned: dict[str, Any] = next((c for c in conditions if c.get("type") == "Planned"), {})
+    if (planned.get("status") == "False" and planned.get("reason") in RETRIED) or \
+            (planned.get("status") == "True" and await base_changed(api, settings, namespace)):
         return await reconcile(api, obj, settings=settings, toolkit=toolkit, emit=emit, now=now)
     return await refresh_pools_ready(api, obj, settings=settings, toolkit=toolkit, emit=emit, now=now)
 
@@ -411,7 +612,8 @@ async def remove(api: KubeApi, obj: dict[str, Any], *, settings: OperatorSetting
         verdict = Verdict("Routed", "False", "RoutingInvalid",
                           f"the routing YAML was not updated: {planned.joint}")
     else:
-        verdict, _ = await rebuild_routing(api, settings, tools, list(planned.plans.values()), namespace)
+        build = await build_routing(api, settings, tools, planned, namespace)
+        verdict, _ = await write_routing(api, settings, build, namespace)
     if emit is not None:
         emit("Normal" if verdict.status == "True" else "Warning", verdict.reason,
              f"removed from routing: {verdict.message}" if verdict.status == "True" else verdict.message)

@@ -67,6 +67,10 @@ def add_operator_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let an LLMModel's modelPath be a path on the GPU node (a hostPath "
                              "mount); off, such a model is refused (Planned=False), since anyone "
                              "who may create an LLMModel could mount any directory of a node")
+    parser.add_argument("--allow-gateway-limits", action="store_true",
+                        help="let an LLMModel set limits.tenant and limits.api_key, which change "
+                             "the gateway's limits for every model; off, such a model is refused "
+                             "(Planned=False)")
     parser.add_argument("--standalone", action="store_true",
                         help="no peering with other operator replicas (no KopfPeering CRD "
                              "needed); run one replica")
@@ -85,7 +89,8 @@ def operator_command(args: argparse.Namespace) -> int:
     settings = OperatorSettings(
         namespace=args.namespace or pod_namespace(), image=args.image,
         routing_configmap=args.routing_configmap, base_configmap=args.base_configmap,
-        gpus_path=args.gpus, allow_host_paths=args.allow_host_paths)
+        gpus_path=args.gpus, allow_host_paths=args.allow_host_paths,
+        allow_gateway_limits=args.allow_gateway_limits)
     toolkit = default_toolkit(settings)
     try:
         api = InClusterApi()

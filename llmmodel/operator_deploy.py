@@ -7,7 +7,8 @@ service account, a namespaced Role and its binding, and one operator replica. Le
 - no ClusterRole. kopf observes namespaces and CRDs cluster-wide only when scanning is on; the
   operator turns it off and serves its own namespace (``kopf_settings``), and API discovery is
   open to every authenticated account. Standalone: no KopfPeering objects either.
-- per resource only the verbs the code uses: server-side apply is ``patch``, plus ``create``
+- per resource only the verbs the code uses: ``get`` first (an object that exists without the
+  LLMModel as its owner is left alone), server-side apply is ``patch``, plus ``create``
   when the object does not exist yet (the API server authorizes that create with the object's
   name: k8s.io/apiserver ``pkg/endpoints/handlers/patch.go``, ``createAuthorizerAttributes``,
   so the ConfigMap rules can name their ConfigMaps); nothing is deleted by the operator (owner
@@ -47,16 +48,17 @@ def _rule(group: str, resources: list[str], verbs: list[str],
 
 def rules() -> list[dict[str, Any]]:
     """The Role's rules, each with the code that needs it."""
-    applied = ["create", "patch"]  # server-side apply of objects the operator owns
+    # an ownership check (get), then server-side apply (create, patch) of a model's objects
+    applied = ["get", "create", "patch"]
     return [
         # kopf: watch the LLMModels, patch its finalizer and progress annotations onto them
         _rule("llm-sidecar.dev", ["llmmodels"], ["get", "list", "watch", "patch"]),
         _rule("llm-sidecar.dev", ["llmmodels/status"], ["patch"]),  # reconcile's .status
         _rule("", ["events"], ["create"]),  # kopf.event on the LLMModel
         _rule("", ["configmaps"], ["get"], [BASE_CONFIGMAP, ROUTING_CONFIGMAP]),
-        _rule("", ["configmaps"], applied, [ROUTING_CONFIGMAP]),
+        _rule("", ["configmaps"], ["create", "patch"], [ROUTING_CONFIGMAP]),  # get: above
         _rule("", ["services"], applied),
-        _rule("apps", ["deployments"], ["get", *applied]),  # get: PoolsReady
+        _rule("apps", ["deployments"], applied),  # get: PoolsReady too
         _rule("networking.k8s.io", ["networkpolicies"], applied),  # who reaches a pool
         _rule("inference.networking.k8s.io", ["inferencepools"], applied),
         _rule("monitoring.coreos.com", ["podmonitors", "prometheusrules"], applied),

@@ -245,6 +245,16 @@ async def test_a_node_path_is_refused_unless_the_operator_allows_it(
     assert any(v.get("hostPath", {}).get("path") == spec.get("modelPath", "/etc") for v in volumes)
 
 
+async def test_an_allowed_node_path_must_still_be_absolute(api: FakeApi) -> None:
+    allowing = OperatorSettings(namespace=NS, allow_host_paths=True)
+    obj = llmmodel(modelPath="models/llama")
+    api.put(obj)
+    status = await reconcile(api, obj, settings=allowing, toolkit=default_toolkit(allowing))
+    assert api.applied() == []
+    message = conditions(status)["Planned"]["message"]
+    assert message.startswith("llm/contract-review-v2:1: 'models/llama' is relative: ")
+
+
 async def test_a_field_error_names_the_object(api: FakeApi, toolkit: Toolkit) -> None:
     obj = llmmodel(gpuRequest="lots")
     api.put(obj)
@@ -276,6 +286,13 @@ async def test_last_transition_time_moves_only_when_a_status_flips(
     assert cond["Routed"]["lastTransitionTime"] == "2026-12-07T12:00:00Z"  # still routed
     assert third["observedGeneration"] == 2
     assert api.model("contract-review-v2")["status"]["plan"] == first["plan"]  # the running plan
+
+
+def embedding(name: str = "bge-m3", **spec: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {"modelPath": "hf://BAAI/bge-m3", "base": "bge-m3", "kind": "embedding",
+                              "gpuRequest": "8Gi", "limits": None, "replicas": {"min": 1, "max": 1}}
+    fields.update(spec)
+    return llmmodel(name, **fields)
 
 
 async def test_delete_takes_the_model_out_of_routing(api: FakeApi, toolkit: Toolkit) -> None:
@@ -332,23 +349,66 @@ async def test_without_a_base_routing_configmap_nothing_is_routed(toolkit: Toolk
     assert conditions(status)["Planned"]["status"] == "True"
 
 
-async def test_a_base_the_models_clash_with_keeps_the_old_routing(api: FakeApi, toolkit: Toolkit) -> None:
+CLASH = "clusters: {contract-review-v2-2k: {endpoints: ['10.0.0.1:8000'], max_context: 2048}}\n"
+
+
+def set_base(api: FakeApi, text: str) -> None:
+    base = api.objects[("v1", "ConfigMap", NS, "llm-sidecar-routing-base")]
+    base["data"]["routing.yaml"] = text
+    api.put(base)
+
+
+async def test_a_model_the_base_clashes_with_is_dropped_and_the_others_routed(
+        api: FakeApi, toolkit: Toolkit) -> None:
+    """One model the merged routing refuses neither freezes the routing of the others nor gets
+    GPU Deployments of its own."""
+    api.put(llmmodel())
+    api.put(embedding())
+    set_base(api, BASE + CLASH + "models: {other: {clusters: [contract-review-v2-2k]}}\n")
+    events: list[tuple[str, str, str]] = []
+    status = await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit,
+                             emit=lambda *e: events.append(e))
+    assert [n for _, n in api.applied() if n.startswith("contract-review-v2")] == []
+    routed, planned = conditions(status)["Routed"], conditions(status)["Planned"]
+    assert (routed["status"], routed["reason"], planned["status"], planned["reason"]) == (
+        "False", "RoutingRefused", "False", "RoutingRefused")
+    assert routed["message"].startswith(
+        "the routing YAML was written without this model: llm/contract-review-v2:1: pool "
+        "'contract-review-v2-2k' of 'contract-review-v2' is already a cluster of the routing YAML")
+    assert planned["message"] == ("planned, but nothing was applied: the routing YAML cannot take "
+                                  "this model (see Routed)")
+    assert ("Warning", "RoutingRefused") in [e[:2] for e in events]
+    assert set(api.routing()["models"]) == {"other", "bge-m3"}
+
+    status = await reconcile(api, api.model("bge-m3"), settings=SETTINGS, toolkit=toolkit)
+    assert conditions(status)["Routed"]["reason"] == "RoutingUpdated"
+    assert any(kind == "Deployment" and n.startswith("bge-m3-") for kind, n in api.applied())
+
+    set_base(api, BASE)  # the clash goes: the timer retries the refused model
+    await refresh(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    assert conditions(api.model("contract-review-v2")["status"])["Planned"]["status"] == "True"
+    assert set(api.routing()["models"]) == {"contract-review-v2", "bge-m3"}
+
+
+async def test_when_nothing_validates_the_old_routing_keeps_serving_and_nothing_is_applied(
+        api: FakeApi, toolkit: Toolkit) -> None:
     api.put(llmmodel())
     await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
     before = api.routing()
-    clash = BASE + ("clusters: {contract-review-v2-2k: {endpoints: ['10.0.0.1:8000'], max_context: 2048}}\n"
-                    "models: {other: {clusters: [contract-review-v2-2k]}}\n")
-    api.objects[("v1", "ConfigMap", NS, "llm-sidecar-routing-base")]["data"]["routing.yaml"] = clash
+    set_base(api, BASE + CLASH)  # a base of no models is no routing YAML on its own
+    api.calls.clear()
     events: list[tuple[str, str, str]] = []
     status = await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit,
                              emit=lambda *e: events.append(e))
     routed = conditions(status)["Routed"]
     assert (routed["status"], routed["reason"]) == ("True", "RoutingNotUpdated")
-    assert [e[:2] for e in events] == [("Warning", "RoutingNotUpdated")]
+    assert ("Warning", "RoutingNotUpdated") in [e[:2] for e in events]
     assert routed["message"].startswith("the routing YAML was not updated (the old one keeps serving): "
                                         "llm/contract-review-v2:1: pool 'contract-review-v2-2k' of "
                                         "'contract-review-v2' is already a cluster of the routing YAML")
+    assert api.applied() == []
     assert api.routing() == before
+    assert api.model("contract-review-v2")["status"]["plan"]["name"] == "contract-review-v2"
 
 
 async def test_a_deployment_deleted_by_hand_comes_back_on_the_next_timer(
@@ -469,6 +529,8 @@ def test_operator_flags(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[st
     add_operator_arguments(parser)
     args = parser.parse_args(["--standalone", "--liveness", "0.0.0.0:8080"])
     assert (args.standalone, args.liveness) == (True, "http://0.0.0.0:8080/healthz")
+    assert (args.allow_gateway_limits, args.allow_host_paths) == (False, False)
+    assert parser.parse_args(["--allow-gateway-limits"]).allow_gateway_limits is True
     assert (args.routing_configmap, args.base_configmap) == (
         "llm-sidecar-routing", "llm-sidecar-routing-base")
     with pytest.raises(SystemExit):
@@ -558,3 +620,182 @@ def test_the_operator_command_fails_clearly_outside_a_cluster(
     gpus.write_text("gpus:\n  - {name: X, memory: lots}\n")
     with pytest.raises(ConfigError, match=r"gpus.yaml:2: gpus.0.memory: 'lots' is not a size"):
         operator_command(parser.parse_args(["--gpus", str(gpus)]))  # the CLI prints it, exit 1
+
+
+def crashing_on(real: Toolkit, bad: str) -> Toolkit:
+    """The real toolkit, but planning ``bad`` divides by zero (as a hostile architecture could)."""
+    def plan(models: Sequence[LoadedModel]) -> list[ModelPlan]:
+        if any(m.name == bad for m in models):
+            raise ZeroDivisionError("division by zero")
+        return real.plan(models)
+    return Toolkit(plan, real.objects, real.merge)
+
+
+async def test_a_model_the_planner_crashes_on_does_not_stop_the_others(
+        api: FakeApi, toolkit: Toolkit, caplog: pytest.LogCaptureFixture) -> None:
+    tools = crashing_on(toolkit, "hostile")
+    api.put(llmmodel("hostile"))
+    api.put(embedding())
+    events: list[tuple[str, str, str]] = []
+    status = await reconcile(api, api.model("bge-m3"), settings=SETTINGS, toolkit=tools)
+    assert conditions(status)["Planned"]["status"] == "True"
+    assert conditions(status)["Routed"]["reason"] == "RoutingUpdated"
+    assert set(api.routing()["models"]) == {"bge-m3"}
+    assert any(kind == "Deployment" and n.startswith("bge-m3-") for kind, n in api.applied())
+
+    status = await reconcile(api, api.model("hostile"), settings=SETTINGS, toolkit=tools,
+                             emit=lambda *e: events.append(e))
+    planned = conditions(status)["Planned"]
+    assert (planned["status"], planned["reason"]) == ("False", "PlanningFailed")
+    assert planned["message"] == ("llm/hostile:1: planning failed: ZeroDivisionError: division by zero "
+                                  "(an operator bug: its log has the details)")
+    assert [e[:2] for e in events] == [("Warning", "PlanningFailed")]
+    assert not [n for _, n in api.applied() if n.startswith("hostile")]
+    assert set(api.routing()["models"]) == {"bge-m3"}
+    logged = [r for r in caplog.records if "llm/hostile" in r.getMessage()]
+    assert logged and logged[0].exc_info is not None  # the traceback goes to the log only
+
+
+async def test_a_joint_planning_crash_still_writes_each_status(api: FakeApi, toolkit: Toolkit) -> None:
+    def alone_only(models: Sequence[LoadedModel]) -> list[ModelPlan]:
+        if len(models) > 1:
+            raise ZeroDivisionError("division by zero")
+        return toolkit.plan(models)
+
+    tools = Toolkit(alone_only, toolkit.objects, toolkit.merge)
+    api.put(llmmodel())
+    api.put(embedding())
+    for name in ("contract-review-v2", "bge-m3"):
+        status = await reconcile(api, api.model(name), settings=SETTINGS, toolkit=tools)
+        planned = conditions(status)["Planned"]
+        assert (planned["status"], planned["reason"]) == ("False", "PlanningFailed")
+        assert planned["message"].startswith(
+            "llm:1: planning bge-m3, contract-review-v2 together failed: ZeroDivisionError")
+    assert api.applied() == []
+
+
+async def test_an_object_made_by_hand_is_not_taken_over(api: FakeApi, toolkit: Toolkit) -> None:
+    """A Service someone made with the name of a pool stays theirs: the model applies nothing
+    (so deleting it would not garbage-collect their Service) and says which object is in the way."""
+    hand_made = {"apiVersion": "v1", "kind": "Service",
+                 "metadata": {"name": "contract-review-v2-2k", "namespace": NS},
+                 "spec": {"selector": {"app": "mine"}, "ports": [{"port": 80}]}}
+    api.put(copy.deepcopy(hand_made))
+    api.put(llmmodel())
+    api.put(embedding())
+    events: list[tuple[str, str, str]] = []
+    status = await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit,
+                             emit=lambda *e: events.append(e))
+    planned = conditions(status)["Planned"]
+    assert (planned["status"], planned["reason"]) == ("False", "ObjectNotOwned")
+    assert planned["message"] == (
+        "Service llm/contract-review-v2-2k already exists and this LLMModel does not own it: nothing "
+        "of the model was applied (delete or rename that object, or rename the model)")
+    assert events[0][:2] == ("Warning", "ObjectNotOwned")
+    assert [n for _, n in api.applied() if n.startswith("contract-review-v2")] == []
+    kept = api.objects[("v1", "Service", NS, "contract-review-v2-2k")]
+    assert "ownerReferences" not in kept["metadata"] and kept["spec"] == hand_made["spec"]
+    assert set(api.routing()["models"]) == {"bge-m3"}  # not routed to their Service either
+    assert conditions(status)["Routed"]["status"] == "False"
+
+    await api.delete("v1", "Service", NS, "contract-review-v2-2k")  # out of the way: the timer applies
+    await refresh(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    assert conditions(api.model("contract-review-v2")["status"])["Planned"]["status"] == "True"
+    taken = api.objects[("v1", "Service", NS, "contract-review-v2-2k")]
+    assert taken["metadata"]["ownerReferences"][0]["uid"] == "uid-contract-review-v2"
+    assert "contract-review-v2" in api.routing()["models"]
+
+
+async def test_another_models_object_is_not_taken_over(api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel())
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    rule = next(o for (_, kind, _, _), o in api.objects.items() if kind == "PrometheusRule")
+    rule["metadata"]["ownerReferences"][0]["uid"] = "uid-someone-else"
+    status = await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    assert conditions(status)["Planned"]["reason"] == "ObjectNotOwned"
+    assert f"PrometheusRule llm/{rule['metadata']['name']} already exists" in (
+        conditions(status)["Planned"]["message"])
+
+
+@pytest.mark.parametrize("key", ["tenant", "api_key"])
+async def test_gateway_wide_limits_are_refused_unless_the_operator_allows_them(
+        api: FakeApi, toolkit: Toolkit, key: str) -> None:
+    obj = llmmodel(limits={key: {"default": {"requests": "1/min"}}})
+    api.put(obj)
+    status = await reconcile(api, obj, settings=SETTINGS, toolkit=toolkit)
+    assert api.applied() == []
+    planned = conditions(status)["Planned"]
+    assert (planned["status"], planned["reason"]) == ("False", "InvalidSpec")
+    assert planned["message"] == (
+        f"llm/contract-review-v2:1: limits.{key} changes the gateway's {key} limits of every model: "
+        "this operator refuses it (start it with --allow-gateway-limits to allow it); limits.model "
+        "limits this model alone")
+
+    allowing = OperatorSettings(namespace=NS, allow_gateway_limits=True)
+    status = await reconcile(api, api.model("contract-review-v2"), settings=allowing,
+                             toolkit=default_toolkit(allowing))
+    assert conditions(status)["Planned"]["status"] == "True"
+    assert api.routing()["rate_limits"][key]["default"] == {"requests": "1/min"}
+
+
+async def test_of_two_models_that_cannot_merge_the_older_keeps_its_routing(api: FakeApi) -> None:
+    allowing = OperatorSettings(namespace=NS, allow_gateway_limits=True)
+    tools = default_toolkit(allowing)
+    for name, created, rate in (("older", "2026-12-01T00:00:00Z", "100/min"),
+                                ("newer", "2026-12-02T00:00:00Z", "200/min")):
+        obj = llmmodel(name, limits={"tenant": {"default": {"requests": rate}}})
+        obj["metadata"]["creationTimestamp"] = created
+        api.put(obj)
+    status = await reconcile(api, api.model("newer"), settings=allowing, toolkit=tools)
+    routed = conditions(status)["Routed"]
+    assert (routed["status"], routed["reason"]) == ("False", "RoutingRefused")
+    assert "llm/newer:" in routed["message"]
+    assert not [n for _, n in api.applied() if n.startswith("newer")]
+    status = await reconcile(api, api.model("older"), settings=allowing, toolkit=tools)
+    assert conditions(status)["Routed"]["reason"] == "RoutingUpdated"
+    assert set(api.routing()["models"]) == {"older"}
+    assert api.routing()["rate_limits"]["tenant"]["default"] == {"requests": "100/min"}
+
+
+async def test_a_merge_crash_refuses_only_the_model_it_crashes_on(api: FakeApi, toolkit: Toolkit) -> None:
+    def merge(base: str, source: str, plans: Sequence[ModelPlan], namespace: str) -> str:
+        if any(p.name == "hostile" for p in plans):
+            raise ZeroDivisionError("division by zero")
+        return toolkit.merge(base, source, plans, namespace)
+
+    tools = Toolkit(toolkit.plan, toolkit.objects, merge)
+    api.put(llmmodel("hostile"))
+    status = await reconcile(api, api.model("hostile"), settings=SETTINGS, toolkit=tools)
+    routed = conditions(status)["Routed"]
+    assert (routed["status"], routed["reason"]) == ("False", "RoutingRefused")
+    assert routed["message"].startswith("the routing YAML was not updated (the old one keeps serving): "
+                                        "llm:1: merging hostile into the routing failed: ZeroDivisionError")
+    assert ("v1", "ConfigMap", NS, "llm-sidecar-routing") not in api.objects  # no model merges: no write
+    assert api.applied() == []
+
+    api.put(embedding())
+    status = await reconcile(api, api.model("bge-m3"), settings=SETTINGS, toolkit=tools)
+    assert conditions(status)["Routed"]["reason"] == "RoutingUpdated"
+    assert set(api.routing()["models"]) == {"bge-m3"}
+    status = await reconcile(api, api.model("hostile"), settings=SETTINGS, toolkit=tools)
+    assert conditions(status)["Routed"]["message"] == (
+        "the routing YAML was written without this model: llm:1: merging hostile into the routing "
+        "failed: ZeroDivisionError: division by zero (an operator bug: its log has the details)")
+
+
+async def test_a_model_and_its_declared_canary_are_routed_together_when_another_is_dropped(
+        api: FakeApi, toolkit: Toolkit) -> None:
+    """Merged one at a time, a stable model alone would fail for want of its declared canary:
+    the two go in together, and only the clashing model is dropped."""
+    api.put(llmmodel(canary={"model": "contract-review-v3", "percent": 5}))
+    api.put(llmmodel("contract-review-v3", canaryOf="contract-review-v2", limits=None))
+    api.put(llmmodel("clashing"))
+    set_base(api, BASE + "clusters: {clashing-2k: {endpoints: ['10.0.0.1:8000'], max_context: 2048}}\n"
+             "models: {other: {clusters: [clashing-2k]}}\n")
+    status = await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    assert conditions(status)["Routed"]["reason"] == "RoutingUpdated"
+    routing = api.routing()
+    assert set(routing["models"]) == {"other", "contract-review-v2"}
+    assert routing["models"]["contract-review-v2"]["canary"]["model"] == "contract-review-v3"
+    status = await reconcile(api, api.model("clashing"), settings=SETTINGS, toolkit=toolkit)
+    assert conditions(status)["Routed"]["reason"] == "RoutingRefused"
