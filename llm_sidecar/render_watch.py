@@ -55,7 +55,11 @@ class RenderWatch:
                 self._say(line)
             self._say("not rendered; Envoy keeps the last good files")
             return False
-        write_all(config, self.out_dir)
+        try:
+            write_all(config, self.out_dir)
+        except Exception as err:  # a full disk, a folder gone, a render bug: keep watching
+            self._say(f"cannot write {self.out_dir}: {err!r}; Envoy keeps the files it has")
+            return False
         if bootstrap_fingerprint(config) != self.fingerprint:
             self._say("the change is beyond the pools (services, listener, limits or "
                       "envoy.dynamic_pools): envoy.yaml is rendered, restart Envoy to apply it")

@@ -7,6 +7,7 @@ import os
 import pathlib
 from typing import Any
 
+import pytest
 import yaml
 from kubernetes_validate import latest_version, validate
 
@@ -81,6 +82,22 @@ def test_a_change_beyond_the_pools_is_reported_as_needing_a_restart(
     write(tmp_path / "routing.yaml", changed)
     assert watch.check() is True
     assert "restart Envoy to apply it" in said[-1]
+
+
+def test_a_failed_write_is_reported_and_the_watch_goes_on(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    watch, out, said = started(tmp_path)
+
+    def full_disk(*_: object) -> list[str]:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("llm_sidecar.render_watch.write_all", full_disk)
+    write(tmp_path / "routing.yaml", doc(extra=8102))
+    assert watch.check() is False
+    assert "No space left on device" in said[-1] and "keeps the files it has" in said[-1]
+    monkeypatch.undo()
+    write(tmp_path / "routing.yaml", doc(extra=8103))  # the next change renders
+    assert watch.check() is True and "8103" in (out / "xds" / "cds.yaml").read_text()
 
 
 def test_a_removed_file_is_reported_not_rendered(tmp_path: pathlib.Path) -> None:
