@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # kopf and aiohttp load only when the operator runs, not for 
     import kopf
 
     from llmmodel.kube_api import KubeApi
-    from llmmodel.operator import Emit, OperatorSettings, Toolkit
+    from llmmodel.operator_plan import OperatorSettings, Toolkit
+    from llmmodel.operator_status import Emit
 
 GROUP, VERSION, PLURAL = "llm-sidecar.dev", "v1alpha1", "llmmodels"
 
@@ -84,7 +85,7 @@ def operator_command(args: argparse.Namespace) -> int:
     import kopf
 
     from llmmodel.kube_api import InClusterApi, KubeApiError
-    from llmmodel.operator import OperatorSettings, default_toolkit
+    from llmmodel.operator_plan import OperatorSettings, default_toolkit
 
     settings = OperatorSettings(
         namespace=args.namespace or pod_namespace(), image=args.image,

@@ -26,18 +26,10 @@ from kopf._core.engines import posting
 from llmmodel.catalog import load_gpus
 from llmmodel.k8s import model_objects
 from llmmodel.kube_api import PLURALS, InClusterApi, KubeApiError, resource_path
-from llmmodel.operator import (
-    OperatorSettings,
-    Toolkit,
-    default_toolkit,
-    plan_namespace,
-    reconcile,
-    refresh,
-    refresh_pools_ready,
-    remove,
-)
+from llmmodel.operator import reconcile, refresh, refresh_pools_ready, remove
 from llmmodel.operator_cli import add_operator_arguments, operator_command, pod_namespace, register_handlers
 from llmmodel.operator_deploy import rules
+from llmmodel.operator_plan import OperatorSettings, Toolkit, default_toolkit, plan_namespace
 from llmmodel.planner import plan_models
 from llmmodel.plans import ModelPlan
 from llmmodel.spec import LoadedModel, model_from_object
