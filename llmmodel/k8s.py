@@ -1,5 +1,6 @@
 """The Kubernetes objects of one planned model: per pool a vLLM Deployment with the planned
-flags, its headless Service, an InferencePool and a PodMonitor; per model a PrometheusRule of
+flags, its headless Service, an InferencePool, a PodMonitor and, when ``replicas.max`` is above
+``replicas.min``, a HorizontalPodAutoscaler (:func:`autoscaler`); per model a PrometheusRule of
 SLO burn-rate alerts (:mod:`llmmodel.alerts`).
 
 Weights: every pod reads them once before vLLM starts, in an init container (``cat`` of every
@@ -44,8 +45,8 @@ HF_TOKEN_SECRET = "hf-token"
 """Secret (key ``token``) whose value the fetch of an hf:// model sends, when it exists."""
 AWS_CLI_IMAGE = "amazon/aws-cli:2.22.35"
 GCLOUD_IMAGE = "gcr.io/google.com/cloudsdktool/google-cloud-cli:502.0.0-slim"
-_KIND_ORDER = ("Deployment", "Service", "NetworkPolicy", "InferencePool", "PodMonitor",
-               "PrometheusRule")
+_KIND_ORDER = ("Deployment", "HorizontalPodAutoscaler", "Service", "NetworkPolicy",
+               "InferencePool", "PodMonitor", "PrometheusRule")
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -178,7 +179,7 @@ def deployment(plan: ModelPlan, pool: PoolPlan, *, namespace: str, image: str) -
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": pool.name, "namespace": namespace, "labels": pod_labels},
         "spec": {
-            "replicas": plan.model.spec.replicas.min,
+            **({} if autoscaled(plan, pool) else {"replicas": fixed_replicas(plan, pool)}),
             "selector": {"matchLabels": {POOL_LABEL: pool.name}},
             "template": {
                 "metadata": {"labels": pod_labels},
@@ -193,6 +194,93 @@ def deployment(plan: ModelPlan, pool: PoolPlan, *, namespace: str, image: str) -
                     "containers": [container],
                     "volumes": volumes,
                 }}}}
+
+
+WAITING_METRIC = "vllm_num_requests_waiting"
+"""The per-pod metric the HorizontalPodAutoscalers read from the custom metrics API
+(``custom.metrics.k8s.io``): vLLM's gauge ``vllm:num_requests_waiting`` (requests queued for
+the running batch) as prometheus-adapter exposes it. Kubernetes itself serves no such metric:
+the cluster needs prometheus-adapter (or another custom metrics server) with a rule that
+serves vLLM's series under this name, per pod: :data:`ADAPTER_RULE`. The vLLM production
+stack's own adapter rule uses the same name (vllm-project/production-stack
+``observability/prom-adapter.yaml``, which sums it per namespace). Without such a rule the HPA
+reports ``FailedGetPodsMetric`` and leaves the replicas where they are (at least
+``minReplicas``): nothing breaks, nothing scales."""
+ADAPTER_RULE = """\
+rules:
+- seriesQuery: 'vllm:num_requests_waiting{namespace!="",pod!=""}'
+  resources:
+    overrides:
+      namespace: {resource: namespace}
+      pod: {resource: pod}
+  name:
+    matches: "^vllm:num_requests_waiting$"
+    as: "vllm_num_requests_waiting"
+  metricsQuery: 'sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)'
+"""
+"""The prometheus-adapter rule the cluster needs for :data:`WAITING_METRIC`, in the adapter's
+config file (the prometheus-adapter Helm chart takes the list as ``rules.custom``). Nothing here
+installs it: the adapter and its config belong to the cluster's monitoring. ``namespace`` and
+``pod`` are the labels the PodMonitor's scrape attaches to every series of a pool's pods."""
+SCALE_DOWN_WINDOW_S = 600
+"""Scale-down waits for 10 minutes of lower proposals, and removes one pod per 5 minutes: an
+empty queue says capacity suffices, not how much of it is spare, so the HPA would otherwise
+drop straight to ``minReplicas`` after every burst, and a GPU pod takes minutes (page-cache
+warm-up, weight load, CUDA graphs: :func:`startup_failures`) to come back."""
+
+
+def autoscaled(plan: ModelPlan, pool: PoolPlan) -> bool:
+    """Whether an HPA sizes ``pool``: a pool of the model's own name whose ``replicas.max`` is
+    above ``replicas.min``. A canary pool gets a small share of the traffic and keeps one
+    replica (:func:`fixed_replicas`)."""
+    replicas = plan.model.spec.replicas
+    return pool.serves == plan.name and replicas.max > replicas.min
+
+
+def fixed_replicas(plan: ModelPlan, pool: PoolPlan) -> int:
+    """The Deployment's ``replicas`` when no HPA sizes the pool: one for a canary pool, else
+    ``replicas.min`` (equal to ``max``)."""
+    return 1 if pool.serves != plan.name else plan.model.spec.replicas.min
+
+
+def waiting_target(pool: PoolPlan) -> int:
+    """Requests waiting per pod, on average, above which the HPA adds pods: a quarter of the
+    pool's ``--max-num-seqs``, at least one.
+
+    vLLM queues a request only when its running batch (``max_num_seqs`` sequences, or the KV
+    cache) is full; a queued request starts when running ones finish. A backlog of a quarter
+    batch per pod costs each newcomer about a quarter of a request's run time before its first
+    token, which the time-to-first-token SLO notices, while shorter queues are bursts the next
+    few engine steps absorb. A pool of one sequence (above 32K context) scales when on average
+    one request waits per pod: the second request's first token then waits for the whole first
+    request."""
+    return max(1, pool.max_num_seqs // 4)
+
+
+def autoscaler(plan: ModelPlan, pool: PoolPlan, *, namespace: str) -> dict[str, Any]:
+    """The pool's HorizontalPodAutoscaler (``autoscaling/v2``): ``replicas.min`` to
+    ``replicas.max`` pods, on the queue metric :data:`WAITING_METRIC` (which needs
+    prometheus-adapter; see there).
+
+    ``minReplicas`` is ``max(1, replicas.min)``: an HPA scales to zero only behind the alpha
+    ``HPAScaleToZero`` feature gate, so ``min: 0`` runs one pod. The pool's Deployment then
+    carries no ``replicas``: the operator applies it with force on every reconcile, and a
+    ``replicas`` there would reset what the HPA set. (A Deployment that had one before loses it
+    on the first apply without: the API server defaults it to 1 until the HPA's next sync.)"""
+    replicas = plan.model.spec.replicas
+    return {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": pool.name, "namespace": namespace, "labels": labels(plan, pool)},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": pool.name},
+            "minReplicas": max(1, replicas.min), "maxReplicas": replicas.max,
+            "metrics": [{"type": "Pods", "pods": {
+                "metric": {"name": WAITING_METRIC},
+                "target": {"type": "AverageValue", "averageValue": str(waiting_target(pool))}}}],
+            "behavior": {"scaleDown": {
+                "stabilizationWindowSeconds": SCALE_DOWN_WINDOW_S,
+                "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]}},
+        }}
 
 
 def service(plan: ModelPlan, pool: PoolPlan, *, namespace: str) -> dict[str, Any]:
@@ -239,6 +327,8 @@ def model_objects(plan: ModelPlan, *, namespace: str,
     """Every object of ``plan``, sorted by kind then name."""
     out: list[dict[str, Any]] = []
     for pool in plan.pools:
+        if autoscaled(plan, pool):
+            out.append(autoscaler(plan, pool, namespace=namespace))
         out += [deployment(plan, pool, namespace=namespace, image=image),
                 service(plan, pool, namespace=namespace),
                 network_policy(plan, pool, namespace=namespace),

@@ -33,6 +33,7 @@ PLURALS: Mapping[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("v1", "ConfigMap"): "configmaps",
     ("apps/v1", "Deployment"): "deployments",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",

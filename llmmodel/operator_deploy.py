@@ -59,6 +59,7 @@ def rules() -> list[dict[str, Any]]:
         _rule("", ["configmaps"], ["create", "patch"], [ROUTING_CONFIGMAP]),  # get: above
         _rule("", ["services"], applied),
         _rule("apps", ["deployments"], applied),  # get: PoolsReady too
+        _rule("autoscaling", ["horizontalpodautoscalers"], applied),  # replicas.max > min
         _rule("networking.k8s.io", ["networkpolicies"], applied),  # who reaches a pool
         _rule("inference.networking.k8s.io", ["inferencepools"], applied),
         _rule("monitoring.coreos.com", ["podmonitors", "prometheusrules"], applied),

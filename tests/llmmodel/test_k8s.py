@@ -10,16 +10,17 @@ from typing import Any, get_args
 
 import jsonschema
 import pytest
+import yaml
 from kubernetes_validate import ValidationError, latest_version, validate
 
 from extproc.records import Outcome
 from llmmodel.alerts import WINDOWS
 from llmmodel.crd import crd_object
-from llmmodel.k8s import MODEL_LABEL, POOL_LABEL, model_objects
+from llmmodel.k8s import ADAPTER_RULE, MODEL_LABEL, POOL_LABEL, WAITING_METRIC, model_objects
 from tests.llmmodel.factories import model_plan
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-CORE_KINDS = ("Deployment", "Service", "CustomResourceDefinition")
+CORE_KINDS = ("Deployment", "HorizontalPodAutoscaler", "Service", "CustomResourceDefinition")
 
 
 def objects(**kwargs: Any) -> list[dict[str, Any]]:
@@ -39,7 +40,7 @@ def container(deployment: dict[str, Any]) -> dict[str, Any]:
                                         "hf://meta-llama/Llama-2-13b-hf", "gs://bucket/llama",
                                         "/mnt/models/llama"])
 def test_core_objects_match_their_kubernetes_schema(model_path: str) -> None:
-    docs = [*objects(model_path=model_path, gpus=2,
+    docs = [*objects(model_path=model_path, gpus=2, replicas={"min": 1, "max": 4},
                      canary={"model": "contract-review-v3", "percent": 5}), crd_object()]
     checked = [d for d in docs if d["kind"] in CORE_KINDS]
     assert {d["kind"] for d in checked} == set(CORE_KINDS)
@@ -72,7 +73,7 @@ def test_the_deployment_runs_vllm_with_every_planned_flag_and_resource() -> None
             assert vllm[probe]["httpGet"] == {"path": "/health", "port": "http"}
         assert vllm["ports"] == [{"name": "http", "containerPort": 8000}]
         spec = deployment["spec"]
-        assert spec["replicas"] == 2
+        assert "replicas" not in spec  # the HPA sizes it (min 2, max 4)
         pod = spec["template"]["spec"]
         assert pod["nodeSelector"] == {"llm-sidecar.dev/gpu-class": "A100-80GB"}
         # tensor parallel 2: the workers' /dev/shm is memory, not the container's 64 MiB
@@ -294,3 +295,69 @@ def test_pool_pods_run_unprivileged_and_without_an_api_token() -> None:
             assert context["privileged"] is False
             assert context["capabilities"] == {"drop": ["ALL"]}
         validate(doc, latest_version(), strict=True)
+
+
+def test_a_model_with_room_to_grow_gets_an_autoscaler_per_serving_pool() -> None:
+    plan = model_plan(contexts=(2048, 65536), replicas={"min": 2, "max": 6},
+                      canary={"model": "contract-review-v3", "percent": 5})
+    docs = model_objects(plan, namespace="llm")
+    hpas, deployments = of_kind(docs, "HorizontalPodAutoscaler"), of_kind(docs, "Deployment")
+    serving = {p.name for p in plan.serving_pools}
+    assert set(hpas) == serving and serving < set(deployments)
+    for name, hpa in hpas.items():
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        assert hpa["metadata"]["namespace"] == "llm"
+        spec = hpa["spec"]
+        assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+        assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 6)
+        [metric] = spec["metrics"]
+        assert metric["type"] == "Pods"
+        assert metric["pods"]["metric"] == {"name": "vllm_num_requests_waiting"}
+        assert metric["pods"]["target"]["type"] == "AverageValue"
+        # the Deployment leaves replicas to the HPA: a forced re-apply would reset them
+        assert "replicas" not in deployments[name]["spec"]
+        validate(hpa, latest_version(), strict=True)
+        validate(deployments[name], latest_version(), strict=True)
+    # a quarter of --max-num-seqs waiting per pod; a one-sequence pool scales at one waiting
+    assert hpas["contract-review-v2-2k"]["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "16"
+    assert hpas["contract-review-v2-64k"]["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "1"
+    # the canary pool gets a small share of the traffic: one replica, no HPA
+    assert deployments["contract-review-v2-canary"]["spec"]["replicas"] == 1
+    assert [d["kind"] for d in docs[:len(deployments) + len(hpas)]] == \
+        ["Deployment"] * len(deployments) + ["HorizontalPodAutoscaler"] * len(hpas)
+
+
+@pytest.mark.parametrize("replicas", [{"min": 3, "max": 3}, {"min": 1, "max": 1}])
+def test_a_fixed_size_model_keeps_its_replicas_and_gets_no_autoscaler(replicas: dict[str, int]) -> None:
+    docs = objects(replicas=replicas, canary={"model": "contract-review-v3", "percent": 5})
+    assert of_kind(docs, "HorizontalPodAutoscaler") == {}
+    sizes = {name: d["spec"]["replicas"] for name, d in of_kind(docs, "Deployment").items()}
+    assert sizes == {"contract-review-v2-2k": replicas["min"], "contract-review-v2-4k": replicas["min"],
+                     "contract-review-v2-canary": 1}
+
+
+def test_min_zero_runs_one_pod_since_an_hpa_cannot_scale_to_zero() -> None:
+    hpas = of_kind(objects(replicas={"min": 0, "max": 3}), "HorizontalPodAutoscaler")
+    assert {(h["spec"]["minReplicas"], h["spec"]["maxReplicas"]) for h in hpas.values()} == {(1, 3)}
+
+
+def test_the_schema_check_would_catch_a_bad_autoscaler() -> None:
+    hpa = next(iter(of_kind(objects(replicas={"min": 1, "max": 2}), "HorizontalPodAutoscaler").values()))
+    validate(hpa, latest_version(), strict=True)
+    hpa["spec"]["metrics"][0]["pods"]["target"]["averageValues"] = "3"
+    with pytest.raises(ValidationError):
+        validate(hpa, latest_version(), strict=True)
+
+
+def test_the_documented_adapter_rule_serves_the_metric_the_autoscaler_reads() -> None:
+    """The HPA asks the custom metrics API for :data:`WAITING_METRIC` of each pod; the rule
+    documented for prometheus-adapter must serve that name, from vLLM's gauge, per pod."""
+    [rule] = yaml.safe_load(ADAPTER_RULE)["rules"]
+    assert rule["name"]["as"] == WAITING_METRIC
+    assert re.fullmatch(rule["name"]["matches"], "vllm:num_requests_waiting")
+    assert rule["seriesQuery"].startswith("vllm:num_requests_waiting{")
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"},
+                                              "pod": {"resource": "pod"}}
+    assert "by (<<.GroupBy>>)" in rule["metricsQuery"]
+    hpa = next(iter(of_kind(objects(replicas={"min": 1, "max": 2}), "HorizontalPodAutoscaler").values()))
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == WAITING_METRIC

@@ -190,8 +190,23 @@ def test_the_shipped_examples_onboard_through_the_real_planner(tmp_path: pathlib
     config = load_config(str(out / "routing.yaml"))
     built = kustomize(out / "k8s")
     deployments = {d["metadata"]["name"]: d for d in built if d["kind"] == "Deployment"}
+    hpas = {d["metadata"]["name"]: d for d in built if d["kind"] == "HorizontalPodAutoscaler"}
+    assert hpas  # contract-review's replicas {min: 1, max: 4}
     for plan in plans:
         assert config.models[plan.name].clusters == [p.name for p in plan.serving_pools]
+        replicas = plan.model.spec.replicas
+        for pool in plan.serving_pools:
+            spec = deployments[pool.name]["spec"]
+            if replicas.max > replicas.min:
+                hpa = hpas.pop(pool.name)
+                assert hpa["metadata"]["namespace"] == "llm"
+                assert hpa["spec"]["scaleTargetRef"]["name"] == pool.name
+                assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (
+                    max(1, replicas.min), replicas.max)
+                assert "replicas" not in spec
+                validate(hpa, latest_version(), strict=True)
+            else:
+                assert spec["replicas"] == replicas.min
         for pool in plan.pools:
             assert config.clusters[pool.name].max_context == pool.context
             vllm = deployments[pool.name]["spec"]["template"]["spec"]["containers"][0]
@@ -200,6 +215,7 @@ def test_the_shipped_examples_onboard_through_the_real_planner(tmp_path: pathlib
             assert args.count("--served-model-name") == 1
             assert vllm["resources"]["limits"]["nvidia.com/gpu"] == str(pool.gpus_per_replica)
             validate(deployments[pool.name], latest_version(), strict=True)
+    assert hpas == {}  # none for a canary pool or a fixed-size model
     plan_md = (out / "plan.md").read_text()
     rows = [line for line in plan_md.splitlines() if line.startswith("| `--")]
     assert len(rows) == sum(sum(a.startswith("--") for a in p.vllm_args)

@@ -346,6 +346,11 @@ async def test_kopf_runs_the_operator_within_its_role(tmp_path: pathlib.Path) ->
         deployments = [o for (g, p, _, _), o in server.objects.items() if p == "deployments"]
         assert len(deployments) == 2
         assert all(d["metadata"]["ownerReferences"][0]["uid"] == "6f1c" for d in deployments)
+        # replicas {min: 1, max: 4}: an HPA per pool, applied within the Role too
+        hpas = [o for (g, p, _, _), o in server.objects.items()
+                if (g, p) == ("autoscaling", "horizontalpodautoscalers")]
+        assert sorted(h["spec"]["scaleTargetRef"]["name"] for h in hpas) == sorted(
+            d["metadata"]["name"] for d in deployments)
         await server.until(lambda: ("Normal", "Planned") in [(e["type"], e["reason"]) for e in server.events])
         assert server.events[0]["involvedObject"]["uid"] == "6f1c"
 
