@@ -15,7 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from llmmodel.spec import Architecture, parse_bytes
+from llmmodel.spec import Architecture
+from llmmodel.values import parse_bytes
 from routing.errors import ConfigError, Problem
 from routing.yamlsrc import Located, read_yaml
 
