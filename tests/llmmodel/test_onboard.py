@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import shutil
 import subprocess
-from typing import Any
 
 import pytest
-import yaml
 from kubernetes_validate import latest_version, validate
 
 from llmmodel import onboard as onboard_module
@@ -22,6 +19,7 @@ from routing.loader import check_config, load_config
 from routing.render import write_all
 from sidecar_runtime.process.procs import envoy_binary
 from tests.harness.ci import unavailable
+from tests.harness.kubectl import kustomize
 from tests.llmmodel.factories import model_plan
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -54,16 +52,6 @@ def envoy_validate(path: str) -> None:
     result = subprocess.run([envoy, "--mode", "validate", "-c", path], capture_output=True,
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-
-
-def kustomize(folder: pathlib.Path) -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        unavailable("kubectl")
-    result = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True,
-                            timeout=60, check=False)
-    assert result.returncode == 0, result.stderr
-    return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
 def test_onboard_writes_routing_k8s_and_plan(tmp_path: pathlib.Path,

@@ -27,7 +27,8 @@ from kubernetes_validate import ValidationError, latest_version, validate
 from routing.loader import load_config
 from routing.render.artifacts import ROOT
 from routing.units import parse_hostport
-from tests.harness.ci import DEPLOY_TOOLS_ENV, unavailable
+from tests.harness.ci import DEPLOY_TOOLS_ENV
+from tests.harness.kubectl import kustomize
 
 REPO = pathlib.Path(ROOT)
 
@@ -172,11 +173,5 @@ def test_the_kustomization_only_lists_resources() -> None:
 def test_kubectl_kustomize_builds_the_manifests() -> None:
     """kubectl ships on this project's machine image (so CI runs this); ``kustomize`` needs no
     cluster. Its output is exactly the documents the other tests read."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        unavailable("kubectl")
-    result = subprocess.run([kubectl, "kustomize", str(REPO / "deploy" / "k8s")],
-                            capture_output=True, text=True, timeout=60, check=False)
-    assert result.returncode == 0, result.stderr
-    built = [d for d in yaml.safe_load_all(result.stdout) if d]
+    built = kustomize(REPO / "deploy" / "k8s")
     assert sorted(built, key=kind_and_name) == sorted(manifests(), key=kind_and_name)
