@@ -9,6 +9,9 @@ cluster; the tests only exercise its path building and request shaping.
   YAML), ``fieldManager`` and ``force=true``: the operator owns the fields it writes, even ones a
   person set by hand with ``kubectl edit``. Forcing is safe only on objects the LLMModel already
   controls, so reconcile reads each first and applies nothing over one it does not.
+- Objects a model no longer declares are found by their model label (``labelSelector``) and
+  deleted with ``propagationPolicy=Background``; only those the LLMModel controls (see
+  :mod:`llmmodel.operator_prune`).
 - Status goes through the ``/status`` subresource as a JSON merge patch, so keys other writers
   keep under ``.status`` survive.
 """
@@ -68,8 +71,12 @@ class KubeApi(Protocol):
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge ``status`` into the LLMModel's ``.status`` (the status subresource)."""
 
+    async def list_labelled(self, api_version: str, kind: str, namespace: str,
+                            selector: str) -> list[dict[str, Any]]:
+        """The objects of ``kind`` in ``namespace`` matching the label ``selector`` (``k=v``)."""
+
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        """Delete the object; an object already gone is not an error."""
+        """Delete the object (its dependents in the background); one already gone is no error."""
 
 
 def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
@@ -176,8 +183,19 @@ class InClusterApi:
         await self._request("PATCH", path, body={"status": status},
                             content_type="application/merge-patch+json")
 
+    async def list_labelled(self, api_version: str, kind: str, namespace: str,
+                            selector: str) -> list[dict[str, Any]]:
+        # a 404 here is a kind whose CRD is not installed: nothing of it exists
+        answer = await self._request("GET", resource_path(api_version, kind, namespace),
+                                     params={"labelSelector": selector}) or {}
+        items: list[dict[str, Any]] = answer.get("items") or []
+        return items
+
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        await self._request("DELETE", resource_path(api_version, kind, namespace, name))
+        # Background: the call returns at once and the garbage collector removes dependents
+        # (a Deployment's ReplicaSets and pods) afterwards
+        await self._request("DELETE", resource_path(api_version, kind, namespace, name),
+                            params={"propagationPolicy": "Background"})
 
 
 def _message(text: str) -> str:

@@ -13,7 +13,9 @@ running it twice changes nothing):
 3. apply every object ``onboard`` writes for the model, owned by the LLMModel (deleting the
    model garbage-collects them), unless step 1 or 2 held it back; then write the routing
    ConfigMap (extproc and ratelimit reload the mounted file live); when no model merges, nothing
-   is written and the old routing keeps serving;
+   is written and the old routing keeps serving; once the ConfigMap is written, delete the
+   model's objects its spec no longer declares (a dropped context's pool, a stale autoscaler:
+   :mod:`llmmodel.operator_prune`), so no route points at a deleted pool (event ``Pruned``);
 4. write ``.status``: ``plan``, ``observedGeneration`` and the conditions ``Planned``,
    ``PoolsReady`` and ``Routed`` (``lastTransitionTime`` moves only when a status flips).
 
@@ -31,6 +33,7 @@ from typing import Any
 
 from llmmodel.kube_api import FIELD_MANAGER, KubeApi
 from llmmodel.operator_plan import OperatorSettings, Toolkit, default_toolkit, live_models, plan_namespace
+from llmmodel.operator_prune import model_selector, prune, pruned_message
 from llmmodel.operator_routing import base_changed, build_routing, routed_models, write_routing
 from llmmodel.operator_status import (
     NOT_OWNED,
@@ -103,6 +106,11 @@ async def reconcile(api: KubeApi, obj: dict[str, Any], *, settings: OperatorSett
             for item in objects:
                 await api.apply(item, field_manager=FIELD_MANAGER)
         routing, models = await write_routing(api, settings, build, namespace)
+        if applied and build.text is not None:  # routed without the dropped pools: delete them
+            pruned = await prune(api, namespace, str(meta.get("uid") or ""),
+                                 model_selector(name, objects), objects)
+            if pruned and emit is not None:
+                emit("Normal", "Pruned", pruned_message(pruned))
         if name in build.not_owned:
             verdicts = _unapplied(previous,
                                   Verdict("Planned", "False", NOT_OWNED, build.not_owned[name]),

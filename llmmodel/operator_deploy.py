@@ -11,8 +11,9 @@ service account, a namespaced Role and its binding, and one operator replica. Le
   LLMModel as its owner is left alone), server-side apply is ``patch``, plus ``create``
   when the object does not exist yet (the API server authorizes that create with the object's
   name: k8s.io/apiserver ``pkg/endpoints/handlers/patch.go``, ``createAuthorizerAttributes``,
-  so the ConfigMap rules can name their ConfigMaps); nothing is deleted by the operator (owner
-  references let the garbage collector do it).
+  so the ConfigMap rules can name their ConfigMaps). ``list`` and ``delete`` only on the kinds
+  a model's objects are (``llmmodel.operator_prune``: objects a spec edit dropped); everything
+  else goes with its LLMModel through owner references and the garbage collector.
 - the RoleBinding's subject has no namespace: RBAC then takes the binding's own (kubernetes
   ``pkg/registry/rbac/validation/rule.go``, ``appliesToUser``), so ``-n`` places it all.
 """
@@ -49,7 +50,8 @@ def _rule(group: str, resources: list[str], verbs: list[str],
 def rules() -> list[dict[str, Any]]:
     """The Role's rules, each with the code that needs it."""
     # an ownership check (get), then server-side apply (create, patch) of a model's objects
-    applied = ["get", "create", "patch"]
+    # and, once the routing no longer names them, list by model label and delete those dropped
+    applied = ["get", "create", "patch", "list", "delete"]
     return [
         # kopf: watch the LLMModels, patch its finalizer and progress annotations onto them
         _rule("llm-sidecar.dev", ["llmmodels"], ["get", "list", "watch", "patch"]),

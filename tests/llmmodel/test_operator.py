@@ -37,6 +37,9 @@ from routing.errors import ConfigError
 from routing.loader import check_config
 
 NS = "llm"
+POOL_KINDS = {"Deployment", "HorizontalPodAutoscaler", "Service", "NetworkPolicy", "InferencePool",
+              "PodMonitor"}
+"""The kinds of a pool's objects (of a model with ``replicas.max`` above ``min``)."""
 SETTINGS = OperatorSettings(namespace=NS)
 BASE = ("version: 1\n"
         "services: {extproc: llm-sidecar-extproc:50051, ratelimit: llm-sidecar-ratelimit:50052}\n")
@@ -100,6 +103,14 @@ class FakeApi:
         obj = self.objects[("llm-sidecar.dev/v1alpha1", "LLMModel", namespace, name)]
         obj["status"] = {**obj.get("status", {}), **copy.deepcopy(status)}
         self.bump(obj)
+
+    async def list_labelled(self, api_version: str, kind: str, namespace: str,
+                            selector: str) -> list[dict[str, Any]]:
+        self.calls.append(("list", api_version, kind, ""))
+        label, _, value = selector.partition("=")
+        return [copy.deepcopy(o) for (v, k, ns, _), o in sorted(self.objects.items())
+                if (v, k, ns) == (api_version, kind, namespace)
+                and (o["metadata"].get("labels") or {}).get(label) == value]
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.calls.append(("delete", api_version, kind, name))
@@ -440,8 +451,10 @@ async def test_the_role_allows_every_call_the_operator_makes(api: FakeApi, toolk
     await reconcile(api, api.model("bge-m3"), settings=SETTINGS, toolkit=toolkit)
     await refresh_pools_ready(api, api.model("bge-m3"), settings=SETTINGS, toolkit=toolkit)
     await refresh(api, api.model("bge-m3"), settings=SETTINGS, toolkit=toolkit)
+    await reconcile(api, edited(api, contexts=[2048]), settings=SETTINGS, toolkit=toolkit)  # prunes
     await remove(api, api.model("bge-m3"), settings=SETTINGS, toolkit=toolkit)
-    assert {verb for verb, *_ in api.calls} == {"create", "patch", "get", "list"}
+    assert {verb for verb, *_ in api.calls} == {"create", "patch", "get", "list", "delete"}
+    assert {kind for verb, _, kind, _ in api.calls if verb == "delete"} == POOL_KINDS
 
     def allowed(verb: str, api_version: str, kind: str, name: str) -> bool:
         group = api_version.rpartition("/")[0]
@@ -473,7 +486,7 @@ async def test_the_in_cluster_client_sends_server_side_apply(tmp_path: pathlib.P
                      "type": request.headers.get("Content-Type"),
                      "auth": request.headers.get("Authorization"),
                      "body": json.loads(await request.text() or "null")})
-        if request.path.endswith("/missing"):
+        if request.path.endswith("/missing") or request.path.endswith("/gone"):
             return web.json_response({"kind": "Status", "message": "not found"}, status=404)
         if request.path.endswith("/forbidden"):
             return web.json_response({"kind": "Status", "message": "configmaps is forbidden"},
@@ -496,6 +509,10 @@ async def test_the_in_cluster_client_sends_server_side_apply(tmp_path: pathlib.P
         assert await client.get("v1", "ConfigMap", "llm", "missing") is None
         assert await client.list_llmmodels("llm") == [{"metadata": {"name": "m"}}]
         await client.patch_status("llm", "m", {"observedGeneration": 2})
+        assert await client.list_labelled("apps/v1", "Deployment", "llm", "llm-sidecar.dev/model=m") == [
+            {"metadata": {"name": "m"}}]
+        await client.delete("apps/v1", "Deployment", "llm", "m-4k")
+        await client.delete("apps/v1", "Deployment", "llm", "gone")  # already deleted: no error
         with pytest.raises(KubeApiError, match="403: configmaps is forbidden"):
             await client.get("v1", "ConfigMap", "llm", "forbidden")
     finally:
@@ -508,6 +525,11 @@ async def test_the_in_cluster_client_sends_server_side_apply(tmp_path: pathlib.P
     assert (seen[3]["path"], seen[3]["type"], seen[3]["body"]) == (
         "/apis/llm-sidecar.dev/v1alpha1/namespaces/llm/llmmodels/m/status",
         "application/merge-patch+json", {"status": {"observedGeneration": 2}})
+    assert (seen[4]["method"], seen[4]["path"], seen[4]["query"]) == (
+        "GET", "/apis/apps/v1/namespaces/llm/deployments", {"labelSelector": "llm-sidecar.dev/model=m"})
+    assert (seen[5]["method"], seen[5]["path"], seen[5]["query"]) == (
+        "DELETE", "/apis/apps/v1/namespaces/llm/deployments/m-4k", {"propagationPolicy": "Background"})
+    assert seen[6]["method"] == "DELETE"
 
 
 def test_the_client_refuses_to_start_outside_a_pod(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -791,3 +813,144 @@ async def test_a_model_and_its_declared_canary_are_routed_together_when_another_
     assert routing["models"]["contract-review-v2"]["canary"]["model"] == "contract-review-v3"
     status = await reconcile(api, api.model("clashing"), settings=SETTINGS, toolkit=toolkit)
     assert conditions(status)["Routed"]["reason"] == "RoutingRefused"
+
+
+def edited(api: FakeApi, name: str = "contract-review-v2", **spec: Any) -> dict[str, Any]:
+    """``kubectl edit llmmodel NAME``: the stored model with ``spec`` changed, generation bumped."""
+    obj = api.model(name)
+    obj["spec"].update(spec)
+    obj["metadata"]["generation"] += 1
+    api.put(obj)
+    return api.model(name)
+
+
+def kinds_named(api: FakeApi, name: str) -> set[str]:
+    return {kind for (_, kind, _, n) in api.objects if n == name}
+
+
+async def test_a_dropped_context_is_routed_away_then_its_pool_deleted(api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel(contexts=[2048, 4096]))
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    assert kinds_named(api, "contract-review-v2-4k") == POOL_KINDS
+    assert "contract-review-v2-4k" in api.routing()["models"]["contract-review-v2"]["clusters"]
+
+    api.calls.clear()
+    events: list[tuple[str, str, str]] = []
+    status = await reconcile(api, edited(api, contexts=[2048]), settings=SETTINGS, toolkit=toolkit,
+                             emit=lambda *e: events.append(e))
+    assert kinds_named(api, "contract-review-v2-4k") == set()
+    assert kinds_named(api, "contract-review-v2-2k") == POOL_KINDS
+    assert ("monitoring.coreos.com/v1", "PrometheusRule", NS, "contract-review-v2-slo") in api.objects
+    assert "contract-review-v2-4k" not in yaml.safe_dump(api.routing())
+    assert list(api.routing()["models"]["contract-review-v2"]["clusters"]) == ["contract-review-v2-2k"]
+    deletes = [i for i, call in enumerate(api.calls) if call[0] == "delete"]
+    routing_write = max(i for i, (verb, _, kind, name) in enumerate(api.calls) if verb in ("create", "patch")
+                        and (kind, name) == ("ConfigMap", "llm-sidecar-routing"))
+    assert len(deletes) == 6 and routing_write < deletes[0]  # no route to a deleted pool, ever
+    assert ("Normal", "Pruned",
+            "deleted 6 object(s) the spec no longer declares: HorizontalPodAutoscaler/contract-review-v2-4k, "
+            "Deployment/contract-review-v2-4k, InferencePool/contract-review-v2-4k, "
+            "Service/contract-review-v2-4k, PodMonitor/contract-review-v2-4k, "
+            "NetworkPolicy/contract-review-v2-4k") in events
+    assert conditions(status)["Planned"]["message"] == "1 pool(s), 7 object(s) applied"
+
+    api.calls.clear()
+    events.clear()
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit,
+                    emit=lambda *e: events.append(e))
+    assert [c for c in api.calls if c[0] == "delete"] == []  # nothing left to prune: no event
+    assert "Pruned" not in [reason for _, reason, _ in events]
+
+
+async def test_lowering_max_replicas_to_min_deletes_the_autoscalers(api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel())
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    hpas = {n for (_, kind, _, n) in api.objects if kind == "HorizontalPodAutoscaler"}
+    assert hpas == {"contract-review-v2-2k", "contract-review-v2-4k"}
+    await reconcile(api, edited(api, replicas={"min": 1, "max": 1}), settings=SETTINGS, toolkit=toolkit)
+    assert [k for k in api.objects if k[1] == "HorizontalPodAutoscaler"] == []
+    assert {n for (_, kind, _, n) in api.objects if kind == "Deployment"} == hpas  # the pools stay
+
+
+async def test_a_removed_inline_canary_loses_its_pool(api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel(canary={"model": "contract-review-v3", "percent": 5,
+                             "modelPath": "hf://meta-llama/Llama-2-13b-chat-hf"}))
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    assert "Deployment" in kinds_named(api, "contract-review-v2-canary")
+    await reconcile(api, edited(api, canary=None), settings=SETTINGS, toolkit=toolkit)
+    assert kinds_named(api, "contract-review-v2-canary") == set()
+    assert "contract-review-v2-canary" not in yaml.safe_dump(api.routing())
+    assert kinds_named(api, "contract-review-v2-4k") == POOL_KINDS
+
+
+async def test_pruning_never_deletes_what_this_model_does_not_control(api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel())
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    label = {"llm-sidecar.dev/model": "contract-review-v2"}
+
+    def stray(kind: str, api_version: str, name: str, refs: list[dict[str, Any]] | None) -> None:
+        meta: dict[str, Any] = {"name": name, "namespace": NS, "labels": dict(label)}
+        if refs is not None:
+            meta["ownerReferences"] = refs
+        api.put({"apiVersion": api_version, "kind": kind, "metadata": meta, "spec": {}})
+
+    ref = {"apiVersion": "llm-sidecar.dev/v1alpha1", "kind": "LLMModel", "name": "contract-review-v2"}
+    stray("Deployment", "apps/v1", "another-models", [{**ref, "uid": "uid-other", "controller": True}])
+    stray("Service", "v1", "hand-made", None)  # the label copied by hand
+    stray("NetworkPolicy", "networking.k8s.io/v1", "not-controller",
+          [{**ref, "uid": "uid-contract-review-v2", "controller": False}])
+    strays = [k for k in api.objects if k[3] in ("another-models", "hand-made", "not-controller")]
+    await reconcile(api, edited(api, contexts=[2048]), settings=SETTINGS, toolkit=toolkit)
+    assert kinds_named(api, "contract-review-v2-4k") == set()  # its own dropped objects do go
+    assert [k for k in strays if k not in api.objects] == []
+
+
+async def test_a_spec_that_fails_to_plan_prunes_nothing(api: FakeApi, toolkit: Toolkit) -> None:
+    api.put(llmmodel())
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    before = set(api.objects) - {k for k in api.objects if k[1] == "LLMModel"}
+    api.calls.clear()
+    status = await reconcile(api, edited(api, base="llama-2-70b", gpuRequest="1Gi", contexts=[2048]),
+                             settings=SETTINGS, toolkit=toolkit)
+    assert conditions(status)["Planned"]["reason"] == "InvalidSpec"
+    assert [c for c in api.calls if c[0] == "delete"] == []
+    assert before <= set(api.objects)
+
+
+class FailingDeleteApi(FakeApi):
+    failing = True
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        if self.failing:
+            self.calls.append(("delete", api_version, kind, name))
+            raise KubeApiError(500, "etcdserver: request timed out")
+        await super().delete(api_version, kind, namespace, name)
+
+
+async def test_a_failed_delete_is_retried_as_any_api_failure(toolkit: Toolkit) -> None:
+    api = FailingDeleteApi()
+    api.put({"apiVersion": "v1", "kind": "ConfigMap",
+             "metadata": {"name": "llm-sidecar-routing-base", "namespace": NS},
+             "data": {"routing.yaml": BASE}})
+    api.put(llmmodel())
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    kopf_events = kopf_event_queue()
+    handlers = register_handlers(kopf.OperatorRegistry(), api, SETTINGS, toolkit)
+    with pytest.raises(kopf.TemporaryError, match="500: etcdserver: request timed out"):
+        await handlers.on_change(body=body(edited(api, contexts=[2048])))
+    # the routing already left the 4k pool; its objects wait for the retry
+    assert list(api.routing()["models"]["contract-review-v2"]["clusters"]) == ["contract-review-v2-2k"]
+    assert "Deployment" in kinds_named(api, "contract-review-v2-4k")
+    assert kinds_named(api, "contract-review-v2-2k") == POOL_KINDS
+
+    api.failing = False  # kopf's retry
+    await handlers.on_change(body=body(api.model("contract-review-v2")))
+    assert kinds_named(api, "contract-review-v2-4k") == set()
+    posted = []
+    while not kopf_events.empty():
+        posted.append(kopf_events.get_nowait())
+    pruned = [e for e in posted if e.reason == "Pruned"]
+    assert [(e.type, e.ref["name"]) for e in pruned] == [("Normal", "contract-review-v2")]
+    assert "Deployment/contract-review-v2-4k" in pruned[0].message
+    stored = api.model("contract-review-v2")["status"]
+    assert (stored["observedGeneration"], conditions(stored)["Planned"]["status"]) == (2, "True")

@@ -24,10 +24,11 @@ import yaml
 from aiohttp import web
 from kubernetes_validate import latest_version, validate
 
-from llmmodel.kube_api import InClusterApi
+from llmmodel.kube_api import PLURALS, InClusterApi
 from llmmodel.operator import default_toolkit
 from llmmodel.operator_cli import add_operator_arguments, kopf_settings, register_handlers
 from llmmodel.operator_deploy import OUT, ROOT, artifacts, main
+from llmmodel.operator_prune import PRUNED_KINDS
 from sidecar_runtime.process.files import stale_files
 from tests.harness.ci import unavailable
 from tests.llmmodel.test_operator import BASE, NS, SETTINGS, llmmodel
@@ -94,9 +95,16 @@ def test_the_role_is_least_privilege() -> None:
         for field in ("apiGroups", "resources", "verbs", "resourceNames"):
             assert "*" not in rule.get(field, []), rule
     verbs = {verb for rule in rules for verb in rule["verbs"]}
-    assert verbs <= {"get", "list", "watch", "create", "patch"}  # it deletes, updates nothing
-    watched = {res for rule in rules if {"list", "watch"} & set(rule["verbs"]) for res in rule["resources"]}
+    assert verbs <= {"get", "list", "watch", "create", "patch", "delete"}  # no update, no deletecollection
+    watched = {res for rule in rules if "watch" in rule["verbs"] for res in rule["resources"]}
     assert watched == {"llmmodels"}
+    # list and delete: only the kinds of a model's objects (pruning what a spec edit dropped)
+    pruned = {plural for (_, kind), plural in PLURALS.items() if kind not in ("ConfigMap", "LLMModel")}
+    assert pruned == {PLURALS[key] for key in PRUNED_KINDS}
+    listed = {res for rule in rules if "list" in rule["verbs"] for res in rule["resources"]}
+    assert listed == pruned | {"llmmodels"}
+    deleted = {res for rule in rules if "delete" in rule["verbs"] for res in rule["resources"]}
+    assert deleted == pruned
     dangerous = {"secrets", "pods", "roles", "rolebindings"}
     assert [rule for rule in rules if dangerous & set(rule["resources"])] == []
     configmaps = [rule for rule in rules if "configmaps" in rule["resources"]]
@@ -132,14 +140,15 @@ def test_the_pieces_are_wired_together() -> None:
 
 class FakeApiServer:
     """A stand-in kube-apiserver for kopf and :class:`InClusterApi`: discovery for the LLMModel
-    group, list/watch/get, the three patch types kopf and server-side apply send, events, and
-    RBAC: a request the Role does not allow gets 403 and is recorded in ``denied``."""
+    group, list (by label too)/watch/get, the three patch types kopf and server-side apply send,
+    delete, events, and RBAC: a request the Role does not allow gets 403 and is recorded in ``denied``."""
 
     def __init__(self, role: list[dict[str, Any]]) -> None:
         self.role = role
         self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
         self.denied: list[str] = []
+        self.deleted: list[str] = []
         self.version = 0
         self.watchers: list[asyncio.Queue[dict[str, Any]]] = []
         self.changed = asyncio.Event()
@@ -200,12 +209,21 @@ class FakeApiServer:
             return await self.stream(request)
         key = (group, plural, namespace or "", name or "")
         if verb == "list":
+            wanted = [term.partition("=")[::2] for term in request.query.get("labelSelector", "").split(",")
+                      if term]
             items = [copy.deepcopy(o) for (g, p, ns, _), o in sorted(self.objects.items())
-                     if (g, p, ns) == key[:3]]
+                     if (g, p, ns) == key[:3] and all(
+                         (o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted)]
             return web.json_response({"metadata": {"resourceVersion": str(self.version)}, "items": items})
         current = self.objects.get(key)
         if verb == "get":
             return web.json_response(current) if current else web.json_response({}, status=404)
+        if verb == "delete":  # no finalizers on what the operator deletes: gone at once
+            if self.objects.pop(key, None) is None:
+                return web.json_response({"kind": "Status", "code": 404}, status=404)
+            self.deleted.append(f"{plural}/{name} {request.query.get('propagationPolicy')}")
+            self.changed.set()
+            return web.json_response({"kind": "Status", "status": "Success"})
         return await self.patch(request, key, current, sub)
 
     async def patch(self, request: web.Request, key: tuple[str, str, str, str],
@@ -353,6 +371,18 @@ async def test_kopf_runs_the_operator_within_its_role(tmp_path: pathlib.Path) ->
             d["metadata"]["name"] for d in deployments)
         await server.until(lambda: ("Normal", "Planned") in [(e["type"], e["reason"]) for e in server.events])
         assert server.events[0]["involvedObject"]["uid"] == "6f1c"
+
+        # an edit dropping the 4k context: its pool is routed away, then deleted (within the Role)
+        edited = copy.deepcopy(server.objects[key])
+        edited["spec"]["contexts"] = [2048]
+        edited["metadata"]["generation"] = 2
+        server.store("llm-sidecar.dev", "llmmodels", edited)
+        await server.until(lambda: "Pruned" in [e["reason"] for e in server.events])
+        routing = server.objects[("", "configmaps", NS, "llm-sidecar-routing")]["data"]["routing.yaml"]
+        assert "contract-review-v2-4k" not in routing
+        assert sorted(n for (_, p, _, n) in server.objects if p == "deployments") == ["contract-review-v2-2k"]
+        assert "deployments/contract-review-v2-4k Background" in server.deleted
+        assert [n for (_, _, _, n) in server.objects if n.endswith("-4k")] == []
 
         server.delete("contract-review-v2")
         await server.until(lambda: key not in server.objects)
