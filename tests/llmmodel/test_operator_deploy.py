@@ -11,8 +11,6 @@ import asyncio
 import copy
 import json
 import pathlib
-import shutil
-import subprocess
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,7 +28,7 @@ from llmmodel.operator_cli import add_operator_arguments, kopf_settings, registe
 from llmmodel.operator_deploy import OUT, ROOT, artifacts, main
 from llmmodel.operator_prune import PRUNED_KINDS
 from sidecar_runtime.process.files import stale_files
-from tests.harness.ci import unavailable
+from tests.harness.kubectl import kustomize
 from tests.llmmodel.test_operator import BASE, NS, SETTINGS, llmmodel
 
 HAND_WRITTEN = ("clusters: {hand: {endpoints: ['10.0.0.1:8000'], max_context: 4096}}\n"
@@ -74,17 +72,10 @@ def test_every_manifest_matches_its_kubernetes_schema() -> None:
 
 
 def test_kubectl_kustomize_builds_them() -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        unavailable("kubectl")
-    result = subprocess.run([kubectl, "kustomize", str(DIR)], capture_output=True, text=True,
-                            timeout=60, check=False)
-    assert result.returncode == 0, result.stderr
-
     def key(doc: dict[str, Any]) -> tuple[str, str]:
         return doc["kind"], doc["metadata"]["name"]
 
-    built = [d for d in yaml.safe_load_all(result.stdout) if d]
+    built = kustomize(DIR)
     assert sorted(built, key=key) == sorted(documents(), key=key)
 
 
