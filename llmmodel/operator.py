@@ -28,7 +28,7 @@ kopf, so every step is tested by calling it. This module chains the steps; the s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from llmmodel.kube_api import FIELD_MANAGER, KubeApi
@@ -46,6 +46,7 @@ from llmmodel.operator_status import (
     announce,
     pools_ready,
     stamp,
+    unapplied,
     utc_now,
 )
 
@@ -58,19 +59,6 @@ RETRIED = (NOT_OWNED, ROUTING_REFUSED)
 object in the way is deleted, a clashing model or base entry goes)."""
 READY_INTERVAL_S = 30.0
 """How often the timer re-reads the pools' Deployments for ``PoolsReady``."""
-
-
-def _unapplied(previous: Sequence[dict[str, Any]], planned: Verdict, routed: bool,
-               routed_false: Verdict, routed_true: Verdict | None = None) -> list[Verdict]:
-    """The verdicts of a model nothing was applied for: ``planned`` says why, ``PoolsReady``
-    keeps what it was (its last good spec may still run), ``Routed`` follows the ConfigMap."""
-    old_ready = next((c for c in previous if c.get("type") == "PoolsReady"), None)
-    still = Verdict("Routed", "True", "StillRouted",
-                    "routed by its last good spec until the routing is rebuilt")
-    return [planned,
-            Verdict("PoolsReady", old_ready["status"], old_ready["reason"], old_ready["message"])
-            if old_ready else Verdict("PoolsReady", "Unknown", "NotPlanned", "the model is not planned"),
-            (routed_true or still) if routed else routed_false]
 
 
 async def reconcile(api: KubeApi, obj: dict[str, Any], *, settings: OperatorSettings,
@@ -95,7 +83,7 @@ async def reconcile(api: KubeApi, obj: dict[str, Any], *, settings: OperatorSett
             name not in planned.errors and planned.joint_failed) else (
             "InvalidSpec" if name in planned.errors else "ConflictsWithOtherModels")
         routed = name in await routed_models(api, settings, namespace)
-        verdicts = _unapplied(previous,
+        verdicts = unapplied(previous,
                               Verdict("Planned", "False", reason, str(error or "not planned")),
                               routed, not_routed)
     else:
@@ -112,12 +100,12 @@ async def reconcile(api: KubeApi, obj: dict[str, Any], *, settings: OperatorSett
             if pruned and emit is not None:
                 emit("Normal", "Pruned", pruned_message(pruned))
         if name in build.not_owned:
-            verdicts = _unapplied(previous,
+            verdicts = unapplied(previous,
                                   Verdict("Planned", "False", NOT_OWNED, build.not_owned[name]),
                                   name in models, not_routed)
         elif name in build.refused:
             message = build.refused[name]
-            verdicts = _unapplied(
+            verdicts = unapplied(
                 previous, Verdict("Planned", "False", ROUTING_REFUSED, (
                     "planned, but nothing was applied: the routing YAML cannot take this model "
                     "(see Routed)")), name in models,

@@ -94,7 +94,7 @@ def announce(emit: Emit | None, verdicts: Sequence[Verdict], previous: Sequence[
             emit("Normal", v.reason, f"{v.type}: {v.message}")
 
 
-def _unapplied(previous: Sequence[dict[str, Any]], planned: Verdict, routed: bool,
+def unapplied(previous: Sequence[dict[str, Any]], planned: Verdict, routed: bool,
                routed_false: Verdict, routed_true: Verdict | None = None) -> list[Verdict]:
     """The verdicts of a model nothing was applied for: ``planned`` says why, ``PoolsReady``
     keeps what it was (its last good spec may still run), ``Routed`` follows the ConfigMap."""
