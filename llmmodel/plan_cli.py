@@ -8,12 +8,27 @@ import argparse
 import json
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from llmmodel.catalog import BASE_MODELS, BUILTIN_GPUS, load_gpus
-from llmmodel.planner import plan_models
-from llmmodel.plans import ModelPlan, PoolPlan
-from llmmodel.spec import load_models, model_files
 from routing.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llmmodel.plans import ModelPlan, PoolPlan
+
+# The planner and its catalogs load only when `plan` runs or prints its help: every other
+# command (extproc, ratelimit, sim: processes the gateway starts often) builds this parser too.
+_CATALOG_EPILOG = "(the built-in bases and GPUs)"
+
+
+class _PlanHelp(argparse.HelpFormatter):
+    """Writes the catalog's names in place of :data:`_CATALOG_EPILOG` when help is printed."""
+
+    def add_text(self, text: str | None) -> None:
+        if text is _CATALOG_EPILOG:
+            from llmmodel.catalog import BASE_MODELS, BUILTIN_GPUS
+            text = (f"built-in bases: {', '.join(BASE_MODELS)}. "
+                    f"Built-in GPUs: {', '.join(BUILTIN_GPUS)}.")
+        super().add_text(text)
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,11 +37,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", metavar="FILE", default=None,
                         help="GPU classes to add or override, and the nodes there are (YAML: gpus:, nodes:)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.epilog = (f"built-in bases: {', '.join(BASE_MODELS)}. "
-                     f"Built-in GPUs: {', '.join(BUILTIN_GPUS)}.")
+    parser.epilog = _CATALOG_EPILOG
+    parser.formatter_class = _PlanHelp
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    from llmmodel.catalog import load_gpus
+    from llmmodel.planner import plan_models
+    from llmmodel.spec import load_models, model_files
     try:
         inventory = load_gpus(args.gpus)
         if not model_files(args.files):
