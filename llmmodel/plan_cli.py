@@ -77,19 +77,7 @@ def _pool_lines(pool: PoolPlan, model: str) -> Iterator[str]:
     plural = "" if seqs == 1 else "s"
     yield (f"    KV cache: {pool.kv_cache_tokens} tokens = {seqs} concurrent sequence{plural} "
            f"of {pool.context} tokens ({pool.kv_bytes_per_token} bytes per token)")
-    for flag, value in _flags(pool.vllm_args):
-        key = flag.replace("--no-enable-", "--enable-")
+    for flag, value, why in pool.flags():
         yield f"    {flag}{' ' + value if value else ''}"
-        if key in pool.reasons:
-            yield f"        {pool.reasons[key]}"
-
-
-def _flags(args: tuple[str, ...]) -> Iterator[tuple[str, str]]:
-    i = 0
-    while i < len(args):
-        if i + 1 < len(args) and not args[i + 1].startswith("--"):
-            yield args[i], args[i + 1]
-            i += 2
-        else:
-            yield args[i], ""
-            i += 1
+        if why:
+            yield f"        {why}"

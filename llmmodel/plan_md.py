@@ -10,24 +10,8 @@ from llmmodel.plans import ModelPlan, PoolPlan
 GIB = 1 << 30
 
 
-def _flags(args: Sequence[str]) -> list[tuple[str, str]]:
-    """``("--a", "1", "--b", "--c", "x")`` as ``[("--a", "1"), ("--b", ""), ("--c", "x")]``."""
-    out: list[tuple[str, str]] = []
-    for arg in args:
-        if arg.startswith("--"):
-            out.append((arg, ""))
-        elif out and not out[-1][1]:
-            out[-1] = (out[-1][0], arg)
-    return out
-
-
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _reason(pool: PoolPlan, flag: str) -> str:
-    """The reason of ``flag``; ``--no-X`` is explained under ``--X`` when it has none of its own."""
-    return pool.reasons.get(flag) or pool.reasons.get(flag.replace("--no-", "--", 1), "")
 
 
 def _pool(pool: PoolPlan, model: str) -> list[str]:
@@ -45,9 +29,8 @@ def _pool(pool: PoolPlan, model: str) -> list[str]:
         f"- simulated speed: decode {pool.decode_ms_per_token:g} ms/token, prefill "
         f"{pool.prefill_ms_per_token:g} ms/token", "",
         "| flag | value | why |", "|---|---|---|"]
-    for flag, value in _flags(pool.vllm_args):
-        lines.append(f"| `{flag}` | {f'`{value}`' if value else '(set)'} | "
-                     f"{_cell(_reason(pool, flag))} |")
+    for flag, value, why in pool.flags():
+        lines.append(f"| `{flag}` | {f'`{value}`' if value else '(set)'} | {_cell(why)} |")
     return [*lines, ""]
 
 

@@ -56,6 +56,23 @@ class PoolPlan:
     """Where this pool's weights are."""
 
 
+    def flags(self) -> list[tuple[str, str, str]]:
+        """Each flag of :attr:`vllm_args` as (flag, its value or ``""``, why): ``--no-X`` is
+        explained under ``--X`` when it has no reason of its own. ``plan`` prints these and
+        ``plan.md`` tabulates them."""
+        out: list[tuple[str, str, str]] = []
+        args = self.vllm_args
+        i = 0
+        while i < len(args):
+            flag = args[i]
+            valued = i + 1 < len(args) and not args[i + 1].startswith("--")
+            value = args[i + 1] if valued else ""
+            i += 2 if valued else 1
+            why = self.reasons.get(flag) or self.reasons.get(flag.replace("--no-", "--", 1), "")
+            out.append((flag, value, why))
+        return out
+
+
 @dataclass(frozen=True)
 class ModelPlan:
     """Every pool of one LLMModel, and the model it came from."""
