@@ -8,13 +8,14 @@ happen in time and goes on, since the change is already written and will be take
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
 from routing.units import parse_hostport
+from sidecar_runtime.process.procs import poll_until
 
-POLL_S = 0.05
+ANSWER_ERRORS = (OSError, ValueError, KeyError)
+"""What counts as "not yet" while polling: no answer, or an answer not (yet) of the shape read."""
 
 
 def admin_get(admin: str, path: str) -> str:
@@ -60,19 +61,6 @@ def reloads(metrics_url: str, prefix: str) -> float:
         return -1.0
 
 
-def wait_until(ready: Callable[[], bool], timeout_s: float) -> bool:
-    """Poll ``ready()`` (an ``OSError`` or bad answer counts as not yet); False on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if ready():
-                return True
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(POLL_S)
-    return False
-
-
 def wait_envoy_applied(admin: str, version: str, healthy: Collection[tuple[str, str]],
                        gone: Collection[str], timeout_s: float) -> bool:
     """Until Envoy at ``admin`` serves routes of ``version``, counts each (cluster, endpoint) of
@@ -82,7 +70,7 @@ def wait_envoy_applied(admin: str, version: str, healthy: Collection[tuple[str, 
         return (envoy_routes_version(admin) == version
                 and all(e in hosts.get(c, set()) for c, e in healthy)
                 and not set(gone) & set(hosts))
-    return wait_until(applied, timeout_s)
+    return poll_until(applied, timeout_s, errors=ANSWER_ERRORS)
 
 
 def reload_counts(metrics: Sequence[tuple[str, str]]) -> list[float]:
@@ -93,6 +81,6 @@ def reload_counts(metrics: Sequence[tuple[str, str]]) -> list[float]:
 def wait_reloaded(metrics: Sequence[tuple[str, str]], before: Sequence[float], timeout_s: float) -> bool:
     """Until every service of ``metrics`` counts more reloads than ``before`` (from
     :func:`reload_counts`); False on timeout."""
-    return wait_until(lambda: all(reloads(url, prefix) > count
+    return poll_until(lambda: all(reloads(url, prefix) > count
                                   for (url, prefix), count in zip(metrics, before, strict=True)),
-                      timeout_s)
+                      timeout_s, errors=ANSWER_ERRORS)

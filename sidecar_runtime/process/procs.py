@@ -101,21 +101,28 @@ def start(name: str, command: Sequence[str], *, log_path: str | None = None,
     return Child(name, process, log_path)
 
 
-def _wait_until(ready: Callable[[], bool], timeout_s: float, child: Child | None,
-                failure: str) -> None:
-    """Poll ``ready()`` (an ``OSError`` counts as not yet) until it is true; raise if ``child``
-    dies first, or ``TimeoutError(f"{failure} after ...")`` when time runs out."""
+def poll_until(ready: Callable[[], bool], timeout_s: float, child: Child | None = None,
+               errors: tuple[type[Exception], ...] = (OSError,)) -> bool:
+    """Poll ``ready()`` every 50 ms (one of ``errors`` counts as not yet) until it is true;
+    raise if ``child`` dies first; False when time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child is not None and not child.alive():
             tail = child.log_tail()
             raise RuntimeError(f"{child.name} exited with code {child.process.returncode}"
                                + (f"; its log ends:\n{tail}" if tail else ""))
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(*errors):
             if ready():
-                return
+                return True
         time.sleep(0.05)
-    raise TimeoutError(f"{failure} after {timeout_s:.0f}s")
+    return False
+
+
+def _wait_until(ready: Callable[[], bool], timeout_s: float, child: Child | None,
+                failure: str) -> None:
+    """:func:`poll_until`, or ``TimeoutError(f"{failure} after ...")`` when time runs out."""
+    if not poll_until(ready, timeout_s, child):
+        raise TimeoutError(f"{failure} after {timeout_s:.0f}s")
 
 
 def wait_tcp(host: str, port: int, timeout_s: float, child: Child | None = None) -> None:
