@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llm_sidecar.gateway_wait import reload_counts, wait_envoy_applied, wait_reloaded
 from llm_sidecar.models_served import (
@@ -53,8 +53,6 @@ from routing.schema import RoutingConfig
 from routing.units import parse_hostport
 from sidecar_runtime.process.procs import Child, free_port
 
-if TYPE_CHECKING:
-    pass
 
 def say(text: str) -> None:
     print(f"llm-sidecar up: {text}", file=sys.stderr, flush=True)
@@ -217,16 +215,15 @@ class ModelsGateway:
                    gone: set[str]) -> None:
         """Envoy's pool files for ``config``, then wait until Envoy serves them: its routes'
         version, each pod of ``healthy`` healthy and no cluster of ``gone`` left."""
-        import yaml
-
-        from routing.render import write_text, xds_files
+        from routing.render import write_text, xds_documents, xds_files
         from routing.render.xds import CDS_PATH, RDS_PATH
-        files = xds_files(config)
+        documents = xds_documents(config)
+        files = xds_files(documents)
         for name in (CDS_PATH, RDS_PATH):
             if self._xds_written.get(name) != files[name]:
                 write_text(os.path.join(self._workdir, name), files[name])
                 self._xds_written[name] = files[name]
-        version = str(yaml.safe_load(files[RDS_PATH])["version_info"])
+        version = str(documents[RDS_PATH]["version_info"])
         if not wait_envoy_applied(config.envoy.admin, version, healthy, gone, 15):
             say("Envoy did not apply the new pools within 15 s; going on")
 

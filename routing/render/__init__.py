@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import yaml
 
 from routing.ratelimits import descriptors
-from routing.render.clusters import pool_cluster
+from routing.render.clusters import pool_clusters
 from routing.render.envoy import bootstrap, route_configuration
 from routing.render.istio import envoy_filter
 from routing.render.xds import CDS_PATH, RDS_PATH, XDS_DIR, cds_document, rds_document
@@ -29,13 +30,17 @@ def dump(doc: object) -> str:
     return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
 
 
-def xds_files(config: RoutingConfig) -> dict[str, str]:
+def xds_documents(config: RoutingConfig) -> dict[str, dict[str, Any]]:
     """``xds/cds.yaml`` and ``xds/rds.yaml`` (``envoy.dynamic_pools``): the pools' clusters,
     then the routes to them (in the order a live change writes them: a new route's cluster is
     there before the route)."""
-    pools = [pool_cluster(name, spec) for name, spec in config.clusters.items()]
-    return {CDS_PATH: HEADER + dump(cds_document(pools)),
-            RDS_PATH: HEADER + dump(rds_document(route_configuration(config)))}
+    return {CDS_PATH: cds_document(pool_clusters(config)),
+            RDS_PATH: rds_document(route_configuration(config))}
+
+
+def xds_files(documents: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The text of each of :func:`xds_documents`."""
+    return {name: HEADER + dump(doc) for name, doc in documents.items()}
 
 
 def render_all(config: RoutingConfig, out_dir: str | None = None) -> dict[str, str]:
@@ -49,7 +54,7 @@ def render_all(config: RoutingConfig, out_dir: str | None = None) -> dict[str, s
         "envoyfilter.yaml": HEADER + dump(envoy_filter(config)),
     }
     if config.envoy.dynamic_pools:
-        files.update(xds_files(config))
+        files.update(xds_files(xds_documents(config)))
     return files
 
 

@@ -217,6 +217,10 @@ def service_clusters(config: RoutingConfig) -> list[dict[str, Any]]:
     return out
 
 
+def pool_clusters(config: RoutingConfig) -> list[dict[str, Any]]:
+    """The vLLM pools' clusters (with ``envoy.dynamic_pools``, what ``xds/cds.yaml`` holds)."""
+    return [pool_cluster(name, spec) for name, spec in config.clusters.items()]
+
+
 def clusters(config: RoutingConfig) -> list[dict[str, Any]]:
-    return [*(pool_cluster(name, spec) for name, spec in config.clusters.items()),
-            *service_clusters(config)]
+    return [*pool_clusters(config), *service_clusters(config)]
