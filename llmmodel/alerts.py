@@ -22,8 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client.utils import floatToGoString
+
 from extproc.telemetry.metrics import LATENCY_BUCKETS
 from llmmodel.plans import ModelPlan
+from routing.units import parse_duration
 
 REQUESTS = "llm_sidecar_requests_total"
 TTFT = "gen_ai_server_time_to_first_token_seconds"
@@ -53,17 +56,13 @@ def ttft_bound(seconds: float) -> float:
 
 
 def le_label(bound: float) -> str:
-    """The ``le`` label value of ``bound`` as the Python Prometheus client writes it (Go's
-    float formatting: ``1.0``, ``0.25``, ``+Inf``) for the bounds of :data:`LATENCY_BUCKETS`."""
-    return "+Inf" if bound == float("inf") else repr(float(bound))
+    """The ``le`` label value of ``bound``, written by the Prometheus client's own formatter
+    (Go's float formatting: ``1.0``, ``0.25``, ``+Inf``)."""
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]
 
 
 def _windows() -> list[str]:
-    return sorted({w for b in WINDOWS for w in (b.long, b.short)}, key=_seconds)
-
-
-def _seconds(window: str) -> int:
-    return int(window[:-1]) * {"m": 60, "h": 3600, "d": 86400}[window[-1]]
+    return sorted({w for b in WINDOWS for w in (b.long, b.short)}, key=parse_duration)
 
 
 def _error_ratio(model: str, window: str) -> str:
