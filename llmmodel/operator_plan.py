@@ -74,7 +74,9 @@ class Toolkit:
     objects: Callable[[ModelPlan, str], list[dict[str, Any]]]
     """(plan, namespace) → the Kubernetes objects ``onboard`` writes for it."""
     merge: Callable[[str, str, Sequence[ModelPlan], str], str]
-    """(base routing text, its source name, plans, namespace) → the merged routing YAML."""
+    """(base routing text, its source name, plans, namespace) → the merged routing YAML, which
+    ``check`` passes (:func:`llmmodel.routing_merge.merged_yaml` validates what it writes);
+    raises :class:`ConfigError` otherwise."""
 
 
 def routing_header(base_source: str, namespace: str) -> str:

@@ -90,9 +90,6 @@ async def build_routing(api: KubeApi, settings: OperatorSettings, toolkit: Toolk
     it is refused, so one bad model does not freeze the routing of the others. When no model
     merges at all, nothing is written (the old routing keeps serving: a base edit or a merge
     bug must not drop every model) and every model counts as refused."""
-    from routing.loader import validate
-    from routing.yamlsrc import load_yaml
-
     foreign = await foreign_objects(api, planned, namespace)
     base = await api.get("v1", "ConfigMap", namespace, settings.base_configmap)
     out = RoutingBuild(base=base, not_owned=foreign)
@@ -109,7 +106,6 @@ async def build_routing(api: KubeApi, settings: OperatorSettings, toolkit: Toolk
     def attempt(names: Sequence[str], adding: Sequence[str]) -> str:
         try:
             merged = toolkit.merge(text, source, [plans[n] for n in names], namespace)
-            validate(load_yaml(merged, f"configmap/{settings.routing_configmap}/{ROUTING_KEY}"))
         except ConfigError:
             raise
         except Exception as err:  # a merge crash refuses these models only

@@ -240,10 +240,8 @@ class LoadedModel:
 
     doc: LLMModelDoc
     located: Located
-    """The YAML it was read from; ``located.source`` is its file."""
-    base: Path = ()
-    """Where the document starts in ``located`` (``()``; a document of a multi-document file is
-    its own ``Located``)."""
+    """The YAML it was read from (a document of a multi-document file is its own);
+    ``located.source`` is its file."""
 
     @property
     def name(self) -> str:
@@ -255,7 +253,7 @@ class LoadedModel:
 
     def problem(self, path: Path, message: str) -> Problem:
         """A problem at ``path`` of the document (``("spec", "gpuRequest")``)."""
-        return self.located.problem((*self.base, *path), message)
+        return self.located.problem(path, message)
 
     def error(self, path: Path, message: str) -> ConfigError:
         return ConfigError([self.problem(path, message)])
