@@ -16,7 +16,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from llmmodel.catalog import BASE_MODELS, find_base
-from llmmodel.spec import Architecture, LoadedModel, read_text
+from llmmodel.spec import Architecture, LoadedModel
+from routing.yamlsrc import read_text
 
 REMOTE_SCHEMES = ("s3://", "gs://", "hf://", "pvc://")
 MAX_CONFIG = 1 << 20

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -28,7 +27,7 @@ from llmmodel.values import (
 from routing.errors import ConfigError, Problem
 from routing.loader import _pydantic_problems
 from routing.schema import LevelLimits, Limit
-from routing.yamlsrc import Located, Path, load_yaml
+from routing.yamlsrc import Located, Path, load_yaml, read_text
 
 API_VERSION = "llm-sidecar.dev/v1alpha1"
 KIND = "LLMModel"
@@ -262,28 +261,6 @@ class LoadedModel:
 MODEL_SUFFIXES = (".yaml", ".yml")
 MAX_MODEL_FILE = 1 << 20
 """The largest LLMModel file read (1 MiB): a few documents are a few kilobytes."""
-
-
-def read_text(path: str, limit: int) -> str:
-    """A regular file of at most ``limit`` bytes as UTF-8 text; raises ``ValueError`` saying why
-    not. A FIFO, a device (a link to /dev/zero) or a huge file is refused before it is opened,
-    so a bad file in a watched folder cannot hang the reader or fill its memory."""
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file (a FIFO, device or socket is not read)")
-        if info.st_size > limit:
-            raise ValueError(f"{info.st_size} bytes, more than the {limit} read")
-        with open(path, "rb") as handle:
-            data = handle.read(limit + 1)
-    except OSError as exc:
-        raise ValueError(f"cannot read: {exc.strerror or exc}") from None
-    if len(data) > limit:
-        raise ValueError(f"more than the {limit} bytes read")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError("not UTF-8 text") from None
 
 
 def model_files(paths: Iterable[str]) -> list[str]:

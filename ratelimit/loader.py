@@ -32,7 +32,7 @@ from ratelimit.from_descriptors import compile_domain
 from ratelimit.from_routing import compile_rate_limits
 from routing.loader import validate
 from routing.schema import RoutingConfig
-from routing.yamlsrc import DESCRIPTORS, ROUTING, Located, Path, load_yaml
+from routing.yamlsrc import DESCRIPTORS, ROUTING, Located, Path, load_yaml, read_config_text
 
 __all__ = ["compile_domain", "is_routing_yaml", "load_document", "load_path", "load_text",
            "read_config", "routing_config"]
@@ -91,10 +91,7 @@ def is_routing_yaml(doc: Located) -> bool:
 def read_config(file: FsPath) -> Located:
     """Read and parse one file, worded as its format words YAML problems."""
     source = str(file)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError.at(source, 1, f"cannot read the file: {exc}") from None
+    text = read_config_text(source)
     return load_yaml(text, source, ROUTING if _ROUTING_TEXT.search(text) else DESCRIPTORS)
 
 

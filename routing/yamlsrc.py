@@ -2,11 +2,15 @@
 
 The one reader of both config formats: the routing YAML (``routing.loader``) and
 envoyproxy/ratelimit descriptor files (``ratelimit.loader``), so both bound aliases and nesting,
-refuse duplicate and merge keys, and locate problems the same way.
+refuse duplicate and merge keys, and locate problems the same way. Files are read through
+:func:`read_text` (LLMModel files and model configs too): regular files of bounded size only, so
+a FIFO or a device named as a config cannot hang a reload, nor a huge file fill the memory.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,11 +228,43 @@ def load_yaml(text: str, source: str, wording: Wording = ROUTING) -> Located:
     return walk.located
 
 
+MAX_YAML_BYTES = 64 << 20
+"""The largest config file read (the routing YAML, a descriptor file): far above any real one,
+a long ``api_keys`` list included, and far below what would strain a service's memory."""
+
+
+def read_text(path: str, limit: int) -> str:
+    """A regular file of at most ``limit`` bytes as UTF-8 text; raises ``ValueError`` saying why
+    not. A FIFO, a device (a link to /dev/zero) or a huge file is refused before it is opened,
+    so a bad file in a watched folder cannot hang the reader or fill its memory."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file (a FIFO, device or socket is not read)")
+        if info.st_size > limit:
+            raise ValueError(f"{info.st_size} bytes, more than the {limit} read")
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise ValueError(f"more than the {limit} bytes read")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+
+
+def read_config_text(path: str) -> str:
+    """A config file's text (:func:`read_text` up to :data:`MAX_YAML_BYTES`); raises
+    :class:`ConfigError` at its first line saying why not."""
+    try:
+        return read_text(path, MAX_YAML_BYTES)
+    except ValueError as exc:
+        why = str(exc).removeprefix("cannot read: ")
+        raise ConfigError.at(path, 1, f"cannot read the file: {why}") from None
+
+
 def read_yaml(path: str) -> Located:
     """Read and parse the file at ``path``."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError.at(path, 1, f"cannot read the file: {exc}") from None
-    return load_yaml(text, path)
+    return load_yaml(read_config_text(path), path)

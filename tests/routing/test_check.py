@@ -6,14 +6,18 @@ what to write instead). ``llm-sidecar check`` prints these lines and exits 1.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import textwrap
+from collections.abc import Callable
 
 import pytest
 
+from ratelimit.loader import read_config
 from routing.errors import ConfigError
 from routing.loader import check_config, load_config
+from routing.yamlsrc import MAX_YAML_BYTES
 from sidecar_runtime.process.procs import sidecar_command
 
 GOOD = """\
@@ -218,7 +222,28 @@ def test_an_unreadable_file_is_one_located_line(tmp_path: pathlib.Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as caught:
         load_config(str(missing))
-    assert str(caught.value).startswith(f"{missing}:1: cannot read the file: ")
+    assert str(caught.value) == f"{missing}:1: cannot read the file: No such file or directory"
+
+
+@pytest.mark.parametrize(("make", "why"), [
+    (lambda path: os.mkfifo(path),  # would block open() for good
+     "not a regular file (a FIFO, device or socket is not read)"),
+    (lambda path: path.write_bytes(b"version: 1\n\xff\xfe\n"), "not UTF-8 text"),
+    # Sparse: no disk used; refused by its size before a byte is read.
+    (lambda path: os.truncate(path.write_bytes(b"") or path, MAX_YAML_BYTES + 1),
+     f"{MAX_YAML_BYTES + 1} bytes, more than the {MAX_YAML_BYTES} read"),
+])
+def test_a_routing_yaml_that_is_no_bounded_text_file_is_refused_before_it_is_read(
+        tmp_path: pathlib.Path, make: Callable[[pathlib.Path], object], why: str) -> None:
+    """The services reload the routing YAML (and the rate limiter its descriptor files) from
+    disk: a FIFO or a device in its place must not hang the reload, a huge file not fill the
+    memory."""
+    path = tmp_path / "routing.yaml"
+    make(path)
+    for load in (load_config, lambda name: read_config(pathlib.Path(name))):
+        with pytest.raises(ConfigError) as caught:
+            load(str(path))
+        assert str(caught.value) == f"{path}:1: cannot read the file: {why}"
 
 
 def test_every_problem_of_a_file_is_reported_at_once(tmp_path: pathlib.Path) -> None:
