@@ -11,7 +11,7 @@ import json
 import urllib.request
 from collections.abc import Collection, Sequence
 
-from routing.units import parse_hostport
+from routing.units import join_hostport, parse_hostport
 from sidecar_runtime.process.procs import poll_until
 
 ANSWER_ERRORS = (OSError, ValueError, KeyError)
@@ -21,7 +21,7 @@ ANSWER_ERRORS = (OSError, ValueError, KeyError)
 def admin_get(admin: str, path: str) -> str:
     """The text Envoy's admin listener at ``admin`` (``host:port``) answers for ``path``."""
     host, port = parse_hostport(admin)
-    with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=2) as resp:
+    with urllib.request.urlopen(f"http://{join_hostport(host, port)}{path}", timeout=2) as resp:
         text: str = resp.read().decode("utf-8", "replace")
     return text
 

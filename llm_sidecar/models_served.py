@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from llm_sidecar.up import connect_host
+from llm_sidecar.up import local_url
 from routing.errors import ConfigError
 from routing.loader import validate
 from routing.schema import RoutingConfig
@@ -116,7 +116,7 @@ class Pod:
     @property
     def health_url(self) -> str:
         host, port = parse_hostport(self.endpoint)
-        return f"http://{connect_host(host)}:{port}/health"
+        return local_url(host, port, "/health")
 
 
 def pods_of(config: RoutingConfig) -> dict[str, Pod]:

@@ -19,7 +19,7 @@ from importlib import resources
 from routing.loader import load_config, local_listeners
 from routing.render import write_all
 from routing.schema import RoutingConfig
-from routing.units import parse_hostport, parse_service_address
+from routing.units import join_hostport, parse_hostport, parse_service_address
 from sidecar_runtime.process.grpc_listen import HELD_PORT_WAIT_S, listening
 from sidecar_runtime.process.procs import (
     Child,
@@ -40,6 +40,12 @@ def example_config_path() -> str:
 def connect_host(host: str) -> str:
     """Where to connect to reach a listener bound to ``host`` (a wildcard: loopback)."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+
+
+def local_url(host: str, port: int, path: str = "") -> str:
+    """The ``http://`` URL of ``path`` on a listener bound to ``host``:``port`` (an IPv6
+    address in brackets)."""
+    return f"http://{join_hostport(connect_host(host), port)}{path}"
 
 
 def _wait_service(address: str, child: Child) -> None:
@@ -126,7 +132,7 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
                     "--max-model-len", str(cluster.max_context), *sim.sim_flags()),
                     log_path=os.path.join(workdir, f"sim-{name}-{port}.log"))
                 children.append(child)
-                sims.append((child, f"http://{connect_host(host)}:{port}/health"))
+                sims.append((child, local_url(host, port, "/health")))
         for child, health_url in sims:  # started together, waited for together
             wait_http_ok(health_url, 30, child)
         extproc = start("extproc", sidecar_command(
@@ -150,7 +156,7 @@ def start_all(config: RoutingConfig, config_path: str, workdir: str, *,
                       env=child_env, log_path=log_path("envoy"))
         children.append(envoy)
         admin_host, admin_port = parse_hostport(config.envoy.admin)
-        wait_http_ok(f"http://{connect_host(admin_host)}:{admin_port}/ready", 30, envoy)
+        wait_http_ok(local_url(admin_host, admin_port, "/ready"), 30, envoy)
     except BaseException:
         stop_all(children)
         raise
@@ -221,7 +227,7 @@ def serve(listen: str, start: Callable[[str], list[Child]],
             print(f"llm-sidecar up: {exc}; stopped everything", file=sys.stderr)
             return 1
         host, port = parse_hostport(listen)
-        print(f"llm-sidecar is up: http://{connect_host(host)}:{port}/v1 "
+        print(f"llm-sidecar is up: {local_url(host, port, '/v1')} "
               f"(OpenAI API; Ctrl-C stops it)", flush=True)
         failed: Child | None = None
         while not stop.wait(0.5):

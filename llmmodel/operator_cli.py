@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from routing.units import parse_hostport
+from routing.units import join_hostport, parse_hostport
 
 if TYPE_CHECKING:  # kopf and aiohttp load only when the operator runs, not for every command
     import kopf
@@ -45,8 +45,7 @@ def _liveness(value: str) -> str:
         host, port = parse_hostport(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r}: give host:port, like 0.0.0.0:8080") from None
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{port}/healthz"
+    return f"http://{join_hostport(host, port)}/healthz"
 
 
 def add_operator_arguments(parser: argparse.ArgumentParser) -> None:

@@ -94,6 +94,12 @@ def parse_hostport(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def join_hostport(host: str, port: int) -> str:
+    """``host:port``, an IPv6 literal in brackets (``[::1]:80``, as URLs and Envoy write it):
+    what :func:`parse_hostport` reads back."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def parse_service_address(text: str) -> tuple[str, int]:
     """A gRPC service address: ``host:port``, or ``unix:/absolute/path`` (a Unix socket,
     returned as ``("unix:/absolute/path", 0)``)."""

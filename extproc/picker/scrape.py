@@ -51,7 +51,7 @@ from extproc.picker.engines import Dialect, parse_pod
 from extproc.picker.parse import MAX_BODY_BYTES, GpuReading, MetricsError, parse_dcgm
 from extproc.picker.state import PoolState
 from routing.schema import ClusterSpec, RoutingConfig
-from routing.units import parse_hostport
+from routing.units import join_hostport, parse_hostport
 from sidecar_runtime.process.logs import get_logger
 
 log = get_logger("extproc.picker.scrape")
@@ -83,11 +83,6 @@ def backoff_s(interval_s: float, failures: int, jitter: float = 1.0) -> float:
     return min(max(interval_s, BACKOFF_CAP_S), doubled) * jitter
 
 
-def address(ip: str, port: int) -> str:
-    """``ip:port`` as Envoy names a host (``[v6]:port``)."""
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
 def _ip_literal(host: str) -> str | None:
     try:
         return str(ipaddress.ip_address(host))
@@ -101,7 +96,7 @@ async def resolve_system(host: str, port: int) -> list[str]:
         host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     v4 = sorted({str(info[4][0]) for info in infos if info[0] == socket.AF_INET})
     v6 = sorted({str(info[4][0]).split("%")[0] for info in infos if info[0] == socket.AF_INET6})
-    return [address(ip, port) for ip in (v4 or v6)]
+    return [join_hostport(ip, port) for ip in (v4 or v6)]
 
 
 @dataclass(frozen=True)
@@ -258,7 +253,7 @@ class Scraper:
         for endpoint in plan.endpoints:
             host, port = parse_hostport(endpoint)
             literal = _ip_literal(host)
-            found.extend([address(literal, port)] if literal is not None
+            found.extend([join_hostport(literal, port)] if literal is not None
                          else self._resolved.get((host, port), []))
         return list(dict.fromkeys(found))  # two names may share a pod: once, in first order
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing.units import parse_duration, parse_hostport, parse_rate
+from routing.units import join_hostport, parse_duration, parse_hostport, parse_rate
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("30s", 30), ("5m", 300), ("12h", 43200),
@@ -38,3 +38,12 @@ def test_hostports() -> None:
     for bad in ("host", "host:0", "host:99999", ":80"):
         with pytest.raises(ValueError, match="bad address"):
             parse_hostport(bad)
+
+
+@pytest.mark.parametrize(("host", "port", "joined"), [
+    ("10.0.0.1", 8000, "10.0.0.1:8000"), ("::1", 80, "[::1]:80"),
+    ("fd00::7", 9901, "[fd00::7]:9901"), ("pod.ns.svc", 8000, "pod.ns.svc:8000")])
+def test_a_joined_hostport_brackets_ipv6_and_parses_back(host: str, port: int, joined: str) -> None:
+    assert join_hostport(host, port) == joined
+    assert parse_hostport(joined) == (host, port)
+
