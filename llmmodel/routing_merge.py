@@ -119,7 +119,10 @@ def _cluster(plan: ModelPlan, pool: PoolPlan, addresses: list[str], simulate: bo
     if plan.kind == "chat":
         # Each pod's own vLLM load metrics pick the pod; when every pod is full a request waits
         # in extproc for at most the SLA's P99 TTFT (past it, it has missed its SLA anyway).
-        cluster["endpoint_picker"] = {"flow_control": {"max_wait": sla_max_wait(plan, timeout_s)}}
+        # The planned --max-num-seqs is each pod's capacity until its metrics show it full.
+        cluster["endpoint_picker"] = {
+            "max_num_seqs": _clamp(pool.max_num_seqs, 1, 65_536),
+            "flow_control": {"max_wait": sla_max_wait(plan, timeout_s)}}
     if simulate:
         sim: dict[str, Any] = {
             "kv_cache_tokens": _clamp(pool.kv_cache_tokens, 1, 1_000_000_000),

@@ -139,6 +139,12 @@ class EndpointPickerSpec(_Strict):
     """Optional DCGM exporter URL per pod, ``{host}`` replaced by the pod's IP (and ``{port}``
     by its vLLM port), like ``http://{host}:9400/metrics``: GPU temperature, memory and
     clock-throttle reasons."""
+    max_num_seqs: int | None = Field(default=None, ge=1, le=65_536)
+    """Sequences each pod runs at once, when known (its vLLM ``--max-num-seqs``; ``llm-sidecar
+    onboard`` writes the planned one): a pod not yet seen full is taken to run this many, where
+    the picker would otherwise guess 16 and flow control double what it saw, overfilling pods
+    in their first seconds. A pod seen full at fewer (its KV cache bound first) counts at what
+    it ran (unset: learned from the pods' metrics alone)."""
     weights: PickerWeights = Field(default_factory=PickerWeights)
     saturation: SaturationSpec | None = Field(default_factory=SaturationSpec)
     """Shedding of low-priority requests when the whole pool is saturated; ``null`` never sheds.

@@ -209,6 +209,15 @@ def kv_full(saturation: SaturationSpec | None) -> float:
     return (saturation or SaturationSpec()).kv_cache
 
 
+def _medians(pool: PoolState, spec: EndpointPickerSpec) -> tuple[float | None, float | None]:
+    """The pool's median pace and capacity (:meth:`PoolState.medians`), the capacity being the
+    declared ``max_num_seqs`` until some pod of the pool is seen full."""
+    pace, slots = pool.medians()
+    if slots is None and spec.max_num_seqs is not None:
+        slots = float(spec.max_num_seqs)
+    return pace, slots
+
+
 def reachable_rooms(rooms: Sequence[bool], down: Sequence[bool]) -> list[bool]:
     """``rooms`` without the pods that are ``down`` (unreachable or ejected), unless every pod
     is: the scraper may be the one cut off."""
@@ -297,13 +306,15 @@ class EndpointPicker:
         pool = self.pools.get(cluster)
         if pool is None:
             return None
-        full = kv_full(self._specs[cluster].saturation)
+        spec = self._specs[cluster]
+        full = kv_full(spec.saturation)
         now = self._clock()
-        _, slots = pool.medians()
+        _, slots = _medians(pool, spec)
+        declared = spec.max_num_seqs
         rooms: list[bool] = []
         down: list[bool] = []
         for pod in pool.pods.values():
-            rooms.append(has_room(pod, pool.fresh(pod, now), slots, full))
+            rooms.append(has_room(pod, pool.fresh(pod, now), slots, full, declared))
             down.append(pod.avoided(now))
         return reachable_rooms(rooms, down)
 
@@ -339,7 +350,8 @@ class EndpointPicker:
         # PoolState.fresh and PodState.avoided inlined: this runs over every pod. The load is
         # Candidate.load: the other replicas' at the scrape plus this one's open requests now.
         stale = now - pool.stale_s
-        pace, slots = pool.medians()
+        pace, slots = _medians(pool, spec)
+        declared = spec.max_num_seqs
         for address, pod in pool.pods.items():
             scraped, metrics = pod.scraped_at, pod.metrics
             load = None
@@ -352,7 +364,7 @@ class EndpointPicker:
                          pod.tpot_s, pod.capacity_estimate(slots, metrics), load))
             avoided.append(pod.connect_failures >= UNREACHABLE_AFTER or now < pod.ejected_until)
             if room_only:  # :meth:`rooms`, in this same pass
-                rooms.append(has_room(pod, metrics, slots, full))
+                rooms.append(has_room(pod, metrics, slots, full, declared))
         if room_only:
             rooms = reachable_rooms(rooms, avoided)
             if any(rooms):
@@ -363,7 +375,7 @@ class EndpointPicker:
         owed = None
         if (spec.weights.latency > 0.0 and 0 < work.output_tokens <= pool.backlog_tokens
                 and len(pool.window) >= MIN_PICKS_FOR_SHARE and not any(avoided)):
-            owed = self._owed(pool, rows, spec.saturation)
+            owed = self._owed(pool, rows, spec)
             if owed is not None:  # and only where its prompt is mostly cached, or short
                 light = SHORT_PROMPT * pool.prompt_mean
                 owed = [o and (1.0 - min(1.0, row[3])) * work.prompt_tokens <= light
@@ -378,19 +390,20 @@ class EndpointPicker:
             pool.sent(result.endpoint)
             if room_only:
                 fresh = rows[addresses.index(result.endpoint)][0]
-                if not has_room(pool.pods[result.endpoint], fresh, slots, full):
+                if not has_room(pool.pods[result.endpoint], fresh, slots, full, declared):
                     result = replace(result, fills=True)
         return result
 
     @staticmethod
     def _owed(pool: PoolState, rows: Sequence[Row],
-              saturation: SaturationSpec | None) -> list[bool] | None:
+              spec: EndpointPickerSpec) -> list[bool] | None:
         """:func:`below_share` of the pool's pods; None unless every pod has fresh metrics and
         some pod's pace and capacity were measured. A pod idle so far has neither: it is taken
         to be like the pool's median pod, the pods of one pool being alike until seen not to
         be."""
+        saturation = spec.saturation
         full = kv_full(saturation)
-        pace, slots = pool.medians()
+        pace, slots = _medians(pool, spec)
         if pace is None or slots is None:
             return None
         loads: list[float] = []

@@ -22,25 +22,30 @@ was seen doing, a pod would never be seen full and a pod of 256 slots would stay
 good. Growing by a factor finds its real limit in a few scrapes, as TCP's slow start does."""
 
 
-def flow_capacity(pod: PodState, slots: float | None, metrics: PodMetrics | None) -> float:
+def flow_capacity(pod: PodState, slots: float | None, metrics: PodMetrics | None,
+                  declared: float | None = None) -> float:
     """Sequences ``pod`` runs at once, for flow control: its learned capacity; ``running`` when
-    its fresh ``metrics`` show requests waiting (it is full now); else the pool's median
-    ``slots`` or :data:`GROWTH` times what it was seen running, whichever is more."""
+    its fresh ``metrics`` show requests waiting (it is full now); else the pool's ``declared``
+    capacity (``endpoint_picker.max_num_seqs``), or the pool's median ``slots`` or
+    :data:`GROWTH` times what it was seen running, whichever is more."""
     if pod.capacity is not None:
         return pod.capacity
     if metrics is not None and metrics.waiting > 0.0:
         return metrics.running if metrics.running > 1.0 else 1.0
+    if declared is not None:
+        return declared
     grown = GROWTH * pod.max_running
     floor = slots if slots is not None else CAPACITY_GUESS
     return grown if grown > floor else floor
 
 
 def has_room(pod: PodState, metrics: PodMetrics | None, slots: float | None,
-             kv_full: float) -> bool:
+             kv_full: float, declared: float | None = None) -> bool:
     """Can ``pod`` start one more request from this replica? ``metrics``: its fresh scrape
     (None: unknown, judged by this replica's own requests alone); ``slots``: the pool's median
-    capacity; ``kv_full``: the KV use at which it is full whatever its sequences."""
-    capacity = flow_capacity(pod, slots, metrics)
+    capacity; ``kv_full``: the KV use at which it is full whatever its sequences; ``declared``:
+    the pool's ``max_num_seqs``, if set."""
+    capacity = flow_capacity(pod, slots, metrics, declared)
     mine = pod.in_flight + pod.unread
     if metrics is None:
         return mine < capacity

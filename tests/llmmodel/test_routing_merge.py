@@ -62,8 +62,13 @@ def test_each_pool_becomes_a_cluster_and_the_model_lists_them_shortest_first() -
     assert doc["models"]["llama-2-13b"] == base()["models"]["llama-2-13b"]
     assert doc["clusters"]["contract-review-v2-2k"] == {
         "endpoints": ["contract-review-v2-2k.llm.svc.cluster.local:8000"], "max_context": 2048,
-        "endpoint_picker": {"flow_control": {"max_wait": "200ms"}}}
+        "endpoint_picker": {"max_num_seqs": plan.pools[0].max_num_seqs,
+                            "flow_control": {"max_wait": "200ms"}}}
+    assert plan.pools[0].name == "contract-review-v2-2k"
     assert doc["clusters"]["contract-review-v2-32k"]["max_context"] == 32768
+    # Each pool's picker knows its pods' planned --max-num-seqs (no overfill while learning).
+    for pool in plan.pools:
+        assert doc["clusters"][pool.name]["endpoint_picker"]["max_num_seqs"] == pool.max_num_seqs
     assert doc["models"]["contract-review-v2"] == {
         "kind": "chat", "clusters": ["contract-review-v2-2k", "contract-review-v2-4k",
                                      "contract-review-v2-32k"]}
@@ -307,8 +312,8 @@ def test_a_full_pool_holds_a_request_for_at_most_the_slas_ttft(p99: str, extproc
         given["services"] = {"extproc_timeout_s": extproc_timeout}
     doc = merge_routing(given, [plan], endpoints=dns)
     for pool in plan.pools:
-        assert doc["clusters"][pool.name]["endpoint_picker"] == {
-            "flow_control": {"max_wait": max_wait}}
+        assert doc["clusters"][pool.name]["endpoint_picker"]["flow_control"] == {
+            "max_wait": max_wait}
     config = validate(Located("routing.yaml", doc))
     cluster = config.clusters[plan.pools[0].name]
     assert cluster.endpoint_picker is not None and cluster.endpoint_picker.flow_control is not None

@@ -76,6 +76,39 @@ def test_capacity(state: PodState, slots: float | None, metrics: PodMetrics | No
     assert flow_capacity(state, slots, metrics) == capacity
 
 
+@pytest.mark.parametrize(("state", "metrics", "capacity"), [
+    # Never seen full: the declared max_num_seqs, neither the guess nor twice what it ran.
+    (pod(capacity=None), None, 6.0),
+    (pod(capacity=None, max_running=6), PodMetrics(running=6), 6.0),
+    # Seen full at fewer (the KV cache bound first): what it ran, now and once learned.
+    (pod(capacity=None), PodMetrics(running=4, waiting=2), 4.0),
+    (pod(capacity=4.0), None, 4.0),
+])
+def test_a_declared_capacity_is_taken_until_the_pod_shows_less(
+        state: PodState, metrics: PodMetrics | None, capacity: float) -> None:
+    assert flow_capacity(state, 10.0, metrics, declared=6.0) == capacity
+
+
+def test_a_pool_that_declares_its_pods_max_num_seqs_never_overfills_them_while_learning() -> None:
+    """Without ``max_num_seqs`` a fresh pool of 2-sequence pods takes 16 requests per pod before
+    a scrape shows any full; with it, two per pod, and then requests wait."""
+    def picker_of(picker: dict[str, object]) -> EndpointPicker:
+        snap = snapshot(clusters={**BASE["clusters"], "vllm-short": {
+            "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"], "max_context": 2048,
+            "endpoint_picker": {"flow_control": {}, **picker}}})
+        return EndpointPicker(snap.config, clock=lambda: 1.0, rng=random.Random(1))
+
+    def taken(picker: EndpointPicker) -> int:
+        sent = 0
+        while picker.has_room("vllm-short") and sent < 100:
+            assert picker.pick("vllm-short", f"p{sent}".encode(), "high", room_only=True)
+            sent += 1
+        return sent
+
+    assert taken(picker_of({"max_num_seqs": 2})) == 4
+    assert taken(picker_of({})) == 2 * int(CAPACITY_GUESS)
+
+
 def test_a_scrape_forgets_the_unread_ends_and_a_read_end_frees_at_once() -> None:
     pool = PoolState("pool", 2.0)
     pool.set_addresses(["p"])
