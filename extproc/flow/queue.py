@@ -4,7 +4,8 @@ event loop; :mod:`extproc.flow.control` decides when to take the next one."""
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
@@ -25,6 +26,8 @@ class Ticket(Generic[T]):
     size: int
     item: T
     seq: int = field(default=0)
+    turn: int = field(default=0)
+    """Its turn in its band (:class:`_Band`)."""
     key: str = field(default="")
     """The line it waits in (its tenant, or one line for all): kept, so a reload that changes
     ``fairness`` still finds it."""
@@ -32,29 +35,58 @@ class Ticket(Generic[T]):
 
 class _Band(Generic[T]):
     """One band: a line per tenant (one line for every tenant without fairness), the lines
-    served in turn."""
+    served in turn by start-time fair queueing, one request a turn.
+
+    Each request gets a turn number when it joins: the next after its tenant's last request
+    (waiting, or served in the current turn), and never earlier than the turn being served
+    (``_now``). The lowest turn goes next (ties: first come). So a tenant with 100 waiting holds
+    turns ``now`` to ``now + 99`` and a tenant with none waiting joins at ``now``: it goes before
+    the flooding tenant's next request, as plain rotation would only after it, yet it cannot
+    take two turns while another tenant waits for one (its second request joins a turn later).
+    """
 
     def __init__(self) -> None:
-        self.lines: OrderedDict[str, deque[Ticket[T]]] = OrderedDict()
+        self.lines: dict[str, deque[Ticket[T]]] = {}
         self.count = 0
         self.bytes = 0
+        self._now = 0
+        """The turn of the request served last."""
+        self._served_now: dict[str, int] = {}
+        """Tenants with none waiting that were served in turn :attr:`_now` (their next request
+        joins a turn later); every other tenant without a line joins at :attr:`_now`."""
+        self._heads: list[tuple[int, int, str]] = []
+        """(turn, arrival, tenant) of each line's first request; entries of a line whose first
+        request changed since are stale and skipped."""
 
     def push(self, ticket: Ticket[T], key: str) -> None:
         ticket.key = key
         line = self.lines.get(key)
         if line is None:
             line = self.lines[key] = deque()
+            served = self._served_now.pop(key, None)
+            ticket.turn = self._now if served is None else served + 1
+            heapq.heappush(self._heads, (ticket.turn, ticket.seq, key))
+        else:
+            ticket.turn = line[-1].turn + 1
         line.append(ticket)
         self.count += 1
         self.bytes += ticket.size
 
     def pop(self) -> Ticket[T]:
-        key, line = next(iter(self.lines.items()))
+        while True:
+            _, seq, key = heapq.heappop(self._heads)
+            line = self.lines.get(key)
+            if line and line[0].seq == seq:
+                break
         ticket = line.popleft()
+        if ticket.turn > self._now:
+            self._now = ticket.turn
+            self._served_now.clear()  # their next request joins at the new turn anyway
         if line:
-            self.lines.move_to_end(key)  # the next tenant's turn
+            heapq.heappush(self._heads, (line[0].turn, line[0].seq, key))
         else:
             del self.lines[key]
+            self._served_now[key] = ticket.turn
         self.count -= 1
         self.bytes -= ticket.size
         return ticket
@@ -67,12 +99,18 @@ class _Band(Generic[T]):
         line = self.lines.get(key)
         if line is None:
             return False
+        first = line[0] is ticket
         try:
             line.remove(ticket)
         except ValueError:
             return False
         if not line:
             del self.lines[key]
+        elif first:
+            heapq.heappush(self._heads, (line[0].turn, line[0].seq, key))
+        if len(self._heads) > 2 * len(self.lines) + 64:  # mostly stale: rebuilt
+            self._heads = [(line[0].turn, line[0].seq, k) for k, line in self.lines.items()]
+            heapq.heapify(self._heads)
         self.count -= 1
         self.bytes -= ticket.size
         return True
@@ -85,7 +123,8 @@ class FlowQueue(Generic[T]):
     the new one; with tenant fairness, of its tenant with the most waiting) while over
     ``max_queue`` requests or ``max_bytes`` of bodies; :meth:`pop` gives
     the next to serve: the first band with any waiting, and in it the tenant whose turn it is
-    (``fairness: tenant``: round robin, one request per turn) or the oldest (``none``).
+    (``fairness: tenant``: in turn, one request a turn, :class:`_Band`) or the oldest
+    (``none``).
     """
 
     def __init__(self, max_queue: int, max_bytes: int, fairness: Fairness) -> None:

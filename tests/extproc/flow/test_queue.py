@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from extproc.flow.queue import FlowQueue, Ticket
@@ -18,6 +20,12 @@ def drain(queue: FlowQueue[str]) -> list[str]:
     while (next_one := queue.pop()) is not None:
         out.append(next_one.item)
     return out
+
+
+def drain_one(queue: FlowQueue[str]) -> str:
+    next_one = queue.pop()
+    assert next_one is not None
+    return next_one.item
 
 
 def test_a_band_is_served_only_while_the_bands_above_it_are_empty() -> None:
@@ -110,8 +118,74 @@ def test_removal_keeps_counts_and_turns_right() -> None:
         queue.add(t)
     assert queue.remove(a1) and not queue.remove(a1)
     assert len(queue) == 2 and queue.bytes == 200 and queue.depth(LOW) == 2
-    assert drain(queue) == ["a2", "b1"]
+    # a2 is a's second request (turn 1), b1 b's first (turn 0).
+    assert drain(queue) == ["b1", "a2"]
     assert queue.bytes == 0
+
+
+def test_a_tenant_that_had_none_waiting_goes_before_the_flooding_tenants_next_request() -> None:
+    """Plain rotation would put a newcomer behind the tenant whose turn it is next; the turn
+    numbers let it go at the next release, as the issue's quiet tenant needs."""
+    queue: FlowQueue[str] = FlowQueue(100, 10**6, "tenant")
+    for i in range(8):
+        queue.add(ticket(f"loud{i}", tenant="loud"))
+    assert drain_one(queue) == "loud0"
+    queue.add(ticket("quiet0", tenant="quiet"))
+    assert drain_one(queue) == "quiet0"
+    assert drain_one(queue) == "loud1"
+
+
+def test_a_tenant_sending_one_at_a_time_still_takes_turns_with_the_others() -> None:
+    """Arriving just before every release does not win every release: a tenant served in the
+    current turn joins the next one, behind the other tenants' requests of this turn."""
+    queue: FlowQueue[str] = FlowQueue(100, 10**6, "tenant")
+    for i in range(6):
+        queue.add(ticket(f"a{i}", tenant="a"))
+        queue.add(ticket(f"b{i}", tenant="b"))
+    served: list[str] = []
+    sent, sly_waiting = 0, False
+    for _ in range(9):
+        if not sly_waiting:  # its next request once the last one went, just before a release
+            queue.add(ticket(f"sly{sent}", tenant="sly"))
+            sent, sly_waiting = sent + 1, True
+        served.append(drain_one(queue))
+        sly_waiting = sly_waiting and not served[-1].startswith("sly")
+    assert served == ["a0", "b0", "sly0", "a1", "b1", "sly1", "a2", "b2", "sly2"]
+
+
+def test_every_request_goes_once_in_its_tenants_order_whatever_leaves() -> None:
+    """Random joins, releases and departures (clients hanging up, waits running out): counts
+    and bytes stay exact, nothing is served twice or lost, each tenant's requests go in the
+    order they came."""
+    rng = random.Random(37)
+    queue: FlowQueue[str] = FlowQueue(10**6, 10**9, "tenant")
+    waiting: list[Ticket[str]] = []
+    served: list[Ticket[str]] = []
+    removed: set[str] = set()
+    for step in range(5000):
+        roll = rng.random()
+        if roll < 0.5 or not waiting:
+            t = ticket(f"r{step}", rng.choice((HIGH, LOW)), rng.choice("abcde"), rng.randint(1, 9))
+            assert queue.add(t) == []
+            waiting.append(t)
+        elif roll < 0.65:
+            gone = waiting.pop(rng.randrange(len(waiting)))
+            assert queue.remove(gone)
+            removed.add(gone.item)
+        else:
+            out = queue.pop()
+            assert out is not None and out in waiting
+            waiting.remove(out)
+            served.append(out)
+        assert len(queue) == len(waiting) and queue.bytes == sum(t.size for t in waiting)
+    served += [t for t in iter(queue.pop, None)]
+    assert len(queue) == 0 and queue.bytes == 0
+    names = [t.item for t in served]
+    assert len(names) == len(set(names)) and not removed & set(names)
+    for tenant in "abcde":
+        for band in (HIGH, LOW):
+            mine = [t.seq for t in served if t.tenant == tenant and t.band == band]
+            assert mine == sorted(mine)
 
 
 def test_a_reload_that_changes_fairness_still_finds_the_waiting() -> None:
