@@ -3,7 +3,7 @@ two tenants and two priority tiers, open loop (issue 37).
 
     .venv/bin/python -m bench.flow_control [--decode-ms 15/15/15/15] [--max-num-seqs 6]
         [--load 1.2] [--repeats 3] [--duration 40] [--capacity REQ_PER_S]
-        [--flow-control '{}'] [--prefill-ms 0.1] [--seed 37] [--fcfs-pods]
+        [--flow-control '{}'] [--prefill-ms 0.1] [--seed 37] [--fcfs-pods] [--learn-capacity]
 
 Pods: one simulator per ``--decode-ms`` entry (milliseconds per output token; ``15/15/15/15`` is
 four equal pods, ``15/15/22.5/45`` two at full speed, one 1.5x and one 3x slower), each running at
@@ -25,7 +25,9 @@ as the pool has sequence slots (:func:`bench.picker_capacity.capacity`; ``--capa
 Per repeat, on fresh pods and a fresh gateway each, in alternating order: ``endpoint_picker: {}``
 (``noflow``: a low-priority request gets 503 when every pod is saturated, the rest pile onto the
 pods' queues) and ``endpoint_picker: {flow_control: FLOW}`` (``flow``); then the quiet tenant's
-requests alone, at the same times, with flow control (``alone``: its unloaded figures).
+requests alone, at the same times, with flow control (``alone``: its unloaded figures). Every
+mode's picker is told the pods' ``max_num_seqs`` (``endpoint_picker.max_num_seqs``, as
+``llm-sidecar onboard`` writes it) unless ``--learn-capacity``.
 
 Per run: completed, refused and lost requests, completed requests/s and output tokens/s (those
 that ended within the window of arrivals), client TTFT P50/P99 of each tier and of the quiet
@@ -36,6 +38,10 @@ medians over repeats and issue 37's bar, checked on them: with flow control, hig
 lost, and throughput >= 0.97x in requests/s and in output tokens/s (requests alone would flatter a
 mode that refuses the long ones). The exit status is 1 when a bar fails. Everything shares the
 machine's cores: compare the modes of one run, never figures of two runs.
+
+Beside the quiet tenant's bar it prints its bound (:mod:`bench.flow_bound`): the quiet tenant's
+TTFT P99 that a gateway which never preempts, knows every slot and costs nothing would give on
+the same pool and arrivals (its wait in that model plus the same request's TTFT alone).
 """
 
 from __future__ import annotations
@@ -59,9 +65,11 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
+from bench.flow_bound import Job, hold_seconds, model_waits, quiet_ttfts
 from bench.picker_capacity import capacity
 from bench.picker_load import IDLE_S, MODEL, Pod, Pool, gateway_doc, read_stream, running_pods
 from bench.picker_workload import Corpus, Request, Workload, parse_counter, percentile, script
+from routing.units import parse_interval
 from tests.harness.gateway import running_gateway
 
 WORKLOAD = Workload(seed=37, groups=8, system_tokens=200, turns=(1, 1), user_tokens=(20, 60),
@@ -182,10 +190,15 @@ async def open_loop(url: str, arrivals: Sequence[Arrival]) -> list[Outcome]:
 
 
 def routing_doc(pods: list[Pod], flow: dict[str, Any] | None,
-                priority: dict[str, Any] | None = None) -> dict[str, Any]:
+                priority: dict[str, Any] | None = None,
+                declared: int | None = None) -> dict[str, Any]:
     """:func:`bench.picker_load.gateway_doc` with the picker (and ``flow_control: FLOW`` unless
-    None), the two tenants' keys and ``priority`` (default :data:`PRIORITY`)."""
-    doc = gateway_doc(pods, {} if flow is None else {"flow_control": flow})
+    None; ``max_num_seqs: DECLARED`` unless None), the two tenants' keys and ``priority``
+    (default :data:`PRIORITY`)."""
+    picker: dict[str, Any] = {} if flow is None else {"flow_control": flow}
+    if declared is not None:
+        picker["max_num_seqs"] = declared
+    doc = gateway_doc(pods, picker)
     doc["priority"] = dict(PRIORITY if priority is None else priority)
     doc["api_keys"] = [{"name": f"bench-{tenant}", "tenant": tenant,
                         "sha256": hashlib.sha256(key.encode()).hexdigest()}
@@ -240,13 +253,29 @@ class Run:
                                      if o.tenant == "quiet" and o.verdict == "refused")}
 
 
+def bound_p99(pool: Pool, workload: Workload, arrivals: Sequence[Arrival], alone: Run,
+              max_wait_s: float) -> float:
+    """The quiet tenant's TTFT P99 in :mod:`bench.flow_bound`'s model of ``pool`` for
+    ``arrivals``, each quiet request's unloaded TTFT taken from the ``alone`` run."""
+    jobs = [Job(a.at, 0 if TIER[a.request.kind] == "high" else 1, a.tenant == "quiet",
+                hold_seconds(a.request.prompt_tokens,
+                             workload.system_tokens if a.request.kind == "chat" else 0,
+                             a.request.max_tokens, prefill_s=pool.prefill_ms_per_token / 1000,
+                             decode_s=pool.decode_ms_per_token / 1000))
+            for a in arrivals]
+    alone_ttfts = iter(o.ttft if o.status == 200 else None for o in alone.outcomes)
+    unloaded = [next(alone_ttfts) if job.quiet else None for job in jobs]
+    waits = model_waits(jobs, pool.speeds, pool.max_num_seqs or 256, max_wait_s)
+    return percentile(quiet_ttfts(jobs, waits, unloaded), 99)
+
+
 def run(mode: str, flow: dict[str, Any] | None, pool: Pool, arrivals: Sequence[Arrival],
-        duration_s: float, priority: dict[str, Any]) -> Run:
+        duration_s: float, priority: dict[str, Any], declared: int | None) -> Run:
     """One run: fresh pods and gateway, ``arrivals`` through it."""
     with ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"flow-control-{mode}-"))
         pods = stack.enter_context(running_pods(pool, work))
-        gw = stack.enter_context(running_gateway(routing_doc(pods, flow, priority), work,
+        gw = stack.enter_context(running_gateway(routing_doc(pods, flow, priority, declared), work,
                                                  capture_logs=True))
         time.sleep(IDLE_S)  # the picker's first scrapes of every pod
         outcomes = asyncio.run(open_loop(f"{gw.openai_base}/chat/completions", arrivals))
@@ -292,10 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flow-control", default="{}", type=json.loads,
                         help="the pool's flow_control settings in the flow mode, as JSON")
     parser.add_argument("--seed", type=int, default=WORKLOAD.seed)
+    parser.add_argument("--learn-capacity", action="store_true",
+                        help="the picker is not told the pods' max_num_seqs "
+                             "(endpoint_picker.max_num_seqs): it learns it from their metrics")
     parser.add_argument("--fcfs-pods", action="store_true",
                         help="no priority.inject: the pods serve first come, first served")
     args = parser.parse_args(argv)
     priority = {**PRIORITY, "inject": not args.fcfs_pods}
+    declared = None if args.learn_capacity else args.max_num_seqs
     decode = [float(d) for d in args.decode_ms.split("/")]
     fastest = min(decode)
     pool = Pool(speeds=tuple(fastest / d for d in decode), prefill_ms_per_token=args.prefill_ms,
@@ -308,10 +341,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.prefill_ms} ms/token (fastest pod); capacity {cap:.2f} req/s "
           f"({'given' if args.capacity else 'measured, least request'}); load {args.load:.0%} = "
           f"{rate:.1f} req/s; flow_control: {json.dumps(args.flow_control)}; priority "
-          f"{json.dumps(priority)}; {args.duration:g} s of arrivals a run, {args.repeats} "
-          f"repeats, seed {args.seed}", flush=True)
+          f"{json.dumps(priority)}; endpoint_picker.max_num_seqs: {declared}; "
+          f"{args.duration:g} s of arrivals a run, {args.repeats} repeats, seed {args.seed}",
+          flush=True)
     modes: dict[str, dict[str, Any] | None] = {"noflow": None, "flow": args.flow_control}
     runs: dict[str, list[dict[str, float]]] = {"noflow": [], "flow": [], "alone": []}
+    bounds: list[float] = []
+    max_wait_s = parse_interval(args.flow_control.get("max_wait") or "2s")
     print("\nTTFT in ms (completed requests); req/s and tok/s: completed within the window\n")
     print("| run | " + " | ".join(COLUMNS) + " |")
     print("|---|" + "---|" * len(COLUMNS))
@@ -319,15 +355,19 @@ def main(argv: list[str] | None = None) -> int:
         arrivals = plan(workload, rate=rate, duration_s=args.duration, seed=args.seed + repeat)
         order = ["noflow", "flow"] if repeat % 2 == 0 else ["flow", "noflow"]
         for mode in order:
-            r = run(mode, modes[mode], pool, arrivals, args.duration, priority)
+            r = run(mode, modes[mode], pool, arrivals, args.duration, priority, declared)
             runs[mode].append(r.figures())
             print(_row(f"{mode} #{repeat + 1} ({len(arrivals)} sent, {r.flow_rejected:.0f} flow "
                        "refusals)", runs[mode][-1]), flush=True)
         quiet = [a for a in arrivals if a.tenant == "quiet"]
-        r = run("alone", args.flow_control, pool, quiet, args.duration, priority)
+        r = run("alone", args.flow_control, pool, quiet, args.duration, priority, declared)
         runs["alone"].append(r.figures())
         print(_row(f"quiet alone #{repeat + 1} ({len(quiet)} sent)", runs["alone"][-1]),
               flush=True)
+        bounds.append(bound_p99(pool, workload, arrivals, r, max_wait_s))
+        print(f"| model gateway #{repeat + 1} (bench.flow_bound) | quiet P99 "
+              f"{bounds[-1] * 1000:.0f} ms = {_ratio(bounds[-1], runs['alone'][-1]['quiet P99']):.2f}"
+              " x alone |", flush=True)
 
     print("\nMedians over repeats:\n")
     print("| mode | " + " | ".join(COLUMNS) + " |")
@@ -341,11 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\nflow / noflow, median of the repeats' ratios: "
           + ", ".join(f"{c} {v:.2f}" for c, v in ratios.items()))
     quiet_ratio = statistics.median(_ratio(f["quiet P99"], a["quiet P99"]) for f, _, a in pairs)
+    bound_ratio = statistics.median(_ratio(b, a["quiet P99"])
+                                    for b, a in zip(bounds, runs["alone"], strict=True))
     lost = sum(int(f["lost"]) for f in runs["flow"]) + sum(int(a["lost"]) for a in runs["alone"])
     bars = [
         (f"high-tier TTFT P99 flow / noflow {ratios['high P99']:.2f} <= 0.5",
          ratios["high P99"] <= 0.5),
-        (f"quiet tenant TTFT P99 flow / alone {quiet_ratio:.2f} <= 2", quiet_ratio <= 2.0),
+        (f"quiet tenant TTFT P99 flow / alone {quiet_ratio:.2f} <= 2 (a gateway that never "
+         f"preempts gets {bound_ratio:.2f} at best here: bench.flow_bound)", quiet_ratio <= 2.0),
         (f"requests lost with flow control {lost} == 0 (noflow lost "
          f"{sum(int(n['lost']) for n in runs['noflow'])})", lost == 0),
         (f"throughput flow / noflow {ratios['req/s']:.2f} req/s, {ratios['tok/s']:.2f} tok/s "
