@@ -284,15 +284,20 @@ def shared_pods(workdir: str) -> Iterator[list[int]]:
             child.stop()
 
 
-def replica_doc(ports: list[int]) -> dict[str, Any]:
+def replica_doc(ports: list[int], declared: int | None = None) -> dict[str, Any]:
+    """One gateway of the pool ``ports``; its picker told the pods' ``max_num_seqs`` unless
+    ``declared`` is None."""
+    picker: dict[str, Any] = {"metrics_interval": "50ms", "stale_after": "1s",
+                              "flow_control": {"max_wait": "20s"}}
+    if declared is not None:
+        picker["max_num_seqs"] = declared
     return {
         "version": 1,
         "envoy": {"listen": ip(free_port()), "admin": ip(free_port())},
         "services": {"extproc": ip(free_port()), "ratelimit": ip(free_port())},
         "clusters": {"pool": {
             "endpoints": [ip(p) for p in ports], "max_context": 8192,
-            "endpoint_picker": {"metrics_interval": "50ms", "stale_after": "1s",
-                                "flow_control": {"max_wait": "20s"}}}},
+            "endpoint_picker": picker}},
         "models": {"m": {"clusters": ["pool"], "default_max_tokens": 8}},
     }
 
@@ -337,3 +342,19 @@ def test_two_replicas_overfill_a_pod_by_at_most_one_request_each(
     # Measured: 2 at most with flow control, 4 to 5 without it (the same bursts).
     assert max(peaks) <= 3, peaks
 
+
+
+def test_a_fresh_gateway_told_the_pods_max_num_seqs_does_not_overfill_them(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Pods never seen full are taken at ``endpoint_picker.max_num_seqs``: a first burst of 12
+    onto two fresh 2-sequence pods waits in extproc, and the pods' own queues stay empty. (Left
+    to learn the capacity from a guess of 16, the same burst piles onto the pods: 4 waiting on
+    each, in 3 runs out of 3.)"""
+    workdir = str(tmp_path_factory.mktemp("flow-declared"))
+    with shared_pods(workdir) as ports, \
+            running_gateway(replica_doc(ports, REAL_SLOTS), f"{workdir}/gw") as gw:
+        assert set(burst([gw], 12, "first")) == {200}
+        peaks = [peak_waiting(port) for port in ports]
+        served = [len(journal(port)) for port in ports]
+    assert peaks == [0, 0], peaks
+    assert sum(served) == 12, served
