@@ -144,7 +144,8 @@ class EndpointPickerSpec(_Strict):
     onboard`` writes the planned one): a pod not yet seen full is taken to run this many, where
     the picker would otherwise guess 16 and flow control double what it saw, overfilling pods
     in their first seconds. A pod seen full at fewer (its KV cache bound first) counts at what
-    it ran (unset: learned from the pods' metrics alone)."""
+    it ran (unset: the pool's ``simulate.max_num_seqs`` for simulated pods, else learned from
+    the pods' metrics alone)."""
     weights: PickerWeights = Field(default_factory=PickerWeights)
     saturation: SaturationSpec | None = Field(default_factory=SaturationSpec)
     """Shedding of low-priority requests when the whole pool is saturated; ``null`` never sheds.

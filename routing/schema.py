@@ -244,6 +244,16 @@ class ClusterSpec(Strict):
             return SimulateSpec()
         return self.simulate or None
 
+    @property
+    def declared_seqs(self) -> int | None:
+        """Sequences each pod runs at once, as the config says: ``endpoint_picker.max_num_seqs``,
+        else the simulated pods' own ``simulate.max_num_seqs``; None when neither says."""
+        picker = self.endpoint_picker
+        if picker is not None and picker.max_num_seqs is not None:
+            return picker.max_num_seqs
+        sim = self.simulator
+        return sim.max_num_seqs if sim is not None else None
+
     @field_validator("endpoints")
     @classmethod
     def _endpoints(cls, value: list[str]) -> list[str]:

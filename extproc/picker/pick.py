@@ -209,13 +209,12 @@ def kv_full(saturation: SaturationSpec | None) -> float:
     return (saturation or SaturationSpec()).kv_cache
 
 
-def _medians(pool: PoolState, spec: EndpointPickerSpec) -> tuple[float | None, float | None]:
+def _medians(pool: PoolState, declared: float | None) -> tuple[float | None, float | None]:
     """The pool's median pace and capacity (:meth:`PoolState.medians`), the capacity being the
-    declared ``max_num_seqs`` until some pod of the pool is seen full."""
+    ``declared`` one (:attr:`~routing.schema.ClusterSpec.declared_seqs`) until some pod of the
+    pool is seen full."""
     pace, slots = pool.medians()
-    if slots is None and spec.max_num_seqs is not None:
-        slots = float(spec.max_num_seqs)
-    return pace, slots
+    return pace, (declared if slots is None else slots)
 
 
 def reachable_rooms(rooms: Sequence[bool], down: Sequence[bool]) -> list[bool]:
@@ -254,6 +253,8 @@ class EndpointPicker:
         self.pools: dict[str, PoolState] = {}
         self._specs: dict[str, EndpointPickerSpec] = {}
         self._endpoints: dict[str, list[str]] = {}
+        self._declared: dict[str, float | None] = {}
+        """Each picker cluster's :attr:`~routing.schema.ClusterSpec.declared_seqs`."""
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         # One index for every cluster (its entries are per cluster), kept across reloads.
@@ -266,11 +267,14 @@ class EndpointPicker:
         pools: dict[str, PoolState] = {}
         specs: dict[str, EndpointPickerSpec] = {}
         endpoints: dict[str, list[str]] = {}
+        declared: dict[str, float | None] = {}
         for name, cluster in config.clusters.items():
             spec = cluster.endpoint_picker
             if spec is None:
                 continue
             specs[name], endpoints[name] = spec, list(cluster.endpoints)
+            seqs = cluster.declared_seqs
+            declared[name] = float(seqs) if seqs is not None else None
             pool = self.pools.get(name)
             if pool is None:
                 pool = PoolState(name, spec.stale_s)
@@ -284,7 +288,7 @@ class EndpointPicker:
         # In place: the scraper and the metrics hold this same dict.
         self.pools.clear()
         self.pools.update(pools)
-        self._specs, self._endpoints = specs, endpoints
+        self._specs, self._endpoints, self._declared = specs, endpoints, declared
 
     @staticmethod
     def _carried(pool: PoolState, old: Sequence[str], new: Sequence[str]) -> list[str]:
@@ -309,8 +313,8 @@ class EndpointPicker:
         spec = self._specs[cluster]
         full = kv_full(spec.saturation)
         now = self._clock()
-        _, slots = _medians(pool, spec)
-        declared = spec.max_num_seqs
+        declared = self._declared[cluster]
+        _, slots = _medians(pool, declared)
         rooms: list[bool] = []
         down: list[bool] = []
         for pod in pool.pods.values():
@@ -350,8 +354,8 @@ class EndpointPicker:
         # PoolState.fresh and PodState.avoided inlined: this runs over every pod. The load is
         # Candidate.load: the other replicas' at the scrape plus this one's open requests now.
         stale = now - pool.stale_s
-        pace, slots = _medians(pool, spec)
-        declared = spec.max_num_seqs
+        declared = self._declared[cluster]
+        pace, slots = _medians(pool, declared)
         for address, pod in pool.pods.items():
             scraped, metrics = pod.scraped_at, pod.metrics
             load = None
@@ -375,7 +379,7 @@ class EndpointPicker:
         owed = None
         if (spec.weights.latency > 0.0 and 0 < work.output_tokens <= pool.backlog_tokens
                 and len(pool.window) >= MIN_PICKS_FOR_SHARE and not any(avoided)):
-            owed = self._owed(pool, rows, spec)
+            owed = self._owed(pool, rows, spec.saturation, declared)
             if owed is not None:  # and only where its prompt is mostly cached, or short
                 light = SHORT_PROMPT * pool.prompt_mean
                 owed = [o and (1.0 - min(1.0, row[3])) * work.prompt_tokens <= light
@@ -395,15 +399,14 @@ class EndpointPicker:
         return result
 
     @staticmethod
-    def _owed(pool: PoolState, rows: Sequence[Row],
-              spec: EndpointPickerSpec) -> list[bool] | None:
+    def _owed(pool: PoolState, rows: Sequence[Row], saturation: SaturationSpec | None,
+              declared: float | None) -> list[bool] | None:
         """:func:`below_share` of the pool's pods; None unless every pod has fresh metrics and
         some pod's pace and capacity were measured. A pod idle so far has neither: it is taken
         to be like the pool's median pod, the pods of one pool being alike until seen not to
         be."""
-        saturation = spec.saturation
         full = kv_full(saturation)
-        pace, slots = _medians(pool, spec)
+        pace, slots = _medians(pool, declared)
         if pace is None or slots is None:
             return None
         loads: list[float] = []

@@ -92,10 +92,10 @@ def test_a_declared_capacity_is_taken_until_the_pod_shows_less(
 def test_a_pool_that_declares_its_pods_max_num_seqs_never_overfills_them_while_learning() -> None:
     """Without ``max_num_seqs`` a fresh pool of 2-sequence pods takes 16 requests per pod before
     a scrape shows any full; with it, two per pod, and then requests wait."""
-    def picker_of(picker: dict[str, object]) -> EndpointPicker:
+    def picker_of(picker: dict[str, object], **cluster: object) -> EndpointPicker:
         snap = snapshot(clusters={**BASE["clusters"], "vllm-short": {
             "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"], "max_context": 2048,
-            "endpoint_picker": {"flow_control": {}, **picker}}})
+            "endpoint_picker": {"flow_control": {}, **picker}, **cluster}})
         return EndpointPicker(snap.config, clock=lambda: 1.0, rng=random.Random(1))
 
     def taken(picker: EndpointPicker) -> int:
@@ -107,6 +107,10 @@ def test_a_pool_that_declares_its_pods_max_num_seqs_never_overfills_them_while_l
 
     assert taken(picker_of({"max_num_seqs": 2})) == 4
     assert taken(picker_of({})) == 2 * int(CAPACITY_GUESS)
+    # Simulated pods declare their own; the picker's setting, when given, wins.
+    assert taken(picker_of({}, simulate={"max_num_seqs": 2})) == 4
+    assert taken(picker_of({"max_num_seqs": 3}, simulate={"max_num_seqs": 2})) == 6
+    assert taken(picker_of({}, simulate=True)) == 2 * int(CAPACITY_GUESS)
 
 
 def test_a_scrape_forgets_the_unread_ends_and_a_read_end_frees_at_once() -> None:
