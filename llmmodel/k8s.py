@@ -265,8 +265,8 @@ def autoscaler(plan: ModelPlan, pool: PoolPlan, *, namespace: str) -> dict[str, 
     ``minReplicas`` is ``max(1, replicas.min)``: an HPA scales to zero only behind the alpha
     ``HPAScaleToZero`` feature gate, so ``min: 0`` runs one pod. The pool's Deployment then
     carries no ``replicas``: the operator applies it with force on every reconcile, and a
-    ``replicas`` there would reset what the HPA set. (A Deployment that had one before loses it
-    on the first apply without: the API server defaults it to 1 until the HPA's next sync.)"""
+    ``replicas`` there would reset what the HPA set. (A Deployment that had one before keeps
+    its value: :mod:`llmmodel.operator_handover` hands the field over first.)"""
     replicas = plan.model.spec.replicas
     return {
         "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",

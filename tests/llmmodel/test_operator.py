@@ -29,6 +29,7 @@ from llmmodel.kube_api import PLURALS, InClusterApi, KubeApiError, resource_path
 from llmmodel.operator import reconcile, refresh, refresh_pools_ready, remove
 from llmmodel.operator_cli import add_operator_arguments, operator_command, pod_namespace, register_handlers
 from llmmodel.operator_deploy import rules
+from llmmodel.operator_handover import HANDOVER_MANAGER
 from llmmodel.operator_plan import OperatorSettings, Toolkit, default_toolkit, plan_namespace
 from llmmodel.planner import plan_models
 from llmmodel.plans import ModelPlan
@@ -63,6 +64,8 @@ class FakeApi:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self.calls: list[tuple[str, str, str, str]] = []
+        self.managers: list[tuple[str, str, str]] = []
+        """(field manager, kind, name) of each apply."""
         self.version = 0
 
     def bump(self, obj: dict[str, Any]) -> None:
@@ -80,13 +83,45 @@ class FakeApi:
                 and not kind.startswith("LLMModel")]
 
     async def apply(self, obj: dict[str, Any], *, field_manager: str = "llm-sidecar") -> None:
-        assert field_manager == "llm-sidecar"
+        """Server-side apply, forced. A Deployment's ``spec.replicas`` follows its rules of
+        ownership (``managedFields``): a manager that sends it owns it; one that stops sending it
+        gives it up, and a field no manager owns falls back to its default (1). Another manager
+        may only apply that one field (the handover)."""
+        assert field_manager in ("llm-sidecar", HANDOVER_MANAGER)
         meta = obj["metadata"]
         key = (obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         self.calls.append(("patch" if key in self.objects else "create", *key[:2], key[3]))
-        kept = {"status": self.objects[key]["status"]} if "status" in self.objects.get(key, {}) else {}
-        self.objects[key] = {**copy.deepcopy(obj), **kept}
+        self.managers.append((field_manager, obj["kind"], meta["name"]))
+        live = self.objects.get(key)
+        if field_manager != "llm-sidecar":
+            assert live is not None and obj["kind"] == "Deployment" and set(obj["spec"]) == {"replicas"}
+            live["spec"]["replicas"] = obj["spec"]["replicas"]
+            self.own_replicas(live, self.replica_owners(live) | {field_manager})
+            self.bump(live)
+            return
+        kept = {"status": live["status"]} if live is not None and "status" in live else {}
+        new = {**copy.deepcopy(obj), **kept}
+        if obj["kind"] == "Deployment":
+            sends = "replicas" in obj["spec"]
+            owners = (self.replica_owners(live) if live is not None else set()) - {"llm-sidecar"}
+            if sends:
+                owners.add("llm-sidecar")
+            elif live is not None and "replicas" in live["spec"]:
+                new["spec"]["replicas"] = live["spec"]["replicas"] if owners else 1
+            self.own_replicas(new, owners)
+        self.objects[key] = new
         self.bump(self.objects[key])
+
+    @staticmethod
+    def replica_owners(obj: dict[str, Any]) -> set[str]:
+        return {m["manager"] for m in obj["metadata"].get("managedFields", [])
+                if "f:replicas" in m["fieldsV1"].get("f:spec", {})}
+
+    @staticmethod
+    def own_replicas(obj: dict[str, Any], owners: set[str]) -> None:
+        obj["metadata"]["managedFields"] = [
+            {"manager": m, "operation": "Apply", "fieldsV1": {"f:spec": {"f:replicas": {}}}}
+            for m in sorted(owners)]
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls.append(("get", api_version, kind, name))
@@ -870,6 +905,31 @@ async def test_lowering_max_replicas_to_min_deletes_the_autoscalers(api: FakeApi
     await reconcile(api, edited(api, replicas={"min": 1, "max": 1}), settings=SETTINGS, toolkit=toolkit)
     assert [k for k in api.objects if k[1] == "HorizontalPodAutoscaler"] == []
     assert {n for (_, kind, _, n) in api.objects if kind == "Deployment"} == hpas  # the pools stay
+
+
+def replicas(api: FakeApi) -> dict[str, int | None]:
+    return {n: o["spec"].get("replicas") for (_, kind, _, n), o in api.objects.items()
+            if kind == "Deployment"}
+
+
+async def test_a_pool_the_autoscaler_takes_over_keeps_its_pods_until_it_does(
+        api: FakeApi, toolkit: Toolkit) -> None:
+    """min = max = 3: the operator sizes the Deployments. Raising max hands ``replicas`` over
+    to the HPA: without the handover, server-side apply would drop it to 1 until the HPA's
+    next sync, two of three pods gone."""
+    api.put(llmmodel(replicas={"min": 3, "max": 3}))
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    pools = {"contract-review-v2-2k": 3, "contract-review-v2-4k": 3}
+    assert replicas(api) == pools
+    await reconcile(api, edited(api, replicas={"min": 3, "max": 6}), settings=SETTINGS, toolkit=toolkit)
+    assert replicas(api) == pools  # still 3 each, the HPA's to change from now on
+    assert sorted(n for m, _, n in api.managers if m == HANDOVER_MANAGER) == sorted(pools)
+    assert {n for (_, kind, _, n) in api.objects if kind == "HorizontalPodAutoscaler"} == set(pools)
+    # The operator no longer owns them: a later reconcile hands nothing over again.
+    api.managers.clear()
+    await reconcile(api, api.model("contract-review-v2"), settings=SETTINGS, toolkit=toolkit)
+    assert [m for m, _, _ in api.managers if m == HANDOVER_MANAGER] == []
+    assert replicas(api) == pools
 
 
 async def test_a_removed_inline_canary_loses_its_pool(api: FakeApi, toolkit: Toolkit) -> None:
