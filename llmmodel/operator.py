@@ -35,7 +35,7 @@ from llmmodel.kube_api import FIELD_MANAGER, KubeApi
 from llmmodel.operator_handover import hand_over_replicas
 from llmmodel.operator_plan import OperatorSettings, Toolkit, default_toolkit, live_models, plan_namespace
 from llmmodel.operator_prune import model_selector, prune, pruned_message
-from llmmodel.operator_routing import base_changed, build_routing, routed_models, write_routing
+from llmmodel.operator_routing import base_changed, build_routing, live_key, routed_models, write_routing
 from llmmodel.operator_status import (
     NOT_OWNED,
     PLANNING_FAILED,
@@ -93,7 +93,8 @@ async def reconcile(api: KubeApi, obj: dict[str, Any], *, settings: OperatorSett
         applied = name not in build.not_owned and name not in build.refused
         if applied:
             for item in objects:
-                await hand_over_replicas(api, item)  # a pool the HPA sizes from now on
+                # A pool the HPA sizes from now on (its live copy read by build_routing).
+                await hand_over_replicas(api, item, build.live.get(live_key(item)))
                 await api.apply(item, field_manager=FIELD_MANAGER)
         routing, models = await write_routing(api, settings, build, namespace)
         if applied and build.text is not None:  # routed without the dropped pools: delete them

@@ -32,19 +32,18 @@ def owns_replicas(live: dict[str, Any], manager: str) -> bool:
     return False
 
 
-async def hand_over_replicas(api: KubeApi, desired: dict[str, Any]) -> bool:
+async def hand_over_replicas(api: KubeApi, desired: dict[str, Any],
+                             live: dict[str, Any] | None) -> bool:
     """Before ``desired`` is applied: when it is a Deployment without ``spec.replicas`` whose
-    live copy has replicas the operator owns, :data:`HANDOVER_MANAGER` applies the live value
-    first. True when it did."""
-    if desired.get("kind") != "Deployment" or "replicas" in (desired.get("spec") or {}):
-        return False
-    meta = desired["metadata"]
-    live = await api.get(desired["apiVersion"], "Deployment", meta["namespace"], meta["name"])
-    if live is None:
+    ``live`` copy (None: none exists) has replicas the operator owns, :data:`HANDOVER_MANAGER`
+    applies the live value first. True when it did."""
+    if desired.get("kind") != "Deployment" or "replicas" in (desired.get("spec") or {}) \
+            or live is None:
         return False
     replicas = (live.get("spec") or {}).get("replicas")
     if not isinstance(replicas, int) or not owns_replicas(live, FIELD_MANAGER):
         return False
+    meta = desired["metadata"]
     await api.apply({"apiVersion": desired["apiVersion"], "kind": "Deployment",
                      "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
                      "spec": {"replicas": replicas}}, field_manager=HANDOVER_MANAGER)

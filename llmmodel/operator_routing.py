@@ -31,16 +31,29 @@ def controlled_by(live: dict[str, Any], uid: str) -> bool:
     return any(isinstance(r, dict) and r.get("uid") == uid and r.get("controller") is True for r in refs)
 
 
-async def foreign_objects(api: KubeApi, planned: NamespacePlan, namespace: str) -> dict[str, str]:
+LiveKey = tuple[str, str, str]
+"""An object's (apiVersion, kind, name) in the namespace reconciled."""
+
+
+def live_key(obj: dict[str, Any]) -> LiveKey:
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
+
+
+async def foreign_objects(api: KubeApi, planned: NamespacePlan, namespace: str,
+                          live: dict[LiveKey, dict[str, Any]]) -> dict[str, str]:
     """Each planned model some of whose objects exist without it as their controller (made by
     hand, or another model's): applying them (forced) would take them over, and deleting the
-    model would then garbage-collect them. Such a model is neither applied nor routed."""
+    model would then garbage-collect them. Such a model is neither applied nor routed. The
+    planned objects that exist go into ``live``."""
     out = {}
     for name, objects in planned.objects.items():
         foreign = []
         for item in objects:
-            live = await api.get(item["apiVersion"], item["kind"], namespace, item["metadata"]["name"])
-            if live is not None and not controlled_by(live, planned.uids.get(name, "")):
+            found = await api.get(item["apiVersion"], item["kind"], namespace, item["metadata"]["name"])
+            if found is None:
+                continue
+            live[live_key(item)] = found
+            if not controlled_by(found, planned.uids.get(name, "")):
                 foreign.append(f"{item['kind']} {namespace}/{item['metadata']['name']}")
         if foreign:
             one = len(foreign) == 1
@@ -81,6 +94,8 @@ class RoutingBuild:
     failure: Verdict | None = None
     refused: dict[str, str] = field(default_factory=dict)
     not_owned: dict[str, str] = field(default_factory=dict)
+    live: dict[LiveKey, dict[str, Any]] = field(default_factory=dict)
+    """The planned objects that exist, as read before anything was applied."""
 
 
 async def build_routing(api: KubeApi, settings: OperatorSettings, toolkit: Toolkit,
@@ -90,9 +105,10 @@ async def build_routing(api: KubeApi, settings: OperatorSettings, toolkit: Toolk
     it is refused, so one bad model does not freeze the routing of the others. When no model
     merges at all, nothing is written (the old routing keeps serving: a base edit or a merge
     bug must not drop every model) and every model counts as refused."""
-    foreign = await foreign_objects(api, planned, namespace)
+    live: dict[LiveKey, dict[str, Any]] = {}
+    foreign = await foreign_objects(api, planned, namespace, live)
     base = await api.get("v1", "ConfigMap", namespace, settings.base_configmap)
-    out = RoutingBuild(base=base, not_owned=foreign)
+    out = RoutingBuild(base=base, not_owned=foreign, live=live)
     text = (base or {}).get("data", {}).get(ROUTING_KEY)
     if not isinstance(text, str):
         out.failure = Verdict("Routed", "False", "BaseConfigMissing",
