@@ -109,18 +109,15 @@ def synthetic(workload: Workload, *, rate: float, duration_s: float, seed: int,
               prefill_s: float, decode_s: float) -> tuple[list[Job], list[float]]:
     """Jobs of ``bench.flow_control``'s plan at ``rate`` and, for each, its unloaded TTFT on the
     fastest pod (prefill plus one token)."""
-    from bench.flow_control import TIER, plan  # the bench imports this module
+    from bench.flow_control import cached_tokens, model_job, plan  # it imports this module
 
     jobs: list[Job] = []
     unloaded: list[float] = []
     for arrival in plan(workload, rate=rate, duration_s=duration_s, seed=seed):
         req = arrival.request
-        cached = workload.system_tokens if req.kind == "chat" else 0
-        jobs.append(Job(arrival.at, 0 if TIER[req.kind] == "high" else 1,
-                        arrival.tenant == "quiet",
-                        hold_seconds(req.prompt_tokens, cached, req.max_tokens,
-                                     prefill_s=prefill_s, decode_s=decode_s)))
-        unloaded.append(max(req.prompt_tokens - cached, 0) * prefill_s + decode_s)
+        jobs.append(model_job(arrival, workload, prefill_s=prefill_s, decode_s=decode_s))
+        unloaded.append(hold_seconds(req.prompt_tokens, cached_tokens(req, workload), 1,
+                                     prefill_s=prefill_s, decode_s=decode_s))
     return jobs, unloaded
 
 

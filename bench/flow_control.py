@@ -69,7 +69,7 @@ from bench.flow_bound import Job, hold_seconds, model_waits, quiet_ttfts
 from bench.picker_capacity import capacity
 from bench.picker_load import IDLE_S, MODEL, Pod, Pool, gateway_doc, read_stream, running_pods
 from bench.picker_workload import Corpus, Request, Workload, parse_counter, percentile, script
-from routing.units import parse_interval
+from routing.picker_schema import FlowControlSpec
 from tests.harness.gateway import running_gateway
 
 WORKLOAD = Workload(seed=37, groups=8, system_tokens=200, turns=(1, 1), user_tokens=(20, 60),
@@ -253,16 +253,26 @@ class Run:
                                      if o.tenant == "quiet" and o.verdict == "refused")}
 
 
+def cached_tokens(request: Request, workload: Workload) -> int:
+    """Prompt tokens of ``request`` a pod's prefix cache supplies in :mod:`bench.flow_bound`'s
+    model: a chat's shared system prompt (which only shortens the model's holds)."""
+    return workload.system_tokens if request.kind == "chat" else 0
+
+
+def model_job(arrival: Arrival, workload: Workload, *, prefill_s: float, decode_s: float) -> Job:
+    """``arrival`` as :mod:`bench.flow_bound`'s model sees it."""
+    req = arrival.request
+    return Job(arrival.at, 0 if TIER[req.kind] == "high" else 1, arrival.tenant == "quiet",
+               hold_seconds(req.prompt_tokens, cached_tokens(req, workload), req.max_tokens,
+                            prefill_s=prefill_s, decode_s=decode_s))
+
+
 def bound_p99(pool: Pool, workload: Workload, arrivals: Sequence[Arrival], alone: Run,
               max_wait_s: float) -> float:
     """The quiet tenant's TTFT P99 in :mod:`bench.flow_bound`'s model of ``pool`` for
     ``arrivals``, each quiet request's unloaded TTFT taken from the ``alone`` run."""
-    jobs = [Job(a.at, 0 if TIER[a.request.kind] == "high" else 1, a.tenant == "quiet",
-                hold_seconds(a.request.prompt_tokens,
-                             workload.system_tokens if a.request.kind == "chat" else 0,
-                             a.request.max_tokens, prefill_s=pool.prefill_ms_per_token / 1000,
-                             decode_s=pool.decode_ms_per_token / 1000))
-            for a in arrivals]
+    jobs = [model_job(a, workload, prefill_s=pool.prefill_ms_per_token / 1000,
+                      decode_s=pool.decode_ms_per_token / 1000) for a in arrivals]
     alone_ttfts = iter(o.ttft if o.status == 200 else None for o in alone.outcomes)
     unloaded = [next(alone_ttfts) if job.quiet else None for job in jobs]
     waits = model_waits(jobs, pool.speeds, pool.max_num_seqs or 256, max_wait_s)
@@ -347,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     modes: dict[str, dict[str, Any] | None] = {"noflow": None, "flow": args.flow_control}
     runs: dict[str, list[dict[str, float]]] = {"noflow": [], "flow": [], "alone": []}
     bounds: list[float] = []
-    max_wait_s = parse_interval(args.flow_control.get("max_wait") or "2s")
+    max_wait_s = FlowControlSpec.model_validate(args.flow_control).max_wait_s
     print("\nTTFT in ms (completed requests); req/s and tok/s: completed within the window\n")
     print("| run | " + " | ".join(COLUMNS) + " |")
     print("|---|" + "---|" * len(COLUMNS))
