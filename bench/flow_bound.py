@@ -1,5 +1,5 @@
-"""``python -m bench.flow_bound``: the best any gateway that never preempts could give the quiet
-tenant of ``bench.flow_control`` (issue 37's third bar), from a discrete-event model of the pool.
+"""``python -m bench.flow_bound``: the quiet tenant of ``bench.flow_control`` (issue 37's third
+bar) under a model gateway that never preempts, from a discrete-event model of the pool.
 
     .venv/bin/python -m bench.flow_bound [--max-num-seqs 6,12,24,48] [--decode-ms 15/15/15/15]
         [--prefill-ms 0.1] [--load 1.2] [--duration 400] [--max-wait 2] [--seeds 3]
@@ -7,17 +7,21 @@ tenant of ``bench.flow_control`` (issue 37's third bar), from a discrete-event m
 The model gateway knows every pod's free slots exactly and costs nothing: a request goes the
 instant a slot frees, to the fastest pod with one free. It keeps what the contract asks of flow
 control (strict bands: the low band goes only while the high band is empty; ``max_wait`` ends a
-wait) and within a band it always serves the quiet tenant first, the most any fairness rule can
-give it. A request holds its slot for its prefill and its whole output budget at its pod's pace,
-as the simulator's pods do (a chat's shared system prompt counted as cached, which only shortens
-the holds). Nothing is preempted: a pod's sequences run to the end, as vLLM runs them while its
-KV cache has room (its priority scheduling reorders the waiting, it does not stop the running).
+wait; each tenant's requests in arrival order) and within a band it always serves the quiet
+tenant first, the most any fairness rule can give it. A request holds its slot for its prefill
+and its whole output budget at its pod's pace, as the simulator's pods do (a chat's shared
+system prompt counted as cached, which only shortens the holds). Nothing is preempted: a pod's
+sequences run to the end, as vLLM runs them while its KV cache has room (its priority
+scheduling reorders the waiting, it does not stop the running).
 
-So the quiet tenant's TTFT in the model is a lower bound for the real gateway on the same pool:
-its wait in the model plus its own unloaded TTFT. ``bench.flow_control`` prints it next to the
-measured figure (the same arrivals, the unloaded TTFTs of its ``alone`` run); this command sweeps
-pool shapes with the unloaded TTFT taken as prefill plus one token, to show at which sequences per
-pod the bar of 2x unloaded comes within reach. Pure: no processes, no clock.
+On equal pods that makes the quiet tenant's TTFT in the model (its wait plus its own unloaded
+TTFT) a lower bound for any gateway that keeps every slot busy and the contract's order. It is
+not one for gateways that hold slots back (throughput), nor on pods of uneven speed, where
+sending each request to the fastest free pod is not the best dispatch (the real picker beat the
+model there). ``bench.flow_control`` prints it next to the measured figure (the same arrivals,
+the unloaded TTFTs of its ``alone`` run); this command sweeps pool shapes with the unloaded TTFT
+taken as prefill plus one token, to show at which sequences per pod the bar of 2x unloaded comes
+within reach. Pure: no processes, no clock.
 """
 
 from __future__ import annotations
